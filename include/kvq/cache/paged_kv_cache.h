@@ -1,0 +1,104 @@
+// Paged KV cache: per-layer storage sized by each layer's own LayerKvSpec
+// (layers of different dtypes have different block sizes in bytes; nothing is
+// padded to the largest), one BlockAllocator shared by all layers, per-sequence
+// block tables, and slot mapping for writes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "kvq/cache/block_allocator.h"
+#include "kvq/plan/layer_kv_spec.h"
+
+namespace kvq {
+
+// Block tables of a batch in CSR form, passed to kernels by value.
+// Sequence i owns blocks indices[indptr[i] .. indptr[i+1]) and holds seq_lens[i] tokens.
+struct BlockTableView {
+  const int32_t* indptr = nullptr;   // num_seqs + 1
+  const int32_t* indices = nullptr;  // block ids
+  const int32_t* seq_lens = nullptr; // tokens in the cache per sequence
+  int32_t num_seqs = 0;
+  int32_t block_tokens = 0;
+};
+
+// One layer's storage, passed to kernels by value. Block b of side s starts at
+// base(s) + b * layout(s).block_bytes.
+struct LayerCacheView {
+  std::byte* k_base = nullptr;
+  std::byte* v_base = nullptr;
+  KvSideLayout k_layout;
+  KvSideLayout v_layout;
+
+  std::byte* base(KvSide s) const { return s == KvSide::kK ? k_base : v_base; }
+  const KvSideLayout& layout(KvSide s) const { return s == KvSide::kK ? k_layout : v_layout; }
+  std::byte* block(KvSide s, int32_t b) const {
+    return base(s) + static_cast<size_t>(b) * layout(s).block_bytes;
+  }
+};
+
+// Parses a byte size: "4GiB", "512MiB", "64KiB", "2GB", "1.5GiB", "123" (bytes).
+// Throws InputError naming `what` with the accepted forms.
+size_t parse_byte_size(std::string_view text, std::string_view what);
+
+// Blocks that fit in `budget_bytes` for these layers: budget / sum of block_bytes().
+int64_t blocks_for_budget(std::span<const LayerKvSpec> layers, size_t budget_bytes);
+
+using SequenceId = int64_t;
+
+// CPU-resident paged cache (the CUDA backend keeps the same layout in device memory).
+class PagedKvCache {
+ public:
+  // All specs must share block_tokens. Allocates num_blocks blocks per layer.
+  PagedKvCache(std::vector<LayerKvSpec> layers, int32_t num_blocks);
+
+  int32_t block_tokens() const { return block_tokens_; }
+  size_t num_layers() const { return layers_.size(); }
+  const LayerKvSpec& spec(size_t layer_slot) const { return layers_[layer_slot]; }
+  LayerCacheView layer_view(size_t layer_slot);
+  const BlockAllocator& allocator() const { return allocator_; }
+  size_t bytes_allocated() const;
+
+  // Registers an empty sequence. Throws InternalError if the id exists.
+  void add_sequence(SequenceId id);
+  bool has_sequence(SequenceId id) const;
+  int32_t seq_len(SequenceId id) const;
+  // Reserves n more tokens and returns their slots (block * block_tokens + offset), or an
+  // empty vector (and changes nothing) when not enough blocks are free.
+  std::vector<int64_t> append(SequenceId id, int32_t n);
+  // Releases every block the sequence holds and forgets it.
+  void free_sequence(SequenceId id);
+  // The sequence's block ids in order.
+  std::span<const int32_t> blocks(SequenceId id) const;
+
+  // CSR block tables for `ids`, in that order; the arrays live in `storage`.
+  struct BlockTableStorage {
+    std::vector<int32_t> indptr, indices, seq_lens;
+  };
+  BlockTableView block_table(std::span<const SequenceId> ids, BlockTableStorage& storage) const;
+
+ private:
+  struct Sequence {
+    std::vector<int32_t> blocks;
+    int32_t len = 0;
+  };
+  std::vector<LayerKvSpec> layers_;
+  int32_t block_tokens_ = 0;
+  BlockAllocator allocator_;
+  std::vector<std::unique_ptr<std::byte[]>> k_storage_, v_storage_;
+  std::unordered_map<SequenceId, Sequence> seqs_;
+};
+
+// Writes n tokens of K and V into one layer at `slots` with the reference codecs
+// (quantizing per the spec: per-tensor scales from spec.k_scale / v_scale, dynamic
+// per-token-head scales computed here). k: [n][num_kv_heads][head_dim_k],
+// v: [n][num_kv_heads][head_dim_v], row-major fp32.
+void write_kv_reference(const LayerKvSpec& spec, const LayerCacheView& cache,
+                        std::span<const int64_t> slots, const float* k, const float* v);
+
+}  // namespace kvq
