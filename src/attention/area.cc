@@ -1,0 +1,1 @@
+// Area attention: sources land here.

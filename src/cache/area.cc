@@ -1,0 +1,1 @@
+// Area cache: sources land here.

@@ -1,0 +1,1 @@
+// Area model: sources land here.

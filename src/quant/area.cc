@@ -1,0 +1,1 @@
+// Area quant: sources land here.
