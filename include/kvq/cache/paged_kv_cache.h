@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <span>
 #include <string_view>
 #include <unordered_map>
@@ -20,9 +21,9 @@ namespace kvq {
 // Block tables of a batch in CSR form, passed to kernels by value.
 // Sequence i owns blocks indices[indptr[i] .. indptr[i+1]) and holds seq_lens[i] tokens.
 struct BlockTableView {
-  const int32_t* indptr = nullptr;   // num_seqs + 1
-  const int32_t* indices = nullptr;  // block ids
-  const int32_t* seq_lens = nullptr; // tokens in the cache per sequence
+  const int32_t* indptr = nullptr;    // num_seqs + 1
+  const int32_t* indices = nullptr;   // block ids
+  const int32_t* seq_lens = nullptr;  // tokens in the cache per sequence
   int32_t num_seqs = 0;
   int32_t block_tokens = 0;
 };
@@ -34,6 +35,7 @@ struct LayerCacheView {
   std::byte* v_base = nullptr;
   KvSideLayout k_layout;
   KvSideLayout v_layout;
+  int32_t num_blocks = 0;  // blocks in each side's storage (valid ids are 0 .. num_blocks-1)
 
   std::byte* base(KvSide s) const { return s == KvSide::kK ? k_base : v_base; }
   const KvSideLayout& layout(KvSide s) const { return s == KvSide::kK ? k_layout : v_layout; }
@@ -42,11 +44,15 @@ struct LayerCacheView {
   }
 };
 
-// Parses a byte size: "4GiB", "512MiB", "64KiB", "2GB", "1.5GiB", "123" (bytes).
-// Throws InputError naming `what` with the accepted forms.
+// Parses a byte size: "4GiB", "512MiB", "64KiB", "2GB", "1.5GiB", "4 GiB", "123" (bytes).
+// Units: B, KB, MB, GB, TB (powers of 1000, any letter case) and KiB, MiB, GiB, TiB (powers
+// of 1024, spelled exactly so). A fractional byte count is rounded down. Zero, negative,
+// overflowing or malformed input throws InputError naming `what` with the accepted forms.
 size_t parse_byte_size(std::string_view text, std::string_view what);
 
-// Blocks that fit in `budget_bytes` for these layers: budget / sum of block_bytes().
+// Blocks that fit in `budget_bytes` for these layers: floor(budget / sum of block_bytes()).
+// Each layer counts its own block bytes (no padding to the largest). The specs must be
+// non-empty and share block_tokens (InternalError otherwise).
 int64_t blocks_for_budget(std::span<const LayerKvSpec> layers, size_t budget_bytes);
 
 using SequenceId = int64_t;
@@ -54,7 +60,9 @@ using SequenceId = int64_t;
 // CPU-resident paged cache (the CUDA backend keeps the same layout in device memory).
 class PagedKvCache {
  public:
-  // All specs must share block_tokens. Allocates num_blocks blocks per layer.
+  // All specs must share block_tokens. Allocates num_blocks blocks per layer, 64-byte
+  // aligned, filled with 0xFF bytes: every dtype decodes an unwritten row to NaN (its values
+  // or its scales are NaN), so a read of a slot nobody wrote cannot pass for real data.
   PagedKvCache(std::vector<LayerKvSpec> layers, int32_t num_blocks);
 
   int32_t block_tokens() const { return block_tokens_; }
@@ -62,6 +70,9 @@ class PagedKvCache {
   const LayerKvSpec& spec(size_t layer_slot) const { return layers_[layer_slot]; }
   LayerCacheView layer_view(size_t layer_slot);
   const BlockAllocator& allocator() const { return allocator_; }
+  // Bytes allocated for one side of one layer: num_blocks * layout(side).block_bytes.
+  size_t storage_bytes(size_t layer_slot, KvSide side) const;
+  // Sum of storage_bytes over every layer and side.
   size_t bytes_allocated() const;
 
   // Registers an empty sequence. Throws InternalError if the id exists.
@@ -90,14 +101,20 @@ class PagedKvCache {
   std::vector<LayerKvSpec> layers_;
   int32_t block_tokens_ = 0;
   BlockAllocator allocator_;
-  std::vector<std::unique_ptr<std::byte[]>> k_storage_, v_storage_;
+  struct AlignedDelete {
+    void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{64}); }
+  };
+  using Storage = std::unique_ptr<std::byte[], AlignedDelete>;
+  std::vector<Storage> k_storage_, v_storage_;
+  std::vector<size_t> k_bytes_, v_bytes_;  // what was allocated, per layer
   std::unordered_map<SequenceId, Sequence> seqs_;
 };
 
 // Writes n tokens of K and V into one layer at `slots` with the reference codecs
 // (quantizing per the spec: per-tensor scales from spec.k_scale / v_scale, dynamic
 // per-token-head scales computed here). k: [n][num_kv_heads][head_dim_k],
-// v: [n][num_kv_heads][head_dim_v], row-major fp32.
+// v: [n][num_kv_heads][head_dim_v], row-major fp32. A slot outside the view's blocks, or a
+// view whose layouts do not match the spec, throws InternalError.
 void write_kv_reference(const LayerKvSpec& spec, const LayerCacheView& cache,
                         std::span<const int64_t> slots, const float* k, const float* v);
 

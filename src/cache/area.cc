@@ -1,1 +1,0 @@
-// Area cache: sources land here.
