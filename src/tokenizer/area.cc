@@ -1,0 +1,1 @@
+// Area tokenizer: sources land here.
