@@ -268,8 +268,10 @@ KvPlan make_kv_plan(const ModelConfig& config, const KvPlanOptions& options) {
     plan.notes.push_back("the checkpoint declares " + scheme->description +
                          "; every layer's dtype was chosen explicitly, so it is not used");
 
-  // Scales. Checkpoint tensors are read only when some layer uses a per-tensor scale.
+  // Every safetensors header is read and validated (a broken checkpoint fails here, at
+  // start-up); tensor bytes are read only for per-tensor KV scales.
   std::unique_ptr<CheckpointFiles> files;
+  if (!config.dir.empty()) files = std::make_unique<CheckpointFiles>(CheckpointFiles::open(config.dir));
   std::vector<int> defaulted[2];
   KvDtype defaulted_dtype[2] = {KvDtype::kAuto, KvDtype::kAuto};
   for (auto& spec : plan.layers) {
@@ -281,7 +283,6 @@ KvPlan make_kv_plan(const ModelConfig& config, const KvPlanOptions& options) {
         continue;
       }
       if (!t.uses_tensor_scale) continue;
-      if (!files && !config.dir.empty()) files = std::make_unique<CheckpointFiles>(CheckpointFiles::open(config.dir));
       bool found = false;
       if (files) {
         for (const auto& name : scale_tensor_names(spec.layer, side)) {

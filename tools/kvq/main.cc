@@ -1,1 +1,47 @@
-int main() { return 0; }
+// kvq: the command line. Every user error becomes one line on stderr and exit code 2.
+#include <cstdio>
+#include <exception>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "kvq/core/error.h"
+#include "plan_flags.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvq: LLM inference with a per-layer KV cache precision"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "help for every command");
+  std::map<CLI::App*, kvq::cli::Action> actions;
+  auto add = [&](kvq::cli::Action (*adder)(CLI::App&)) {
+    const size_t before = app.get_subcommands({}).size();
+    auto action = adder(app);
+    actions[app.get_subcommands({})[before]] = std::move(action);
+  };
+  add(kvq::cli::add_plan_command);
+  add(kvq::cli::add_backends_command);
+
+  std::vector<std::string> args = kvq::cli::normalize_args(argc, argv);
+  std::vector<char*> cargs;
+  for (auto& a : args) cargs.push_back(a.data());
+  try {
+    app.parse(static_cast<int>(cargs.size()), cargs.data());
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::fprintf(stderr, "kvq: error: %s (see kvq --help)\n", e.what());
+    return 2;
+  }
+  try {
+    for (auto* sub : app.get_subcommands())
+      if (auto it = actions.find(sub); it != actions.end()) return it->second();
+    return 2;
+  } catch (const kvq::InputError& e) {
+    std::fprintf(stderr, "kvq: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvq: internal error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -86,8 +86,9 @@ struct KvPlan {
 // range. Returns one flag per layer.
 std::vector<bool> parse_skip_layers(std::string_view spec, const ModelConfig& config);
 
-// Builds the plan. Reads the checkpoint's safetensors headers (and scale tensors) only when some
-// layer needs per-tensor scales. Throws InputError on bad flags or files.
+// Builds the plan. Reads and validates every safetensors header of the checkpoint (when the
+// model has a directory), and the scale tensors of layers that use per-tensor scales; never the
+// weights. Throws InputError on bad flags or files.
 KvPlan make_kv_plan(const ModelConfig& config, const KvPlanOptions& options);
 
 // `kvq plan --json` (schema in docs/CLI.md) and the human-readable table.

@@ -1,0 +1,47 @@
+#include "plan_flags.h"
+
+namespace kvq::cli {
+
+void PlanFlags::add_to(CLI::App& app, bool with_memory) {
+  app.add_option("--model", model, "Hugging Face model directory (config.json, *.safetensors)")
+      ->required();
+  app.add_option("--kv-cache-dtype", kv_cache_dtype,
+                 "KV cache dtype of every layer, K and V: " + accepted_kv_dtype_names());
+  app.add_option("--k-cache-dtype", k_cache_dtype, "K cache dtype (also -ctk); overrides --kv-cache-dtype for K");
+  app.add_option("--v-cache-dtype", v_cache_dtype, "V cache dtype (also -ctv); overrides --kv-cache-dtype for V");
+  app.add_option("--kv-cache-dtype-skip-layers", skip_layers,
+                 "layers kept in the model's dtype: indices (3), ranges (0-3), sliding_window, boundary:N; comma-separated");
+  app.add_option("--block-size", block_size, "tokens per KV cache block (default 16)");
+  if (with_memory)
+    app.add_option("--kv-cache-memory", kv_cache_memory,
+                   "KV cache memory budget (e.g. 4GiB): shows how many tokens fit");
+}
+
+KvPlanOptions PlanFlags::options() const {
+  KvPlanOptions o;
+  auto flag = [](const std::string& value, const char* name) -> std::optional<DtypeFlag> {
+    if (value.empty()) return std::nullopt;
+    return DtypeFlag{parse_kv_dtype_or_throw(value, name), std::string(name) + " " + value};
+  };
+  o.kv = flag(kv_cache_dtype, "--kv-cache-dtype");
+  o.k = flag(k_cache_dtype, "--k-cache-dtype");
+  o.v = flag(v_cache_dtype, "--v-cache-dtype");
+  o.skip_layers = skip_layers;
+  o.block_tokens = block_size;
+  return o;
+}
+
+std::vector<std::string> normalize_args(int argc, char** argv) {
+  std::vector<std::string> out;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "-ctk") a = "--k-cache-dtype";
+    else if (a == "-ctv") a = "--v-cache-dtype";
+    else if (a.rfind("-ctk=", 0) == 0) a = "--k-cache-dtype=" + a.substr(5);
+    else if (a.rfind("-ctv=", 0) == 0) a = "--v-cache-dtype=" + a.substr(5);
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+}  // namespace kvq::cli

@@ -1,0 +1,28 @@
+// The KV-plan flags every command that builds a model shares (plan, generate,
+// eval, bench, serve): registered once here, resolved into KvPlanOptions.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "kvq/plan/kv_plan.h"
+
+namespace kvq::cli {
+
+struct PlanFlags {
+  std::string model;
+  std::string kv_cache_dtype, k_cache_dtype, v_cache_dtype;
+  std::string skip_layers;
+  int block_size = 16;
+  std::string kv_cache_memory;  // "" = not given
+
+  void add_to(CLI::App& app, bool with_memory = true);
+  // Parses the dtype names through the registry (InputError names the flag on bad input).
+  KvPlanOptions options() const;
+};
+
+// llama.cpp spells separate K/V dtypes -ctk/-ctv (single dash, several letters), which CLI11
+// cannot declare; rewrite them to --k-cache-dtype / --v-cache-dtype before parsing.
+std::vector<std::string> normalize_args(int argc, char** argv);
+
+}  // namespace kvq::cli
