@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "kvq/core/error.h"
-#include "kvq/model/safetensors.h"
+#include "kvq/io/safetensors.h"
 
 namespace kvq {
 

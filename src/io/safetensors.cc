@@ -1,4 +1,4 @@
-#include "kvq/model/safetensors.h"
+#include "kvq/io/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,0 +1,1 @@
+// Area engine: sources land here.
