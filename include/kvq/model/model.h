@@ -1,0 +1,86 @@
+// Decoder-only transformer models from Hugging Face checkpoints (Llama, Mistral,
+// Qwen2, Qwen3) and their CPU forward pass over the paged KV cache.
+//
+// The model is built from a KvPlan: each layer writes its K/V with its own
+// LayerKvSpec and runs the attention backend selected for that spec. Nothing
+// here reads flags.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvq/attention/backend.h"
+#include "kvq/cache/paged_kv_cache.h"
+#include "kvq/plan/kv_plan.h"
+#include "kvq/plan/model_config.h"
+
+namespace kvq {
+
+enum class ModelFamily : uint8_t { kLlama, kMistral, kQwen2, kQwen3 };
+
+struct RopeScaling {
+  enum class Kind : uint8_t { kNone, kLinear, kLlama3 } kind = Kind::kNone;
+  float factor = 1.0f;
+  float low_freq_factor = 1.0f;   // llama3
+  float high_freq_factor = 4.0f;  // llama3
+  int original_max_position_embeddings = 8192;  // llama3
+};
+
+// What the forward pass needs beyond ModelConfig, read from config.json (transformers 4 and 5
+// spellings: rope_theta or rope_parameters.rope_theta, rope_scaling or rope_parameters).
+struct ArchitectureConfig {
+  ModelFamily family = ModelFamily::kLlama;
+  int hidden_size = 0;
+  int intermediate_size = 0;
+  int vocab_size = 0;
+  int max_position_embeddings = 0;
+  float rms_norm_eps = 1e-6f;
+  float rope_theta = 10000.0f;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;  // Qwen2 (and attention_bias: true)
+  bool qk_norm = false;   // Qwen3: RMSNorm over each head of q and k before RoPE
+};
+
+// Throws InputError for an architecture kvq cannot run (listing the supported ones) or a
+// field it needs that is missing or malformed (naming config.json and the field).
+ArchitectureConfig parse_architecture(const ModelConfig& config);
+
+// One forward step over a batch of sequences. Their new tokens' cache slots are already
+// reserved (PagedKvCache::append); the model writes K/V there, then attends.
+struct ForwardBatch {
+  std::span<const int32_t> tokens;     // new tokens, sequences concatenated
+  std::span<const int32_t> positions;  // position of each new token in its sequence
+  std::span<const int32_t> q_indptr;   // num_seqs + 1: sequence i owns tokens [q_indptr[i], q_indptr[i+1])
+  std::span<const int64_t> slots;      // cache slot of each new token
+  BlockTableView block_table;          // the sequences' block tables, seq_lens including the new tokens
+  std::span<const int32_t> logit_rows; // indices into `tokens` whose logits are wanted, in order
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  // Memory-maps the checkpoint's safetensors, checks every tensor's name and shape (InputError
+  // naming the tensor, its shape and the expected one), converts F32/F16/BF16 weights for the
+  // CPU (FP8 weights are refused with a clear message), and selects an attention backend per
+  // layer on the CPU (`forced_backend` non-empty: that one, or an InputError with its reasons).
+  // Shows a progress bar on stderr for checkpoints over a few hundred MB.
+  static std::unique_ptr<Model> load(const KvPlan& plan, std::string_view forced_backend = {});
+
+  virtual const KvPlan& plan() const = 0;
+  virtual const ArchitectureConfig& arch() const = 0;
+  virtual int vocab_size() const = 0;
+  // The backend each layer runs, parallel to plan().layers.
+  virtual std::vector<const AttentionBackend*> layer_backends() const = 0;
+
+  // Runs the batch; writes logits [logit_rows.size()][vocab_size] (fp32) to `logits`.
+  virtual void forward(const ForwardBatch& batch, PagedKvCache& cache,
+                       std::span<float> logits) const = 0;
+};
+
+}  // namespace kvq
