@@ -72,6 +72,12 @@ class Model {
   // Shows a progress bar on stderr for checkpoints over a few hundred MB.
   static std::unique_ptr<Model> load(const KvPlan& plan, std::string_view forced_backend = {});
 
+  // The same weights (shared, not copied) under another plan of the same model, e.g. an
+  // unquantized reference next to a quantized run in `kvq eval`. Throws InputError when the
+  // plan's model shape differs or a layer has no backend.
+  virtual std::unique_ptr<Model> with_plan(const KvPlan& plan,
+                                           std::string_view forced_backend = {}) const = 0;
+
   virtual const KvPlan& plan() const = 0;
   virtual const ArchitectureConfig& arch() const = 0;
   virtual int vocab_size() const = 0;
