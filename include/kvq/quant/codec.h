@@ -37,6 +37,9 @@ inline constexpr float kFp4E2M1Max = 6.0f;
 // The signs come from a fixed seed and never change (they are part of the format).
 void hadamard_rotate(std::span<float> x);
 void hadamard_unrotate(std::span<float> x);
+// The sign s_i (+1 or -1) applied to element `index` before the transform; the same for
+// every head_dim (exposed so SIMD/GPU code can build its sign table from the one definition).
+float hadamard_sign(size_t index);
 
 // ---- row codecs ------------------------------------------------------------
 // `tensor_scale` is the per-tensor (per kv head) dequantization scale for dtypes whose
@@ -45,6 +48,9 @@ void hadamard_unrotate(std::span<float> x);
 // For rotated dtypes, encode_row rotates `x` first and decode_row returns values in the
 // rotated space (attention rotates Q the same way and un-rotates its output).
 // `scale` may be null when row_scale_bytes(dtype) == 0.
+// float16 / bfloat16 storage saturates finite values to the largest finite value (an inf in
+// the cache would turn attention into NaN); float_to_*_bits below are plain IEEE (inf).
+// The exact arithmetic of every dtype is documented in src/quant/ref/*.cc.
 void encode_row(KvDtype dtype, std::span<const float> x, float tensor_scale, std::byte* data,
                 std::byte* scale);
 void decode_row(KvDtype dtype, const std::byte* data, const std::byte* scale, float tensor_scale,

@@ -1,1 +1,0 @@
-// Area quant: sources land here.
