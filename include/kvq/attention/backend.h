@@ -19,16 +19,18 @@
 namespace kvq {
 
 enum class Device : uint8_t { kCpu, kCuda };
-constexpr std::string_view to_string(Device d) { return d == Device::kCpu ? "cpu" : "cuda"; }
+constexpr std::string_view to_string(Device d) {
+  return d == Device::kCpu ? "cpu" : "cuda";
+}
 
 struct AttentionCapabilities {
   Device device = Device::kCpu;
   int priority = 0;  // higher wins when several backends can run a layer
   std::vector<std::pair<KvDtype, KvDtype>> kv_dtype_pairs;  // (K, V) pairs
-  std::vector<int> head_dims;     // empty: any head dim
-  std::vector<int> block_tokens;  // empty: any block size
+  std::vector<int> head_dims;                               // empty: any head dim
+  std::vector<int> block_tokens;                            // empty: any block size
   std::vector<AttentionKind> attention_kinds;
-  std::vector<int> gqa_ratios;    // empty: any ratio
+  std::vector<int> gqa_ratios;  // empty: any ratio
   bool logit_soft_cap = true;
 };
 
@@ -59,6 +61,8 @@ class AttentionBackend {
   // Empty when this backend can run `spec`; otherwise every reason it cannot.
   // Checks the capability whitelists, then extra_reasons().
   std::vector<std::string> reasons_unsupported(const LayerKvSpec& spec) const;
+  // The same, plus a reason when the backend does not run on `device`.
+  std::vector<std::string> reasons_unsupported(const LayerKvSpec& spec, Device device) const;
 
   // Runs attention for one layer. Only called with a spec reasons_unsupported accepted
   // (throws InternalError otherwise).

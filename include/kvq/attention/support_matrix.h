@@ -1,0 +1,19 @@
+// What every attention backend built into this binary accepts, for `kvq backends`.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace kvq {
+
+// {"backends": [{"name", "device", "priority", "kv_dtype_pairs": [[K, V], ...],
+//   "head_dims", "block_tokens", "gqa_ratios" (arrays; "any" when unrestricted),
+//   "attention_kinds", "logit_soft_cap", "notes"}, ...]}, in priority order.
+nlohmann::json attention_support_matrix_json();
+
+// The same as text, a few lines per backend, for a terminal.
+std::vector<std::string> attention_support_matrix_lines();
+
+}  // namespace kvq

@@ -1,1 +1,0 @@
-// Area attention: sources land here.

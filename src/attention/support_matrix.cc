@@ -1,0 +1,71 @@
+#include "kvq/attention/support_matrix.h"
+
+#include <nlohmann/json.hpp>
+
+#include "attention/backends.h"
+#include "attention/cpu_avx512/kernel.h"
+
+namespace kvq {
+
+namespace {
+
+nlohmann::json int_set_or_any(const std::vector<int>& values) {
+  if (values.empty()) return "any";
+  return values;
+}
+
+// Facts about a backend that its whitelists do not show.
+std::string notes(const AttentionBackend& b) {
+  if (b.name() == "cpu_reference") return "scalar float64 oracle";
+  if (b.name() == "cpu_avx512")
+    return cpu_attn::cpu_has_avx512() ? "AVX-512 kernels active on this CPU"
+                                      : "this CPU lacks AVX-512: runs the portable fallback";
+  return "";
+}
+
+}  // namespace
+
+nlohmann::json attention_support_matrix_json() {
+  nlohmann::json backends = nlohmann::json::array();
+  for (const AttentionBackend* b : all_attention_backends()) {
+    const AttentionCapabilities& c = b->capabilities();
+    nlohmann::json pairs = nlohmann::json::array();
+    for (const auto& [k, v] : c.kv_dtype_pairs) pairs.push_back({to_string(k), to_string(v)});
+    nlohmann::json kinds = nlohmann::json::array();
+    for (AttentionKind k : c.attention_kinds) kinds.push_back(to_string(k));
+    backends.push_back({{"name", b->name()},
+                        {"device", to_string(c.device)},
+                        {"priority", c.priority},
+                        {"kv_dtype_pairs", pairs},
+                        {"head_dims", int_set_or_any(c.head_dims)},
+                        {"block_tokens", int_set_or_any(c.block_tokens)},
+                        {"gqa_ratios", int_set_or_any(c.gqa_ratios)},
+                        {"attention_kinds", kinds},
+                        {"logit_soft_cap", c.logit_soft_cap},
+                        {"notes", notes(*b)}});
+  }
+  return {{"backends", backends}};
+}
+
+std::vector<std::string> attention_support_matrix_lines() {
+  std::vector<std::string> lines;
+  auto set_or_any = [](const std::vector<int>& v) {
+    return v.empty() ? std::string("any") : format_int_set(v);
+  };
+  for (const AttentionBackend* b : all_attention_backends()) {
+    const AttentionCapabilities& c = b->capabilities();
+    std::string head = std::string(b->name()) + " (" + std::string(to_string(c.device)) +
+                       ", priority " + std::to_string(c.priority) + ")";
+    if (auto n = notes(*b); !n.empty()) head += ": " + n;
+    lines.push_back(head);
+    lines.push_back("  dtypes:       " + format_dtype_pairs(c.kv_dtype_pairs));
+    lines.push_back("  head_dim:     " + set_or_any(c.head_dims));
+    lines.push_back("  block_tokens: " + set_or_any(c.block_tokens));
+    lines.push_back("  attention:    " + format_attention_kinds(c.attention_kinds));
+    lines.push_back("  GQA ratio:    " + set_or_any(c.gqa_ratios));
+    lines.push_back(std::string("  soft-cap:     ") + (c.logit_soft_cap ? "yes" : "no"));
+  }
+  return lines;
+}
+
+}  // namespace kvq

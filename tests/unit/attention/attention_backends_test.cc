@@ -1,0 +1,235 @@
+// Every CPU backend (and the portable fallback of cpu_avx512) x every dtype pair with K == V
+// plus mixed pairs x attention kind x head dim x ragged batches, against exact float64
+// attention over the dequantized K/V.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cstring>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "attention/cpu_avx512/kernel.h"
+#include "attention_harness.h"
+#include "kvq/attention/backend.h"
+#include "kvq/quant/codec.h"
+
+namespace kvq {
+namespace {
+
+using test::AttnCase;
+using test::AttnProblem;
+using test::SeqShape;
+
+enum class Impl { kReference, kAvx512, kPortable };
+
+std::string impl_name(Impl impl) {
+  switch (impl) {
+    case Impl::kReference:
+      return "cpu_reference";
+    case Impl::kAvx512:
+      return "cpu_avx512";
+    case Impl::kPortable:
+      return "cpu_avx512_portable";
+  }
+  return "?";
+}
+
+void run(Impl impl, const LayerKvSpec& spec, const AttentionArgs& args) {
+  switch (impl) {
+    case Impl::kReference:
+      find_attention_backend("cpu_reference")->run(spec, args);
+      return;
+    case Impl::kAvx512:
+      find_attention_backend("cpu_avx512")->run(spec, args);
+      return;
+    case Impl::kPortable:
+      // The fallback takes the same specs as the backend (its whitelist is the backend's).
+      ASSERT_TRUE(find_attention_backend("cpu_avx512")->reasons_unsupported(spec).empty());
+      cpu_attn::run_tiled(spec, args, cpu_attn::Isa::kPortable);
+      return;
+  }
+}
+
+// Error allowed per element, relative to the largest |V| of the (sequence, kv head).
+// The expected values use the same dequantized K/V, so quantization error does not enter:
+// what remains is each implementation's arithmetic. cpu_reference accumulates in float64
+// (float only in decoding); cpu_avx512 accumulates in fp32 with a polynomial exp. Rotated
+// dtypes add the fp32 Hadamard rotation of Q (rotated K) and of the output (rotated V).
+double tolerance(Impl impl, KvDtype k, KvDtype v) {
+  double tol = impl == Impl::kReference ? 2e-6 : 2e-5;
+  if (traits(k).rotated) tol *= 4;
+  if (traits(v).rotated) tol *= 4;
+  return tol;
+}
+
+std::vector<int> head_dims(Impl impl) {
+  if (impl == Impl::kReference) return {8, 48, 64, 128, 256};
+  return {64, 128, 256};
+}
+
+std::vector<int> block_sizes(Impl impl) {
+  if (impl == Impl::kReference) return {5, 16, 32};
+  return {16, 32};
+}
+
+bool storable(KvDtype d, int head_dim) {
+  return head_dim_unsupported_reason(d, head_dim).empty();
+}
+
+struct Param {
+  Impl impl;
+  KvDtype k, v;
+};
+
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << impl_name(p.impl) << " K " << to_string(p.k) << " V " << to_string(p.v);
+}
+
+class AttentionBackendGrid : public ::testing::TestWithParam<Param> {};
+
+TEST_P(AttentionBackendGrid, MatchesExactAttentionOverDequantizedKv) {
+  const Param prm = GetParam();
+  const unsigned seed = test::fresh_seed();
+  const std::vector<AttentionKind> kinds = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                            AttentionKind::kNonCausal};
+  const std::vector<int> blocks = block_sizes(prm.impl);
+  const int ratios[] = {1, 2, 4, 8};
+  int index = 0;
+  for (int hd : head_dims(prm.impl)) {
+    if (!storable(prm.k, hd) || !storable(prm.v, hd)) continue;
+    for (AttentionKind kind : kinds) {
+      AttnCase c;
+      c.k = prm.k;
+      c.v = prm.v;
+      c.kind = kind;
+      c.window = index % 2 ? 7 : 20;
+      c.head_dim_k = c.head_dim_v = hd;
+      c.ratio = ratios[index % 4];
+      c.num_kv_heads = 2;
+      c.block_tokens = blocks[static_cast<size_t>(index) % blocks.size()];
+      c.soft_cap = index % 3 == 2 ? 4.0f : 0.0f;
+      // Ragged: a 1-token sequence, decode, a short prefill chunk, a whole prompt crossing
+      // blocks, a sequence with no new queries; now and then a long prefill that spans
+      // several work items.
+      c.seqs = {{1, 1}, {37, 1}, {70, 5}, {33, 33}, {20, 0}};
+      if (index % 4 == 0) c.seqs.push_back({150, 70});
+      ++index;
+
+      const unsigned case_seed = seed + static_cast<unsigned>(index);
+      AttnProblem problem(c, case_seed);
+      run(prm.impl, problem.spec(), problem.args());
+      EXPECT_TRUE(problem.check(tolerance(prm.impl, c.k, c.v)))
+          << impl_name(prm.impl) << ": " << c.describe() << ", seed " << case_seed;
+    }
+  }
+  EXPECT_GT(index, 0) << "no head dim of this backend can store these dtypes";
+}
+
+std::vector<Param> grid() {
+  std::vector<std::pair<KvDtype, KvDtype>> pairs;
+  for (const auto& t : kKvDtypeTraits)
+    if (t.concrete) pairs.push_back({t.dtype, t.dtype});
+  // Mixed pairs: rotated K with plain V and the reverse, and a few cross-format mixes.
+  pairs.push_back({KvDtype::kInt4PerTokenHead, KvDtype::kBFloat16});
+  pairs.push_back({KvDtype::kBFloat16, KvDtype::kInt4PerTokenHead});
+  pairs.push_back({KvDtype::kFp8E4M3, KvDtype::kInt8PerTokenHead});
+  pairs.push_back({KvDtype::kNvfp4, KvDtype::kFloat16});
+  pairs.push_back({KvDtype::kFloat32, KvDtype::kNvfp4});
+  pairs.push_back({KvDtype::kInt8PerTokenHead, KvDtype::kFp8E5M2});
+  pairs.push_back({KvDtype::kFp8PerTokenHead, KvDtype::kInt4PerTokenHead});
+  std::vector<Param> params;
+  for (Impl impl : {Impl::kReference, Impl::kAvx512, Impl::kPortable})
+    for (const auto& [k, v] : pairs) params.push_back({impl, k, v});
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, AttentionBackendGrid, ::testing::ValuesIn(grid()),
+                         [](const ::testing::TestParamInfo<Param>& p) {
+                           return impl_name(p.param.impl) + "_" +
+                                  std::string(to_string(p.param.k)) + "_" +
+                                  std::string(to_string(p.param.v));
+                         });
+
+// K and V with different head dims, and a long context (many tiles of online softmax).
+TEST(AttentionBackends, DifferentKvHeadDimsAndLongContext) {
+  const unsigned seed = test::fresh_seed();
+  struct Shape {
+    KvDtype k, v;
+    int hk, hv;
+    std::vector<SeqShape> seqs;
+  };
+  const std::vector<Shape> shapes = {
+      {KvDtype::kInt4PerTokenHead, KvDtype::kBFloat16, 128, 64, {{45, 3}, {17, 1}}},
+      {KvDtype::kFloat16, KvDtype::kNvfp4, 64, 256, {{30, 30}, {50, 2}}},
+      {KvDtype::kBFloat16, KvDtype::kFp8E4M3, 128, 128, {{700, 1}, {600, 24}}},
+  };
+  int n = 0;
+  for (Impl impl : {Impl::kReference, Impl::kAvx512, Impl::kPortable})
+    for (const Shape& s : shapes)
+      for (AttentionKind kind : {AttentionKind::kCausal, AttentionKind::kSlidingWindow}) {
+        AttnCase c;
+        c.k = s.k;
+        c.v = s.v;
+        c.head_dim_k = s.hk;
+        c.head_dim_v = s.hv;
+        c.kind = kind;
+        c.window = 100;
+        c.ratio = 4;
+        c.num_kv_heads = 1;
+        c.seqs = s.seqs;
+        const unsigned case_seed = seed + static_cast<unsigned>(++n);
+        AttnProblem problem(c, case_seed);
+        run(impl, problem.spec(), problem.args());
+        EXPECT_TRUE(problem.check(tolerance(impl, c.k, c.v)))
+            << impl_name(impl) << ": " << c.describe() << ", seed " << case_seed;
+      }
+}
+
+// The AVX-512 tile decoders reproduce the reference codecs bit for bit, on encoded rows of
+// random data and on random bytes (every code, NaN codes included).
+TEST(CpuAvx512Decoders, MatchReferenceDecodeBitForBit) {
+  if (!cpu_attn::cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512";
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (const auto& t : kKvDtypeTraits) {
+    if (!t.concrete) continue;
+    const cpu_attn::DecodeTileFn fast = cpu_attn::avx512_decoder(t.dtype);
+    ASSERT_NE(fast, nullptr) << t.name;
+    for (int dim : {64, 128, 256}) {
+      constexpr int kRows = 16;
+      const size_t rdb = row_data_bytes(t.dtype, dim), rsb = row_scale_bytes(t.dtype);
+      std::vector<std::byte> values(kRows * rdb), scales(kRows * rsb + 4);
+      const float ts = 0.037f;
+      for (int i = 0; i < kRows; ++i) {
+        if (i % 2 == 0) {
+          std::vector<float> x(static_cast<size_t>(dim));
+          for (float& e : x) e = normal(rng);
+          quant::encode_row(t.dtype, x, ts, values.data() + i * rdb, scales.data() + i * rsb);
+        } else {
+          for (size_t b = 0; b < rdb; ++b) values[i * rdb + b] = std::byte(byte(rng));
+          for (size_t b = 0; b < rsb; ++b) scales[i * rsb + b] = std::byte(byte(rng));
+          if (t.dtype == KvDtype::kNvfp4)  // the encoder never writes a NaN block scale
+            for (size_t b = static_cast<size_t>(dim) / 2; b < rdb; ++b)
+              if ((static_cast<int>(values[i * rdb + b]) & 0x7F) == 0x7F)
+                values[i * rdb + b] = std::byte{0x3A};
+        }
+      }
+      cpu_attn::TileSource src{values.data(), scales.data(), rdb, rsb, dim, ts, t.dtype};
+      std::vector<float> want(static_cast<size_t>(kRows) * dim), got(want.size());
+      cpu_attn::decode_tile_generic(src, kRows, want.data());
+      fast(src, kRows, got.data());
+      for (size_t e = 0; e < want.size(); ++e) {
+        const bool same = std::bit_cast<uint32_t>(got[e]) == std::bit_cast<uint32_t>(want[e]) ||
+                          (std::isnan(got[e]) && std::isnan(want[e]));
+        ASSERT_TRUE(same) << t.name << " dim " << dim << " row " << e / dim << " elem " << e % dim
+                          << ": got " << got[e] << ", want " << want[e] << ", seed " << seed;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvq

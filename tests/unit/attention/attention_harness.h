@@ -1,0 +1,320 @@
+// Test harness for attention backends: builds a batch of ragged sequences in a paged cache
+// of the test's own making (blocks in random order, unwritten bytes poisoned with 0xFF),
+// computes the exact attention in float64 from the dequantized K/V (quantize -> dequantize
+// -> exact attention, independent of any backend code), and checks every output element.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvq/attention/backend.h"
+#include "kvq/quant/codec.h"
+
+namespace kvq::test {
+
+inline unsigned fresh_seed() {
+  return std::random_device{}();
+}
+
+struct SeqShape {
+  int kv_len = 0;
+  int q_len = 0;  // the last q_len cached tokens are the queries' positions
+};
+
+struct AttnCase {
+  KvDtype k = KvDtype::kBFloat16, v = KvDtype::kBFloat16;
+  AttentionKind kind = AttentionKind::kCausal;
+  int window = 0;
+  int head_dim_k = 64, head_dim_v = 64;
+  int num_kv_heads = 2, ratio = 2;
+  int block_tokens = 16;
+  float soft_cap = 0.0f;
+  std::vector<SeqShape> seqs;
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << "K " << to_string(k) << " V " << to_string(v) << ", " << to_string(kind);
+    if (kind == AttentionKind::kSlidingWindow) os << " W=" << window;
+    os << ", head_dim " << head_dim_k << "/" << head_dim_v << ", kv heads " << num_kv_heads
+       << " x ratio " << ratio << ", block " << block_tokens << ", soft_cap " << soft_cap
+       << ", seqs (kv,q):";
+    for (const auto& s : seqs) os << " (" << s.kv_len << "," << s.q_len << ")";
+    return os.str();
+  }
+};
+
+inline LayerKvSpec spec_for(const AttnCase& c) {
+  LayerKvSpec s;
+  s.layer = 3;
+  s.k_dtype = c.k;
+  s.v_dtype = c.v;
+  s.attention = c.kind;
+  s.sliding_window = c.window;
+  s.num_kv_heads = c.num_kv_heads;
+  s.num_q_heads = c.num_kv_heads * c.ratio;
+  s.head_dim_k = c.head_dim_k;
+  s.head_dim_v = c.head_dim_v;
+  s.block_tokens = c.block_tokens;
+  for (KvSide side : {KvSide::kK, KvSide::kV}) {
+    ScaleSource& sc = side == KvSide::kK ? s.k_scale : s.v_scale;
+    const auto& t = traits(s.dtype(side));
+    if (t.uses_tensor_scale) {
+      // Per-head scales in a range where the values below use most of each format's range.
+      sc.kind = ScaleSourceKind::kCheckpoint;
+      const float base = s.dtype(side) == KvDtype::kNvfp4 ? 0.004f : 0.02f;
+      for (int h = 0; h < c.num_kv_heads; ++h) sc.values.push_back(base * (1.0f + 0.5f * h));
+    } else if (t.scale_kind == ScaleKind::kPerTokenHead) {
+      sc.kind = ScaleSourceKind::kDynamic;
+    }
+  }
+  return s;
+}
+
+// K/V rows of one sequence, dequantized to model space: [kv_len][num_kv_heads][head_dim].
+using DeqRows = std::vector<double>;
+
+// The textbook definition, in float64, on the dequantized rows and the unrotated Q.
+// q: [total_q][num_q_heads][head_dim_k]; returns [total_q][num_q_heads][head_dim_v].
+inline std::vector<double> exact_attention(const LayerKvSpec& spec, float softmax_scale,
+                                           float soft_cap, const std::vector<SeqShape>& seqs,
+                                           const std::vector<DeqRows>& k_deq,
+                                           const std::vector<DeqRows>& v_deq, const float* q_all) {
+  const int nkv = spec.num_kv_heads, nq_heads = spec.num_q_heads, ratio = spec.gqa_ratio();
+  const int hk = spec.head_dim_k, hv = spec.head_dim_v;
+  size_t total_q = 0;
+  for (const auto& s : seqs) total_q += static_cast<size_t>(s.q_len);
+  std::vector<double> expected(total_q * nq_heads * hv, 0.0);
+  size_t q_begin = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int kv_len = seqs[i].kv_len, q_len = seqs[i].q_len;
+    for (int j = 0; j < q_len; ++j) {
+      const int pos = kv_len - q_len + j;
+      std::vector<bool> visible(static_cast<size_t>(kv_len));
+      for (int t = 0; t < kv_len; ++t) {
+        switch (spec.attention) {
+          case AttentionKind::kCausal:
+            visible[t] = t <= pos;
+            break;
+          case AttentionKind::kSlidingWindow:
+            visible[t] = t <= pos && t > pos - spec.sliding_window;
+            break;
+          case AttentionKind::kNonCausal:
+            visible[t] = true;
+            break;
+        }
+      }
+      const size_t qrow0 = (q_begin + static_cast<size_t>(j)) * nq_heads;
+      for (int h = 0; h < nq_heads; ++h) {
+        const int g = h / ratio;
+        const float* q = q_all + (qrow0 + h) * hk;
+        std::vector<double> w(static_cast<size_t>(kv_len), 0.0);
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int t = 0; t < kv_len; ++t) {
+          if (!visible[t]) continue;
+          const double* k = &k_deq[i][(static_cast<size_t>(t) * nkv + g) * hk];
+          double dot = 0.0;
+          for (int d = 0; d < hk; ++d) dot += static_cast<double>(q[d]) * k[d];
+          double x = dot * softmax_scale;
+          if (soft_cap != 0.0f) x = soft_cap * std::tanh(x / soft_cap);
+          w[t] = x;
+          mx = std::max(mx, x);
+        }
+        double sum = 0.0;
+        for (int t = 0; t < kv_len; ++t)
+          if (visible[t]) sum += (w[t] = std::exp(w[t] - mx));
+        double* o = &expected[(qrow0 + h) * hv];
+        for (int t = 0; t < kv_len; ++t) {
+          if (!visible[t]) continue;
+          const double* v = &v_deq[i][(static_cast<size_t>(t) * nkv + g) * hv];
+          for (int d = 0; d < hv; ++d) o[d] += w[t] / sum * v[d];
+        }
+      }
+    }
+    q_begin += static_cast<size_t>(q_len);
+  }
+  return expected;
+}
+
+// Every output element within tol * (largest |V| of its sequence and kv head); NaN fails.
+inline ::testing::AssertionResult check_attention(const LayerKvSpec& spec,
+                                                  const std::vector<SeqShape>& seqs,
+                                                  const std::vector<DeqRows>& v_deq,
+                                                  const std::vector<double>& expected,
+                                                  const float* out, double tol) {
+  const int nkv = spec.num_kv_heads, nq_heads = spec.num_q_heads, ratio = spec.gqa_ratio();
+  const int hv = spec.head_dim_v;
+  int bad = 0;
+  std::ostringstream msg;
+  size_t q_begin = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    for (int h = 0; h < nq_heads; ++h) {
+      const int g = h / ratio;
+      double vmax = 0.0;
+      for (int t = 0; t < seqs[i].kv_len; ++t)
+        for (int d = 0; d < hv; ++d)
+          vmax = std::max(vmax, std::fabs(v_deq[i][(static_cast<size_t>(t) * nkv + g) * hv + d]));
+      for (int j = 0; j < seqs[i].q_len; ++j)
+        for (int d = 0; d < hv; ++d) {
+          const size_t e = ((q_begin + static_cast<size_t>(j)) * nq_heads + h) * hv + d;
+          const double got = out[e], want = expected[e];
+          if (!(std::fabs(got - want) <= tol * vmax) && ++bad <= 5)
+            msg << "\n  seq " << i << " q " << j << " head " << h << " dim " << d << ": got " << got
+                << ", want " << want << " (tol " << tol * vmax << ")";
+        }
+    }
+    q_begin += static_cast<size_t>(seqs[i].q_len);
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " elements out of tolerance:" << msg.str();
+}
+
+// encode_row then decode_row_unrotated: the value a correct cache read yields, in model space.
+inline void quantize_dequantize(KvDtype dtype, std::span<const float> x, float tensor_scale,
+                                double* deq) {
+  const size_t rdb = row_data_bytes(dtype, static_cast<int>(x.size()));
+  std::vector<std::byte> data(rdb), meta(row_scale_bytes(dtype) + 1);
+  quant::encode_row(dtype, x, tensor_scale, data.data(), meta.data());
+  std::vector<float> back(x.size());
+  quant::decode_row_unrotated(dtype, data.data(), meta.data(), tensor_scale, back);
+  std::copy(back.begin(), back.end(), deq);
+}
+
+// One batch: cache storage, queries, expected outputs.
+class AttnProblem {
+ public:
+  AttnProblem(const AttnCase& c, unsigned seed) : case_(c), spec_(spec_for(c)) {
+    std::mt19937 rng(seed);
+    const int bt = c.block_tokens;
+    const int hk = c.head_dim_k, hv = c.head_dim_v, nkv = c.num_kv_heads;
+    const int nq_heads = nkv * c.ratio;
+    k_layout_ = spec_.layout(KvSide::kK);
+    v_layout_ = spec_.layout(KvSide::kV);
+
+    // Blocks: every sequence's blocks drawn from a shuffled pool, a few left unused.
+    int needed = 0;
+    for (const auto& s : c.seqs) needed += (s.kv_len + bt - 1) / bt;
+    num_blocks_ = needed + 3;
+    std::vector<int32_t> pool(static_cast<size_t>(num_blocks_));
+    std::iota(pool.begin(), pool.end(), 0);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    k_store_.assign(static_cast<size_t>(num_blocks_) * k_layout_.block_bytes, std::byte{0xFF});
+    v_store_.assign(static_cast<size_t>(num_blocks_) * v_layout_.block_bytes, std::byte{0xFF});
+
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_real_distribution<float> spread(0.3f, 2.0f);
+    std::uniform_int_distribution<int> coin(0, 15);
+    auto random_row = [&](int dim) {
+      std::vector<float> x(static_cast<size_t>(dim));
+      const float sigma = spread(rng);
+      for (float& e : x) e = sigma * normal(rng);
+      if (coin(rng) == 0) x[static_cast<size_t>(coin(rng)) % x.size()] *= 8.0f;  // an outlier
+      return x;
+    };
+
+    indptr_.push_back(0);
+    q_indptr_.push_back(0);
+    size_t next = 0;
+    for (const auto& s : c.seqs) {
+      const int nb = (s.kv_len + bt - 1) / bt;
+      for (int b = 0; b < nb; ++b) indices_.push_back(pool[next++]);
+      indptr_.push_back(static_cast<int32_t>(indices_.size()));
+      seq_lens_.push_back(s.kv_len);
+      q_indptr_.push_back(q_indptr_.back() + s.q_len);
+    }
+    total_q_ = q_indptr_.back();
+
+    // K/V: encode each row into its slot, keep its dequantized (model-space) value.
+    k_deq_.resize(c.seqs.size());
+    v_deq_.resize(c.seqs.size());
+    for (size_t i = 0; i < c.seqs.size(); ++i) {
+      const int len = c.seqs[i].kv_len;
+      k_deq_[i].resize(static_cast<size_t>(len) * nkv * hk);
+      v_deq_[i].resize(static_cast<size_t>(len) * nkv * hv);
+      for (int t = 0; t < len; ++t) {
+        const int32_t block = indices_[static_cast<size_t>(indptr_[i] + t / bt)];
+        for (int h = 0; h < nkv; ++h) {
+          write_row(KvSide::kK, block, t % bt, h, random_row(hk),
+                    &k_deq_[i][(static_cast<size_t>(t) * nkv + h) * hk]);
+          write_row(KvSide::kV, block, t % bt, h, random_row(hv),
+                    &v_deq_[i][(static_cast<size_t>(t) * nkv + h) * hv]);
+        }
+      }
+    }
+    q_.resize(static_cast<size_t>(total_q_) * nq_heads * hk);
+    for (float& x : q_) x = 2.5f * normal(rng);
+    out_.resize(static_cast<size_t>(total_q_) * nq_heads * hv);
+    compute_expected();
+  }
+
+  const LayerKvSpec& spec() const { return spec_; }
+
+  // Arguments for one run; the output is poisoned with NaN so unwritten elements fail.
+  AttentionArgs args() {
+    std::fill(out_.begin(), out_.end(), std::numeric_limits<float>::quiet_NaN());
+    AttentionArgs a;
+    a.q = q_.data();
+    a.out = out_.data();
+    a.q_indptr = q_indptr_.data();
+    a.block_table.indptr = indptr_.data();
+    a.block_table.indices = indices_.data();
+    a.block_table.seq_lens = seq_lens_.data();
+    a.block_table.num_seqs = static_cast<int32_t>(case_.seqs.size());
+    a.block_table.block_tokens = case_.block_tokens;
+    a.cache.k_base = k_store_.data();
+    a.cache.v_base = v_store_.data();
+    a.cache.k_layout = k_layout_;
+    a.cache.v_layout = v_layout_;
+    a.cache.num_blocks = num_blocks_;
+    a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(case_.head_dim_k));
+    a.logit_soft_cap = case_.soft_cap;
+    return a;
+  }
+
+  // Every output element within tol * (largest |V| of its sequence and kv head).
+  ::testing::AssertionResult check(double tol) const {
+    return check_attention(spec_, case_.seqs, v_deq_, expected_, out_.data(), tol);
+  }
+
+ private:
+  void write_row(KvSide side, int32_t block, int in_block, int head, const std::vector<float>& x,
+                 double* deq) {
+    const KvSideLayout& l = side == KvSide::kK ? k_layout_ : v_layout_;
+    std::byte* base = (side == KvSide::kK ? k_store_.data() : v_store_.data()) +
+                      static_cast<size_t>(block) * l.block_bytes;
+    const float ts = spec_.scale(side).for_head(head);
+    std::byte* meta = l.row_scale_bytes ? base + l.scale_offset(head, in_block) : nullptr;
+    quant::encode_row(l.dtype, x, ts, base + l.value_offset(head, in_block), meta);
+    std::vector<float> back(x.size());
+    quant::decode_row_unrotated(l.dtype, base + l.value_offset(head, in_block), meta, ts, back);
+    std::copy(back.begin(), back.end(), deq);
+  }
+
+  void compute_expected() {
+    // The softmax scale is the float the backends are given (args()), widened.
+    expected_ = exact_attention(spec_, 1.0f / std::sqrt(static_cast<float>(case_.head_dim_k)),
+                                case_.soft_cap, case_.seqs, k_deq_, v_deq_, q_.data());
+  }
+
+  AttnCase case_;
+  LayerKvSpec spec_;
+  KvSideLayout k_layout_, v_layout_;
+  int32_t num_blocks_ = 0;
+  std::vector<std::byte> k_store_, v_store_;
+  std::vector<int32_t> indptr_, indices_, seq_lens_, q_indptr_;
+  int total_q_ = 0;
+  std::vector<DeqRows> k_deq_, v_deq_;
+  std::vector<float> q_, out_;
+  std::vector<double> expected_;
+};
+
+}  // namespace kvq::test
