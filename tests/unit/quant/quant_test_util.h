@@ -35,10 +35,13 @@ inline std::vector<float> gaussian_rows(std::mt19937& gen, int rows, int n) {
 // row) are 20-50x larger.
 inline std::vector<float> outlier_rows(std::mt19937& gen, int rows, int n, int outliers = 4) {
   std::vector<float> v = gaussian_rows(gen, rows, n);
-  std::uniform_int_distribution<int> ch(0, n - 1);
+  // Distinct channels, so no channel is scaled twice.
+  std::vector<int> channels(static_cast<size_t>(n));
+  for (int c = 0; c < n; ++c) channels[static_cast<size_t>(c)] = c;
+  std::shuffle(channels.begin(), channels.end(), gen);
   std::uniform_real_distribution<float> gain(20.0f, 50.0f);
-  for (int k = 0; k < outliers; ++k) {
-    const int c = ch(gen);
+  for (int k = 0; k < std::min(outliers, n); ++k) {
+    const int c = channels[static_cast<size_t>(k)];
     const float g = gain(gen);
     for (int r = 0; r < rows; ++r) v[static_cast<size_t>(r) * n + c] *= g;
   }
