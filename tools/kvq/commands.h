@@ -10,5 +10,7 @@ using Action = std::function<int()>;
 
 Action add_plan_command(CLI::App& app);
 Action add_backends_command(CLI::App& app);
+Action add_generate_command(CLI::App& app);
+Action add_eval_command(CLI::App& app);
 
 }  // namespace kvq::cli

@@ -22,6 +22,8 @@ int main(int argc, char** argv) {
   };
   add(kvq::cli::add_plan_command);
   add(kvq::cli::add_backends_command);
+  add(kvq::cli::add_generate_command);
+  add(kvq::cli::add_eval_command);
 
   std::vector<std::string> args = kvq::cli::normalize_args(argc, argv);
   std::vector<char*> cargs;

@@ -1,0 +1,188 @@
+#include "kvq/engine/generator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+
+#include "kvq/core/error.h"
+
+namespace kvq {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+size_t bytes_per_block(const KvPlan& plan) {
+  size_t n = 0;
+  for (const auto& l : plan.layers) n += l.block_bytes();
+  return n;
+}
+
+// Runs the new tokens [begin, end) of a single sequence; returns logits of the last one, or of
+// every one when `all_logits`.
+void step(const Model& model, PagedKvCache& cache, SequenceId seq, std::span<const int32_t> tokens,
+          int32_t first_position, bool all_logits, std::vector<float>& logits) {
+  const int32_t n = static_cast<int32_t>(tokens.size());
+  std::vector<int64_t> slots = cache.append(seq, n);
+  if (slots.empty()) throw InternalError("KV cache has no free block for the sequence");
+  std::vector<int32_t> positions(static_cast<size_t>(n));
+  std::iota(positions.begin(), positions.end(), first_position);
+  const int32_t q_indptr[2] = {0, n};
+  PagedKvCache::BlockTableStorage storage;
+  const SequenceId ids[1] = {seq};
+  const BlockTableView table = cache.block_table(ids, storage);
+  std::vector<int32_t> rows;
+  if (all_logits) {
+    rows.resize(static_cast<size_t>(n));
+    std::iota(rows.begin(), rows.end(), 0);
+  } else {
+    rows = {n - 1};
+  }
+  logits.resize(rows.size() * static_cast<size_t>(model.vocab_size()));
+  ForwardBatch batch{tokens, positions, q_indptr, slots, table, rows};
+  model.forward(batch, cache, logits);
+}
+
+int32_t blocks_for_tokens(int64_t tokens, int32_t block_tokens) {
+  return static_cast<int32_t>((tokens + block_tokens - 1) / block_tokens);
+}
+
+// Longest suffix of `text` that is a proper prefix of some stop string: text that must be held
+// back until the next token shows whether a stop string completes.
+size_t held_back(std::string_view text, const std::vector<std::string>& stops) {
+  size_t hold = 0;
+  for (const auto& s : stops)
+    for (size_t k = std::min(s.size() - 1, text.size()); k > hold; --k)
+      if (text.substr(text.size() - k) == std::string_view(s).substr(0, k)) {
+        hold = k;
+        break;
+      }
+  return hold;
+}
+
+}  // namespace
+
+int32_t model_context_length(const Model& model) {
+  const int32_t n = model.plan().model.max_position_embeddings;
+  return n > 0 ? n : (1 << 30);
+}
+
+GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
+                          std::span<const int32_t> prompt, const SamplingParams& params,
+                          const GeneratorOptions& options, const TokenCallback& on_token) {
+  if (auto errors = sampling_param_errors(params); !errors.empty()) throw InputError(errors.front());
+  if (prompt.empty()) throw InputError("the prompt is empty (no tokens to start from)");
+  const int32_t context = model_context_length(model);
+  const int32_t prompt_len = static_cast<int32_t>(prompt.size());
+  if (prompt_len >= context)
+    throw InputError("the prompt has " + std::to_string(prompt_len) +
+                     " tokens; the model's context is " + std::to_string(context) +
+                     " tokens (max_position_embeddings), and generation needs room for one more");
+  for (int32_t id : prompt)
+    if (id < 0 || id >= model.vocab_size())
+      throw InputError("prompt token id " + std::to_string(id) + " is out of range; the vocabulary has " +
+                       std::to_string(model.vocab_size()) + " tokens (0-" +
+                       std::to_string(model.vocab_size() - 1) + ")");
+  const int32_t max_new = std::min(params.max_tokens, context - prompt_len);
+
+  const KvPlan& plan = model.plan();
+  const int32_t block_tokens = plan.layers.front().block_tokens;
+  const int32_t needed = blocks_for_tokens(prompt_len + max_new, block_tokens);
+  int32_t num_blocks = options.num_blocks > 0 ? options.num_blocks : needed;
+  if (num_blocks < needed)
+    throw InputError("the KV cache budget holds " + std::to_string(num_blocks) + " blocks (" +
+                     std::to_string(static_cast<int64_t>(num_blocks) * block_tokens) +
+                     " tokens); the prompt plus max tokens need " + std::to_string(needed) +
+                     " blocks (" + std::to_string(prompt_len + max_new) + " tokens)");
+  PagedKvCache cache(plan.layers, num_blocks);
+  const SequenceId seq = 1;
+  cache.add_sequence(seq);
+
+  GenerationResult result;
+  result.prompt_tokens = prompt_len;
+  std::vector<float> logits;
+  const auto t0 = Clock::now();
+  const int32_t chunk = std::max<int32_t>(1, options.prefill_chunk);
+  for (int32_t begin = 0; begin < prompt_len; begin += chunk) {
+    const int32_t end = std::min(prompt_len, begin + chunk);
+    step(model, cache, seq, prompt.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)),
+         begin, false, logits);
+  }
+  result.prefill_seconds = seconds_since(t0);
+
+  std::vector<int32_t> stop_ids = params.stop_token_ids;
+  if (!params.ignore_eos)
+    for (int32_t id : tokenizer.eos_ids()) stop_ids.push_back(id);
+  Sampler sampler(params);
+  StreamingDecoder decoder(tokenizer);
+  std::string text;    // all final text so far
+  size_t emitted = 0;  // bytes of `text` handed to on_token
+  const size_t max_stop = std::accumulate(params.stop.begin(), params.stop.end(), size_t{0},
+                                          [](size_t m, const std::string& s) { return std::max(m, s.size()); });
+  result.finish_reason = "length";
+  const auto t1 = Clock::now();
+  bool cancelled = false;
+  for (int32_t i = 0; i < max_new; ++i) {
+    const int32_t id = sampler.sample(logits);
+    result.output_ids.push_back(id);
+    const bool is_stop_token = std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end();
+    if (!is_stop_token) text += decoder.push(id);
+    // A stop string ends the text where it begins.
+    size_t cut = std::string::npos;
+    if (!params.stop.empty()) {
+      const size_t from = emitted > max_stop ? emitted - max_stop : 0;
+      for (const auto& s : params.stop) {
+        const size_t at = text.find(s, from);
+        if (at != std::string::npos) cut = std::min(cut, at);
+      }
+    }
+    const bool done = is_stop_token || cut != std::string::npos;
+    if (is_stop_token) text += decoder.finish();
+    if (cut != std::string::npos) text.resize(std::max(cut, emitted));
+    const size_t ready = done ? text.size() : text.size() - held_back(text, params.stop);
+    if (on_token && ready >= emitted) {
+      if (!on_token(std::string_view(text).substr(emitted, ready - emitted), id)) cancelled = true;
+      emitted = ready;
+    }
+    if (done) {
+      result.finish_reason = "stop";
+      break;
+    }
+    if (cancelled || i + 1 == max_new) break;
+    step(model, cache, seq, std::span<const int32_t>(&result.output_ids.back(), 1), prompt_len + i,
+         false, logits);
+  }
+  if (result.finish_reason == "length") {
+    text += decoder.finish();
+    if (on_token && text.size() > emitted) on_token(std::string_view(text).substr(emitted), -1);
+  }
+  result.decode_seconds = seconds_since(t1);
+  result.text = std::move(text);
+  result.kv_bytes_used = cache.blocks(seq).size() * bytes_per_block(plan);
+  return result;
+}
+
+void score_tokens(const Model& model, std::span<const int32_t> tokens, int32_t prefill_chunk,
+                  const std::function<void(int32_t, std::span<const float>)>& on_logits) {
+  const KvPlan& plan = model.plan();
+  const int32_t n = static_cast<int32_t>(tokens.size());
+  const int32_t block_tokens = plan.layers.front().block_tokens;
+  PagedKvCache cache(plan.layers, blocks_for_tokens(n, block_tokens));
+  const SequenceId seq = 1;
+  cache.add_sequence(seq);
+  std::vector<float> logits;
+  const size_t vocab = static_cast<size_t>(model.vocab_size());
+  const int32_t chunk = std::max<int32_t>(1, prefill_chunk);
+  for (int32_t begin = 0; begin < n; begin += chunk) {
+    const int32_t end = std::min(n, begin + chunk);
+    step(model, cache, seq, tokens.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)),
+         begin, true, logits);
+    for (int32_t p = begin; p < end; ++p)
+      on_logits(p, std::span<const float>(logits).subspan(static_cast<size_t>(p - begin) * vocab, vocab));
+  }
+}
+
+}  // namespace kvq

@@ -1,0 +1,92 @@
+#include "kvq/engine/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+namespace kvq {
+
+namespace {
+std::string num(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", v);
+  return b;
+}
+}  // namespace
+
+std::vector<std::string> sampling_param_errors(const SamplingParams& p) {
+  std::vector<std::string> e;
+  if (!std::isfinite(p.temperature) || p.temperature < 0.0f)
+    e.push_back("temperature must be a finite number >= 0 (0 = greedy), got " + num(p.temperature));
+  if (p.top_k < 0) e.push_back("top_k must be >= 0 (0 = off), got " + std::to_string(p.top_k));
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f))
+    e.push_back("top_p must be in (0, 1], got " + num(p.top_p));
+  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f))
+    e.push_back("min_p must be in [0, 1], got " + num(p.min_p));
+  if (p.max_tokens < 1) e.push_back("max_tokens must be >= 1, got " + std::to_string(p.max_tokens));
+  for (const auto& s : p.stop)
+    if (s.empty()) e.push_back("stop strings must not be empty");
+  return e;
+}
+
+Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed ? *p.seed : std::random_device{}()) {}
+
+int32_t Sampler::sample(std::span<const float> logits) {
+  const int32_t n = static_cast<int32_t>(logits.size());
+  if (p_.temperature == 0.0f || p_.top_k == 1) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; ++i)
+      if (logits[static_cast<size_t>(i)] > logits[static_cast<size_t>(best)]) best = i;
+    return best;
+  }
+  // Candidates sorted by logit, descending (ties: lower id first), then truncated by
+  // top-k, top-p and min-p, in that order, as vLLM and transformers do.
+  auto& c = scratch_;
+  c.clear();
+  for (int32_t i = 0; i < n; ++i) {
+    const float l = logits[static_cast<size_t>(i)];
+    if (!std::isnan(l)) c.push_back({l / p_.temperature, i});
+  }
+  if (c.empty()) return 0;
+  auto desc = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  size_t keep = c.size();
+  if (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < keep) {
+    keep = static_cast<size_t>(p_.top_k);
+    std::partial_sort(c.begin(), c.begin() + static_cast<std::ptrdiff_t>(keep), c.end(), desc);
+  } else {
+    std::sort(c.begin(), c.end(), desc);
+  }
+  c.resize(keep);
+  const float max_logit = c.front().first;
+  std::vector<double> prob(keep);
+  double total = 0.0;
+  for (size_t i = 0; i < keep; ++i) total += prob[i] = std::exp(static_cast<double>(c[i].first - max_logit));
+  for (auto& q : prob) q /= total;
+  if (p_.top_p < 1.0f) {
+    double cum = 0.0;
+    size_t k = 0;
+    while (k < keep) {
+      cum += prob[k++];
+      if (cum >= static_cast<double>(p_.top_p)) break;
+    }
+    keep = k;
+  }
+  if (p_.min_p > 0.0f) {
+    const double floor = static_cast<double>(p_.min_p) * prob[0];
+    size_t k = 1;
+    while (k < keep && prob[k] >= floor) ++k;
+    keep = k;
+  }
+  double kept_total = 0.0;
+  for (size_t i = 0; i < keep; ++i) kept_total += prob[i];
+  std::uniform_real_distribution<double> u(0.0, kept_total);
+  double r = u(rng_);
+  for (size_t i = 0; i < keep; ++i) {
+    r -= prob[i];
+    if (r < 0.0) return c[i].second;
+  }
+  return c[keep - 1].second;
+}
+
+}  // namespace kvq

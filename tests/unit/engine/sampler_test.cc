@@ -1,0 +1,148 @@
+#include "kvq/engine/sampler.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <set>
+
+namespace kvq {
+namespace {
+
+std::vector<float> random_logits(std::mt19937& rng, size_t n) {
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+TEST(Sampler, GreedyIsArgmaxWithLowestIdOnTies) {
+  const uint32_t seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  SamplingParams p;
+  p.temperature = 0.0f;
+  Sampler s(p);
+  for (int t = 0; t < 50; ++t) {
+    auto l = random_logits(rng, 97);
+    const auto want = std::max_element(l.begin(), l.end()) - l.begin();
+    EXPECT_EQ(s.sample(l), want) << "seed " << seed;
+  }
+  std::vector<float> tie = {1.0f, 3.0f, 3.0f, 2.0f};
+  EXPECT_EQ(s.sample(tie), 1);
+}
+
+TEST(Sampler, TopKOnlyReturnsTheKBest) {
+  const uint32_t seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  SamplingParams p;
+  p.temperature = 5.0f;  // flat: every allowed token is likely to appear
+  p.top_k = 3;
+  p.top_p = 1.0f;
+  p.min_p = 0.0f;
+  p.seed = seed;
+  Sampler s(p);
+  auto l = random_logits(rng, 50);
+  std::vector<int> order(50);
+  for (int i = 0; i < 50; ++i) order[static_cast<size_t>(i)] = i;
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return l[static_cast<size_t>(a)] > l[static_cast<size_t>(b)]; });
+  const std::set<int> allowed(order.begin(), order.begin() + 3);
+  std::set<int> seen;
+  for (int t = 0; t < 400; ++t) {
+    const int id = s.sample(l);
+    EXPECT_TRUE(allowed.count(id)) << id << " seed " << seed;
+    seen.insert(id);
+  }
+  EXPECT_EQ(seen, allowed) << "seed " << seed;
+}
+
+TEST(Sampler, TopPKeepsTheSmallestNucleus) {
+  // Probabilities 0.5, 0.3, 0.15, 0.05 (logits are their logs).
+  std::vector<float> l = {std::log(0.5f), std::log(0.3f), std::log(0.15f), std::log(0.05f)};
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_k = 0;
+  p.min_p = 0.0f;
+  p.top_p = 0.75f;  // 0.5 + 0.3 >= 0.75: tokens 0 and 1 only
+  p.seed = std::random_device{}();
+  Sampler s(p);
+  std::map<int, int> count;
+  const int n = 4000;
+  for (int t = 0; t < n; ++t) ++count[s.sample(l)];
+  EXPECT_EQ(count.size(), 2u);
+  // Renormalised: 0.625 / 0.375. 5 sigma of a binomial with n = 4000 is ~0.038.
+  EXPECT_NEAR(count[0] / static_cast<double>(n), 0.625, 0.04) << "seed " << *p.seed;
+}
+
+TEST(Sampler, MinPDropsUnlikelyTokens) {
+  std::vector<float> l = {std::log(0.6f), std::log(0.3f), std::log(0.07f), std::log(0.03f)};
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_k = 0;
+  p.top_p = 1.0f;
+  p.min_p = 0.1f;  // threshold 0.06: tokens 0, 1, 2
+  p.seed = std::random_device{}();
+  Sampler s(p);
+  std::set<int> seen;
+  for (int t = 0; t < 3000; ++t) seen.insert(s.sample(l));
+  EXPECT_EQ(seen, (std::set<int>{0, 1, 2})) << "seed " << *p.seed;
+}
+
+TEST(Sampler, SameSeedSameTokens) {
+  const uint32_t seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  auto l = random_logits(rng, 300);
+  SamplingParams p;
+  p.seed = seed;
+  Sampler a(p), b(p);
+  for (int t = 0; t < 100; ++t) EXPECT_EQ(a.sample(l), b.sample(l));
+}
+
+TEST(Sampler, DistributionFollowsTemperature) {
+  // Two tokens with logit gap 1 at temperature 0.5: p0 = 1 / (1 + e^-2) = 0.8808.
+  std::vector<float> l = {1.0f, 0.0f};
+  SamplingParams p;
+  p.temperature = 0.5f;
+  p.top_k = 0;
+  p.top_p = 1.0f;
+  p.min_p = 0.0f;
+  p.seed = std::random_device{}();
+  Sampler s(p);
+  int zeros = 0;
+  const int n = 5000;
+  for (int t = 0; t < n; ++t) zeros += s.sample(l) == 0;
+  EXPECT_NEAR(zeros / static_cast<double>(n), 0.8808, 0.025) << "seed " << *p.seed;
+}
+
+TEST(SamplingParams, InvalidValuesAreNamed) {
+  auto first_error = [](SamplingParams p) {
+    auto e = sampling_param_errors(p);
+    return e.empty() ? std::string() : e.front();
+  };
+  SamplingParams p;
+  EXPECT_TRUE(sampling_param_errors(p).empty());
+  p.temperature = -1.0f;
+  EXPECT_EQ(first_error(p).rfind("temperature must be", 0), 0u);
+  p = {};
+  p.temperature = NAN;
+  EXPECT_EQ(first_error(p).rfind("temperature", 0), 0u);
+  p = {};
+  p.top_p = 0.0f;
+  EXPECT_EQ(first_error(p).rfind("top_p must be in (0, 1]", 0), 0u);
+  p = {};
+  p.top_k = -2;
+  EXPECT_EQ(first_error(p).rfind("top_k", 0), 0u);
+  p = {};
+  p.min_p = 1.5f;
+  EXPECT_EQ(first_error(p).rfind("min_p", 0), 0u);
+  p = {};
+  p.max_tokens = 0;
+  EXPECT_EQ(first_error(p).rfind("max_tokens", 0), 0u);
+  p = {};
+  p.stop = {""};
+  EXPECT_NE(first_error(p).find("stop"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvq

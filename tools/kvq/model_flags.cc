@@ -1,0 +1,71 @@
+#include "model_flags.h"
+
+#include <omp.h>
+
+#include <algorithm>
+
+#include "kvq/core/error.h"
+#include "kvq/core/log.h"
+
+namespace kvq::cli {
+
+void ModelFlags::add_to(CLI::App& app) {
+  plan.add_to(app);
+  app.add_option("--attention-backend", attention_backend,
+                 "force one attention backend for every layer (see kvq backends)");
+  app.add_option("--device", device, "cpu (cuda: not built yet)")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--prefill-chunk", prefill_chunk, "tokens per prefill step (default 512)")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--threads", threads, "CPU threads (default: all cores)")->check(CLI::Range(0, 1024));
+}
+
+KvPlan ModelFlags::make_plan(const KvPlanOptions& options) const {
+  return make_kv_plan(load_model_config(plan.model), options);
+}
+
+LoadedModel ModelFlags::load() const {
+  if (device == "cuda")
+    throw InputError("--device cuda: the CUDA model runner is not built yet; accepted: cpu");
+  if (threads > 0) omp_set_num_threads(threads);
+  KvPlan p = make_plan(plan.options());
+  for (const auto& w : p.warnings) log_warning(w);
+  LoadedModel lm;
+  lm.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(plan.model));
+  lm.model = Model::load(p, attention_backend);
+  return lm;
+}
+
+void SamplingFlags::add_to(CLI::App& app) {
+  app.add_option("--temperature", temperature, "sampling temperature; 0 = greedy (default 0.8)");
+  app.add_option("--top-k", top_k, "keep the k most likely tokens; 0 = off (default 40)");
+  app.add_option("--top-p", top_p, "nucleus sampling threshold in (0, 1] (default 0.95)");
+  app.add_option("--min-p", min_p, "drop tokens below min_p x the top probability (default 0.05)");
+  app.add_option("--seed", seed, "random seed (default: random)");
+  app.add_option("--max-tokens,-n", max_tokens, "tokens to generate at most (default 256)");
+  app.add_option("--stop", stop, "stop string (repeatable); not included in the output");
+  app.add_flag("--ignore-eos", ignore_eos, "keep generating past end-of-sequence tokens");
+}
+
+SamplingParams SamplingFlags::params(const std::string& prefix) const {
+  SamplingParams p;
+  p.temperature = temperature;
+  p.top_k = top_k;
+  p.top_p = top_p;
+  p.min_p = min_p;
+  if (seed >= 0) p.seed = static_cast<uint64_t>(seed);
+  p.max_tokens = max_tokens;
+  p.stop = stop;
+  p.ignore_eos = ignore_eos;
+  auto errors = sampling_param_errors(p);
+  if (!errors.empty()) {
+    std::string e = errors.front();
+    // "top_p must be ..." -> "--top-p must be ..." for the command line.
+    const size_t sp = e.find(' ');
+    std::string field = e.substr(0, sp);
+    std::replace(field.begin(), field.end(), '_', '-');
+    throw InputError(prefix + field + e.substr(sp));
+  }
+  return p;
+}
+
+}  // namespace kvq::cli

@@ -1,0 +1,49 @@
+// Flags of the commands that run a model (generate, eval, serve): the plan flags plus
+// backend and device choice, and the sampling flags.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <memory>
+#include <string>
+
+#include "kvq/engine/sampler.h"
+#include "kvq/model/model.h"
+#include "kvq/tokenizer/tokenizer.h"
+#include "plan_flags.h"
+
+namespace kvq::cli {
+
+struct LoadedModel {
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+};
+
+struct ModelFlags {
+  PlanFlags plan;
+  std::string attention_backend;
+  std::string device = "cpu";
+  int prefill_chunk = 512;
+  int threads = 0;
+
+  void add_to(CLI::App& app);
+  // Plans, loads the tokenizer and the weights; prints plan warnings.
+  LoadedModel load() const;
+  KvPlan make_plan(const KvPlanOptions& options) const;
+};
+
+struct SamplingFlags {
+  float temperature = 0.8f;
+  int top_k = 40;
+  float top_p = 0.95f;
+  float min_p = 0.05f;
+  int64_t seed = -1;
+  int max_tokens = 256;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+
+  void add_to(CLI::App& app);
+  // Throws InputError naming the flag (prefix "--") for an invalid value.
+  SamplingParams params(const std::string& flag_prefix) const;
+};
+
+}  // namespace kvq::cli
