@@ -43,6 +43,8 @@ struct ArchitectureConfig {
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
   bool qkv_bias = false;  // Qwen2 (and attention_bias: true)
+  bool o_bias = false;    // attention_bias: true (Llama, Qwen3); Qwen2's o_proj has none
+  bool mlp_bias = false;  // Llama's mlp_bias: gate/up/down biases
   bool qk_norm = false;   // Qwen3: RMSNorm over each head of q and k before RoPE
 };
 

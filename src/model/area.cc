@@ -1,1 +1,0 @@
-// Area model: sources land here.

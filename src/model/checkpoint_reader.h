@@ -1,0 +1,43 @@
+// Reads a checkpoint's weights into fp32: checks each tensor's presence, dtype and shape
+// (InputError naming the tensor and file), then converts F32/F16/BF16 by value from the
+// memory-mapped files, with a progress line on stderr for large checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvq/io/safetensors.h"
+#include "model/mapped_file.h"
+
+namespace kvq::model {
+
+class CheckpointReader {
+ public:
+  // Opens (and validates the headers of) the directory's safetensors files. Throws InputError
+  // when the directory has none.
+  explicit CheckpointReader(const std::string& dir);
+
+  bool has(std::string_view name) const;
+  // Checks that `name` exists with `shape` and a float dtype this reader converts; adds its
+  // bytes to the total the progress line counts. Throws InputError otherwise.
+  void expect(std::string_view name, const std::vector<int64_t>& shape);
+  // Converts a tensor expect() accepted into `dst` (numel floats).
+  void read(std::string_view name, float* dst);
+  // Ends the progress line (if one was shown).
+  void finish();
+
+ private:
+  std::pair<const SafetensorsFile*, const TensorInfo*> find_or_throw(std::string_view name) const;
+  const MappedFile& mapping(const SafetensorsFile* file);
+
+  std::string dir_;
+  CheckpointFiles files_;
+  std::vector<MappedFile> maps_;  // parallel to files_.files(), opened on first use
+  uint64_t total_bytes_ = 0;
+  uint64_t done_bytes_ = 0;
+  int shown_percent_ = -1;
+};
+
+}  // namespace kvq::model

@@ -1,0 +1,337 @@
+// The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3: weights in fp32
+// (q/k/v and gate/up fused so each is one sgemm), activations fp32, K/V written into each
+// layer's own cache format and attended by the backend chosen for that layer's spec.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "kvq/core/error.h"
+#include "kvq/model/model.h"
+#include "model/checkpoint_reader.h"
+#include "model/kernels.h"
+
+namespace kvq {
+
+namespace {
+
+using model::FloatArray;
+
+struct LayerWeights {
+  FloatArray input_norm, post_norm;  // [H]
+  FloatArray q_norm, k_norm;         // [d] (Qwen3)
+  FloatArray qkv, qkv_bias;          // [q_dim + 2 kv_dim][H], [q_dim + 2 kv_dim]
+  FloatArray o, o_bias;              // [H][q_dim], [H]
+  FloatArray gate_up, gate_up_bias;  // [2I][H] (gate rows, then up rows), [2I]
+  FloatArray down, down_bias;        // [H][I], [H]
+};
+
+// Weights are immutable after loading and shared by every plan of the model (with_plan).
+struct ModelWeights {
+  FloatArray embed, lm_head, final_norm;  // lm_head empty when tied to embed
+  std::vector<LayerWeights> layers;
+};
+
+class DecoderModel final : public Model {
+ public:
+  // Loads the weights when `weights` is null.
+  DecoderModel(const KvPlan& plan, std::string_view forced_backend,
+               std::shared_ptr<const ModelWeights> weights);
+
+  std::unique_ptr<Model> with_plan(const KvPlan& plan,
+                                   std::string_view forced_backend) const override;
+
+  const KvPlan& plan() const override { return plan_; }
+  const ArchitectureConfig& arch() const override { return arch_; }
+  int vocab_size() const override { return vocab_; }
+  std::vector<const AttentionBackend*> layer_backends() const override { return backends_; }
+  void forward(const ForwardBatch& batch, PagedKvCache& cache,
+               std::span<float> logits) const override;
+
+ private:
+  std::shared_ptr<const ModelWeights> load_weights() const;
+
+  KvPlan plan_;
+  ArchitectureConfig arch_;
+  int num_layers_ = 0, hidden_ = 0, inter_ = 0, vocab_ = 0;
+  int num_q_heads_ = 0, num_kv_heads_ = 0, head_dim_ = 0;
+  int q_dim_ = 0, kv_dim_ = 0, qkv_dim_ = 0;
+  std::shared_ptr<const ModelWeights> weights_;
+  std::vector<const AttentionBackend*> backends_;
+  std::vector<double> inv_freq_;
+};
+
+DecoderModel::DecoderModel(const KvPlan& plan, std::string_view forced_backend,
+                           std::shared_ptr<const ModelWeights> weights)
+    : plan_(plan), arch_(parse_architecture(plan.model)), weights_(std::move(weights)) {
+  const ModelConfig& c = plan_.model;
+  if (c.dir.empty())
+    throw InputError("the model config has no directory, so there are no weights to load");
+  num_layers_ = c.num_layers;
+  hidden_ = arch_.hidden_size;
+  inter_ = arch_.intermediate_size;
+  vocab_ = arch_.vocab_size;
+  num_q_heads_ = c.num_q_heads;
+  num_kv_heads_ = c.num_kv_heads;
+  head_dim_ = c.head_dim;
+  q_dim_ = num_q_heads_ * head_dim_;
+  kv_dim_ = num_kv_heads_ * head_dim_;
+  qkv_dim_ = q_dim_ + 2 * kv_dim_;
+
+  KVQ_CHECK(plan_.layers.size() == static_cast<size_t>(num_layers_),
+            "the plan has " + std::to_string(plan_.layers.size()) + " layers, the model " +
+                std::to_string(num_layers_));
+  for (const LayerKvSpec& s : plan_.layers)
+    KVQ_CHECK(s.num_q_heads == num_q_heads_ && s.num_kv_heads == num_kv_heads_ &&
+                  s.head_dim_k == head_dim_ && s.head_dim_v == head_dim_,
+              "layer " + std::to_string(s.layer) + "'s spec does not match the model's heads");
+
+  // Backends first: an unrunnable plan fails before the weights are converted.
+  for (const LayerKvSpec& s : plan_.layers)
+    backends_.push_back(select_attention_backend(s, Device::kCpu, forced_backend).backend);
+
+  inv_freq_ = model::rope_inv_freq(head_dim_, arch_.rope_theta, arch_.rope_scaling);
+  if (!weights_) weights_ = load_weights();
+}
+
+std::unique_ptr<Model> DecoderModel::with_plan(const KvPlan& plan,
+                                               std::string_view forced_backend) const {
+  const ModelConfig& a = plan_.model;
+  const ModelConfig& b = plan.model;
+  if (a.architecture != b.architecture || a.num_layers != b.num_layers ||
+      a.num_q_heads != b.num_q_heads || a.num_kv_heads != b.num_kv_heads ||
+      a.head_dim != b.head_dim || a.hidden_size != b.hidden_size || a.vocab_size != b.vocab_size)
+    throw InputError("with_plan: the plan is for a different model (" + b.architecture + ", " +
+                     std::to_string(b.num_layers) + " layers, " + std::to_string(b.num_q_heads) +
+                     "/" + std::to_string(b.num_kv_heads) + " heads of " +
+                     std::to_string(b.head_dim) + ") than the loaded one (" + a.architecture +
+                     ", " + std::to_string(a.num_layers) + " layers, " +
+                     std::to_string(a.num_q_heads) + "/" + std::to_string(a.num_kv_heads) +
+                     " heads of " + std::to_string(a.head_dim) + ")");
+  KvPlan p = plan;
+  p.model.raw = a.raw;  // the weights were loaded for this config
+  p.model.dir = a.dir;
+  return std::make_unique<DecoderModel>(p, forced_backend, weights_);
+}
+
+std::shared_ptr<const ModelWeights> DecoderModel::load_weights() const {
+  auto weights = std::make_shared<ModelWeights>();
+  ModelWeights& mw = *weights;
+  model::CheckpointReader reader(plan_.model.dir);
+  const int64_t H = hidden_, I = inter_, V = vocab_, d = head_dim_;
+  const int64_t q = q_dim_, kv = kv_dim_;
+
+  // Every tensor's name, shape and place; all are checked before any is converted.
+  struct Piece {
+    std::string name;
+    std::vector<int64_t> shape;
+    FloatArray* array;
+    size_t offset;  // floats into `array`
+  };
+  std::vector<Piece> pieces;
+  auto alloc = [](FloatArray& a, int64_t n) { a = FloatArray(static_cast<size_t>(n)); };
+  auto add = [&](std::string name, std::vector<int64_t> shape, FloatArray& a, int64_t offset) {
+    pieces.push_back({std::move(name), std::move(shape), &a, static_cast<size_t>(offset)});
+  };
+
+  alloc(mw.embed, V * H);
+  add("model.embed_tokens.weight", {V, H}, mw.embed, 0);
+  if (!arch_.tie_word_embeddings && reader.has("lm_head.weight")) {
+    alloc(mw.lm_head, V * H);
+    add("lm_head.weight", {V, H}, mw.lm_head, 0);
+  }
+  alloc(mw.final_norm, H);
+  add("model.norm.weight", {H}, mw.final_norm, 0);
+
+  mw.layers.resize(static_cast<size_t>(num_layers_));
+  for (int i = 0; i < num_layers_; ++i) {
+    LayerWeights& w = mw.layers[static_cast<size_t>(i)];
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    alloc(w.input_norm, H);
+    add(p + "input_layernorm.weight", {H}, w.input_norm, 0);
+    alloc(w.post_norm, H);
+    add(p + "post_attention_layernorm.weight", {H}, w.post_norm, 0);
+    alloc(w.qkv, (q + 2 * kv) * H);
+    add(p + "self_attn.q_proj.weight", {q, H}, w.qkv, 0);
+    add(p + "self_attn.k_proj.weight", {kv, H}, w.qkv, q * H);
+    add(p + "self_attn.v_proj.weight", {kv, H}, w.qkv, (q + kv) * H);
+    if (arch_.qkv_bias) {
+      alloc(w.qkv_bias, q + 2 * kv);
+      add(p + "self_attn.q_proj.bias", {q}, w.qkv_bias, 0);
+      add(p + "self_attn.k_proj.bias", {kv}, w.qkv_bias, q);
+      add(p + "self_attn.v_proj.bias", {kv}, w.qkv_bias, q + kv);
+    }
+    if (arch_.qk_norm) {
+      alloc(w.q_norm, d);
+      add(p + "self_attn.q_norm.weight", {d}, w.q_norm, 0);
+      alloc(w.k_norm, d);
+      add(p + "self_attn.k_norm.weight", {d}, w.k_norm, 0);
+    }
+    alloc(w.o, H * q);
+    add(p + "self_attn.o_proj.weight", {H, q}, w.o, 0);
+    if (arch_.o_bias) {
+      alloc(w.o_bias, H);
+      add(p + "self_attn.o_proj.bias", {H}, w.o_bias, 0);
+    }
+    alloc(w.gate_up, 2 * I * H);
+    add(p + "mlp.gate_proj.weight", {I, H}, w.gate_up, 0);
+    add(p + "mlp.up_proj.weight", {I, H}, w.gate_up, I * H);
+    alloc(w.down, H * I);
+    add(p + "mlp.down_proj.weight", {H, I}, w.down, 0);
+    if (arch_.mlp_bias) {
+      alloc(w.gate_up_bias, 2 * I);
+      add(p + "mlp.gate_proj.bias", {I}, w.gate_up_bias, 0);
+      add(p + "mlp.up_proj.bias", {I}, w.gate_up_bias, I);
+      alloc(w.down_bias, H);
+      add(p + "mlp.down_proj.bias", {H}, w.down_bias, 0);
+    }
+  }
+
+  for (const Piece& pc : pieces) reader.expect(pc.name, pc.shape);
+  for (const Piece& pc : pieces) reader.read(pc.name, pc.array->data() + pc.offset);
+  reader.finish();
+  return weights;
+}
+
+void add_bias(float* x, const float* bias, int n) {
+  for (int i = 0; i < n; ++i) x[i] += bias[i];
+}
+
+void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
+                           std::span<float> logits) const {
+  const int T = static_cast<int>(b.tokens.size());
+  const int R = static_cast<int>(b.logit_rows.size());
+  KVQ_CHECK(b.positions.size() == b.tokens.size() && b.slots.size() == b.tokens.size(),
+            "forward: tokens, positions and slots differ in length");
+  KVQ_CHECK(b.q_indptr.size() == static_cast<size_t>(b.block_table.num_seqs) + 1 &&
+                b.q_indptr.front() == 0 && b.q_indptr.back() == T,
+            "forward: q_indptr does not cover the batch's tokens");
+  KVQ_CHECK(logits.size() == static_cast<size_t>(R) * static_cast<size_t>(vocab_),
+            "forward: logits span has " + std::to_string(logits.size()) + " floats, expected " +
+                std::to_string(R) + " x " + std::to_string(vocab_));
+  KVQ_CHECK(cache.num_layers() == static_cast<size_t>(num_layers_),
+            "forward: the cache has " + std::to_string(cache.num_layers()) + " layers, the model " +
+                std::to_string(num_layers_));
+  for (int32_t r : b.logit_rows)
+    KVQ_CHECK(r >= 0 && r < T, "forward: logit row " + std::to_string(r) + " out of range");
+  for (int32_t t : b.tokens)
+    if (t < 0 || t >= vocab_)
+      throw InputError("token id " + std::to_string(t) + " is outside the vocabulary (0.." +
+                       std::to_string(vocab_ - 1) + ")");
+  for (int32_t p : b.positions) KVQ_CHECK(p >= 0, "forward: negative position");
+  if (T == 0) return;
+
+  const int H = hidden_, I = inter_, d = head_dim_, half = head_dim_ / 2;
+  const float eps = arch_.rms_norm_eps;
+  const size_t t = static_cast<size_t>(T);
+
+  // One scratch allocation per call, sized by the batch.
+  const size_t n_x = t * H, n_qkv = t * qkv_dim_, n_q = t * q_dim_, n_kv = t * kv_dim_,
+               n_mlp = t * 2 * I, n_rope = t * d;
+  FloatArray scratch(2 * n_x + n_qkv + 2 * n_q + 2 * n_kv + n_mlp + n_rope);
+  float* x = scratch.data();  // residual stream [T][H]
+  float* h = x + n_x;         // normed rows [T][H]
+  float* qkv = h + n_x;       // fused q|k|v projections [T][qkv_dim]
+  float* qb = qkv + n_qkv;    // rotated queries [T][nq][d]
+  float* att = qb + n_q;      // attention output [T][nq][d]
+  float* kb = att + n_q;      // rotated keys [T][nkv][d]
+  float* vb = kb + n_kv;      // values [T][nkv][d]
+  float* mlp = vb + n_kv;     // gate|up [T][2I]; silu(gate)*up overwrites gate
+  float* rope = mlp + n_mlp;  // cos, sin pairs [T][d/2][2]
+
+#pragma omp parallel for schedule(static) if (T >= 16)
+  for (int i = 0; i < T; ++i) {
+    std::copy_n(weights_->embed.data() + static_cast<size_t>(b.tokens[i]) * H, H,
+                x + size_t(i) * H);
+    float* cs = rope + size_t(i) * d;
+    for (int f = 0; f < half; ++f) {
+      const double a = b.positions[i] * inv_freq_[static_cast<size_t>(f)];
+      cs[2 * f] = static_cast<float>(std::cos(a));
+      cs[2 * f + 1] = static_cast<float>(std::sin(a));
+    }
+  }
+
+  const float softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  for (int l = 0; l < num_layers_; ++l) {
+    const LayerWeights& w = weights_->layers[static_cast<size_t>(l)];
+    const LayerKvSpec& spec = plan_.layers[static_cast<size_t>(l)];
+
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int i = 0; i < T; ++i)
+      model::rms_norm(x + size_t(i) * H, w.input_norm.data(), H, eps, h + size_t(i) * H);
+    model::matmul_wt(T, qkv_dim_, H, h, H, w.qkv.data(), qkv, qkv_dim_, 0.0f);
+
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int i = 0; i < T; ++i) {
+      float* row = qkv + size_t(i) * qkv_dim_;
+      if (!w.qkv_bias.empty()) add_bias(row, w.qkv_bias.data(), qkv_dim_);
+      const float* cs = rope + size_t(i) * d;
+      for (int hd = 0; hd < num_q_heads_; ++hd) {
+        float* dst = qb + size_t(i) * q_dim_ + size_t(hd) * d;
+        const float* src = row + size_t(hd) * d;
+        if (arch_.qk_norm) {
+          model::rms_norm(src, w.q_norm.data(), d, eps, dst);
+        } else {
+          std::copy_n(src, d, dst);
+        }
+        model::apply_rope(dst, d, cs);
+      }
+      for (int hd = 0; hd < num_kv_heads_; ++hd) {
+        float* kd = kb + size_t(i) * kv_dim_ + size_t(hd) * d;
+        const float* ks = row + q_dim_ + size_t(hd) * d;
+        if (arch_.qk_norm) {
+          model::rms_norm(ks, w.k_norm.data(), d, eps, kd);
+        } else {
+          std::copy_n(ks, d, kd);
+        }
+        model::apply_rope(kd, d, cs);
+      }
+      std::copy_n(row + q_dim_ + kv_dim_, kv_dim_, vb + size_t(i) * kv_dim_);
+    }
+
+    const LayerCacheView view = cache.layer_view(static_cast<size_t>(l));
+    write_kv_reference(spec, view, b.slots, kb, vb);
+    AttentionArgs args;
+    args.q = qb;
+    args.out = att;
+    args.q_indptr = b.q_indptr.data();
+    args.block_table = b.block_table;
+    args.cache = view;
+    args.softmax_scale = softmax_scale;
+    backends_[static_cast<size_t>(l)]->run(spec, args);
+
+    // Residual adds ride on sgemm's beta = 1.
+    model::matmul_wt(T, H, q_dim_, att, q_dim_, w.o.data(), x, H, 1.0f);
+    if (!w.o_bias.empty())
+      for (int i = 0; i < T; ++i) add_bias(x + size_t(i) * H, w.o_bias.data(), H);
+
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int i = 0; i < T; ++i)
+      model::rms_norm(x + size_t(i) * H, w.post_norm.data(), H, eps, h + size_t(i) * H);
+    model::matmul_wt(T, 2 * I, H, h, H, w.gate_up.data(), mlp, 2 * I, 0.0f);
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int i = 0; i < T; ++i) {
+      float* row = mlp + size_t(i) * 2 * I;
+      if (!w.gate_up_bias.empty()) add_bias(row, w.gate_up_bias.data(), 2 * I);
+      model::silu_mul(row, row + I, I, row);
+    }
+    model::matmul_wt(T, H, I, mlp, 2 * I, w.down.data(), x, H, 1.0f);
+    if (!w.down_bias.empty())
+      for (int i = 0; i < T; ++i) add_bias(x + size_t(i) * H, w.down_bias.data(), H);
+  }
+
+  if (R == 0) return;
+  for (int r = 0; r < R; ++r)
+    model::rms_norm(x + size_t(b.logit_rows[static_cast<size_t>(r)]) * H,
+                    weights_->final_norm.data(), H, eps, h + size_t(r) * H);
+  const float* head = weights_->lm_head.empty() ? weights_->embed.data() : weights_->lm_head.data();
+  model::matmul_wt(R, vocab_, H, h, H, head, logits.data(), vocab_, 0.0f);
+}
+
+}  // namespace
+
+std::unique_ptr<Model> Model::load(const KvPlan& plan, std::string_view forced_backend) {
+  return std::make_unique<DecoderModel>(plan, forced_backend, nullptr);
+}
+
+}  // namespace kvq
