@@ -1,1 +1,0 @@
-// Area tokenizer: sources land here.
