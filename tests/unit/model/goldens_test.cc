@@ -82,10 +82,11 @@ TEST_P(Goldens, GreedyContinuationsMatchTransformers) {
   for (const auto& g : index_["greedy"]) {
     const auto prompt = g["prompt_ids"].get<std::vector<int32_t>>();
     const auto want = g["ids"].get<std::vector<int32_t>>();
-    if (GetParam() == "stories260K" && g["name"] == "bos")  // the fixture is the story we know
+    if (GetParam() == "stories260K" && g["name"] == "bos") {  // the fixture tells the known story
       EXPECT_EQ(g["text"].get<std::string>().rfind(
                     "Once upon a time, there was a little girl named Lily.", 0),
                 0u);
+    }
     Runner run(model_, blocks_for(prompt.size() + want.size()));
     std::vector<float> logits = run.step({1}, {prompt});
     std::vector<int32_t> got;
