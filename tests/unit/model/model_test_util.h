@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kvq/cache/paged_kv_cache.h"
+#include "kvq/core/error.h"
 #include "kvq/model/model.h"
 #include "kvq/plan/kv_plan.h"
 #include "kvq/quant/codec.h"

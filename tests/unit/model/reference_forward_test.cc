@@ -16,7 +16,9 @@ struct Case {
   TinySpec spec;
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
 
 std::vector<Case> cases() {
   std::vector<Case> c;
