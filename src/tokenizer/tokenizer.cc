@@ -25,20 +25,20 @@ using tok::utf8_char_len;
 using tok::utf8_decode;
 
 struct AddedToken {
-  int32_t id = 0;
   std::string content;
   bool single_word = false;
   bool lstrip = false;
   bool rstrip = false;
   bool normalized = true;
   bool special = false;
+  bool operator==(const AddedToken&) const = default;
 };
 
 // Leftmost-longest literal matching of added tokens (HF uses Aho-Corasick with
 // MatchKind::LeftmostLongest); matches do not overlap.
 class AddedMatcher {
  public:
-  void add(std::string pattern, size_t token) {
+  void add(std::string pattern, int32_t token) {
     if (pattern.empty()) return;
     const auto first = static_cast<uint8_t>(pattern[0]);
     patterns_.push_back({std::move(pattern), token});
@@ -51,7 +51,8 @@ class AddedMatcher {
   bool empty() const { return patterns_.empty(); }
 
   struct Match {
-    size_t begin, end, token;
+    size_t begin, end;
+    int32_t token;
   };
   std::vector<Match> find_all(std::string_view s) const {
     std::vector<Match> out;
@@ -74,7 +75,7 @@ class AddedMatcher {
  private:
   struct Pat {
     std::string text;
-    size_t token;
+    int32_t token;
   };
   std::vector<Pat> patterns_;
   std::array<std::vector<size_t>, 256> by_first_;
@@ -120,9 +121,11 @@ std::string_view last_char(std::string_view s) {
 
 struct Tokenizer::Impl {
   std::string origin;
-  std::vector<AddedToken> added;  // special tokens first, then the others (HF's match order)
-  std::unordered_map<std::string, size_t> added_by_content;
-  std::unordered_map<int32_t, size_t> added_by_id;
+  // HF's AddedVocabulary: content -> id, id -> token (its latest flags), the contents of special
+  // tokens (skipped by decode), and which tokens match on raw or on normalized text.
+  std::unordered_map<std::string, int32_t> added_by_content;
+  std::unordered_map<int32_t, AddedToken> added_by_id;
+  std::unordered_map<std::string, bool> special_contents;
   AddedMatcher raw_matcher;         // tokens matched on the raw text (normalized == false)
   AddedMatcher normalized_matcher;  // tokens matched on normalized text
   std::unique_ptr<tok::Normalizer> normalizer;
@@ -138,18 +141,18 @@ struct Tokenizer::Impl {
 
   std::optional<int32_t> token_to_id(std::string_view t) const {
     if (auto it = added_by_content.find(std::string(t)); it != added_by_content.end()) {
-      return added[it->second].id;
+      return it->second;
     }
     if (auto it = model->vocab().find(t); it != model->vocab().end()) return it->second;
     return std::nullopt;
   }
   const std::string* id_to_token(int32_t id) const {
-    if (auto it = added_by_id.find(id); it != added_by_id.end()) return &added[it->second].content;
+    if (auto it = added_by_id.find(id); it != added_by_id.end()) return &it->second.content;
     return model->id_to_token(id);
   }
   bool is_special(int32_t id) const {
-    auto it = added_by_id.find(id);
-    return it != added_by_id.end() && added[it->second].special;
+    const std::string* t = id_to_token(id);
+    return t != nullptr && special_contents.contains(*t);
   }
 
   // HF's AddedVocabulary::find_matches + split_with_indices on one segment.
@@ -158,7 +161,7 @@ struct Tokenizer::Impl {
     size_t start_offset = 0;
     for (const auto& match : m.find_all(s)) {
       size_t start = match.begin, stop = match.end;
-      const AddedToken& t = added[match.token];
+      const AddedToken& t = added_by_id.at(match.token);
       if (t.single_word) {
         const bool start_space = start == 0 || !is_word_char(last_char(s.substr(0, start)));
         const bool stop_space = stop == s.size() || !is_word_char(std::string_view(s).substr(
@@ -186,7 +189,7 @@ struct Tokenizer::Impl {
         out.push_back(
             {s.substr(start_offset, start - start_offset), -1, seg.at_origin && start_offset == 0});
       }
-      out.push_back({s.substr(start, stop - start), t.id, false});
+      out.push_back({s.substr(start, stop - start), match.token, false});
       start_offset = stop;
     }
     if (start_offset < s.size()) {
@@ -238,11 +241,8 @@ struct Tokenizer::Impl {
 
   // The token strings HF's decode hands to the decoder.
   const std::string* decode_token(int32_t id, bool skip_special) const {
-    if (auto it = added_by_id.find(id); it != added_by_id.end()) {
-      const AddedToken& t = added[it->second];
-      return skip_special && t.special ? nullptr : &t.content;
-    }
-    return model->id_to_token(id);
+    const std::string* t = id_to_token(id);
+    return t != nullptr && skip_special && special_contents.contains(*t) ? nullptr : t;
   }
 };
 
@@ -293,8 +293,13 @@ std::unique_ptr<Tokenizer::Impl> parse_tokenizer_json(std::string_view text,
     // ---- added tokens ----
     const json& added = get("added_tokens");
     if (!added.is_null() && !added.is_array()) throw fail("added_tokens must be an array");
-    std::vector<AddedToken> specials, others;
+    // Added tokens are registered one by one in file order with HF's id rule (the "id" field is
+    // only checked by HF, with a warning): a known content keeps its id, else the model's id for
+    // it, else the next id after the model vocabulary and the added tokens so far.
+    std::vector<AddedToken> special_list, classic_list;
     if (added.is_array()) {
+      const auto model_len = static_cast<int64_t>(impl->model->vocab().size());
+      int64_t max_added = -1;
       for (size_t i = 0; i < added.size(); ++i) {
         const json& a = added[i];
         const std::string path = "added_tokens[" + std::to_string(i) + "]";
@@ -304,7 +309,6 @@ std::unique_ptr<Tokenizer::Impl> parse_tokenizer_json(std::string_view text,
           throw fail(path + " needs an integer \"id\" >= 0 and a string \"content\"");
         }
         AddedToken t;
-        t.id = static_cast<int32_t>(a["id"].get<int64_t>());
         t.content = a["content"].get<std::string>();
         auto flag = [&](const char* key, bool fallback) {
           auto it = a.find(key);
@@ -317,26 +321,42 @@ std::unique_ptr<Tokenizer::Impl> parse_tokenizer_json(std::string_view text,
         t.single_word = flag("single_word", false);
         t.lstrip = flag("lstrip", false);
         t.rstrip = flag("rstrip", false);
-        if (t.content.empty()) continue;  // HF ignores empty added tokens
-        (t.special ? specials : others).push_back(std::move(t));
+        if (t.content.empty()) continue;
+        if (t.special && !impl->special_contents.contains(t.content)) {
+          impl->special_contents.emplace(t.content, true);
+          special_list.push_back(t);
+        }
+        bool duplicate = false;
+        for (const auto& [id, known] : impl->added_by_id) duplicate = duplicate || known == t;
+        if (duplicate) continue;
+        int64_t id;
+        if (auto it = impl->added_by_content.find(t.content); it != impl->added_by_content.end()) {
+          id = it->second;
+        } else if (auto mt = impl->model->vocab().find(t.content);
+                   mt != impl->model->vocab().end()) {
+          id = mt->second;
+        } else {
+          id = max_added < 0
+                   ? model_len
+                   : (max_added >= model_len || model_len == 0 ? max_added + 1 : model_len);
+        }
+        if (id > INT32_MAX) throw fail(path + ": too many tokens");
+        max_added = std::max(max_added, id);
+        impl->added_by_content[t.content] = static_cast<int32_t>(id);
+        impl->added_by_id[static_cast<int32_t>(id)] = t;
+        if (!impl->special_contents.contains(t.content)) classic_list.push_back(t);
       }
     }
-    for (auto* list : {&specials, &others}) {
-      for (AddedToken& t : *list) {
-        if (impl->added_by_content.contains(t.content)) continue;
-        impl->added_by_content.emplace(t.content, impl->added.size());
-        impl->added_by_id[t.id] = impl->added.size();
-        impl->added.push_back(std::move(t));
-      }
-    }
-    for (size_t k = 0; k < impl->added.size(); ++k) {
-      const AddedToken& t = impl->added[k];
-      if (!t.normalized) {
-        impl->raw_matcher.add(t.content, k);
-      } else {
-        std::string content = t.content;  // matched against normalized text, so normalize it too
-        if (impl->normalizer) impl->normalizer->apply(content);
-        impl->normalized_matcher.add(std::move(content), k);
+    for (const auto* list : {&special_list, &classic_list}) {
+      for (const AddedToken& t : *list) {
+        const int32_t id = impl->added_by_content.at(t.content);
+        if (!t.normalized) {
+          impl->raw_matcher.add(t.content, id);
+        } else {
+          std::string content = t.content;  // matched against normalized text, so normalize it too
+          if (impl->normalizer) impl->normalizer->apply(content);
+          impl->normalized_matcher.add(std::move(content), id);
+        }
       }
     }
   } catch (const std::invalid_argument& e) {
@@ -344,7 +364,7 @@ std::unique_ptr<Tokenizer::Impl> parse_tokenizer_json(std::string_view text,
   }
 
   int32_t max_id = impl->model->max_id();
-  for (const AddedToken& t : impl->added) max_id = std::max(max_id, t.id);
+  for (const auto& [id, t] : impl->added_by_id) max_id = std::max(max_id, id);
   impl->vocab_size = max_id + 1;
   return impl;
 }

@@ -141,38 +141,54 @@ TEST(SplitPreTokenizer, RemovedAndMergedBehaviors) {
   EXPECT_EQ(make(j).encode("a b", false), (Ids{'a', 257}));
 }
 
+// 257 model tokens (256 bytes + "xy"), so the added tokens get ids 257..260.
 nlohmann::json with_added_tokens() {
   nlohmann::json j = test::byte_level_bpe({{"x", "y"}});
-  j["added_tokens"] = {test::added_token(300, "<|a|>", true),
-                       test::added_token(301, "<|a|>b", true), test::added_token(302, "foo", false),
-                       test::added_token(303, "<m>", true, true, true)};
+  j["added_tokens"] = {test::added_token(257, "<|a|>", true),
+                       test::added_token(258, "<|a|>b", true), test::added_token(259, "foo", false),
+                       test::added_token(260, "<m>", true, true, true)};
   return j;
 }
 
 TEST(AddedTokens, LongestMatchFirstAndNeverMerged) {
   const Tokenizer t = make(with_added_tokens());
-  EXPECT_EQ(t.encode("x<|a|>b y", false), (Ids{'x', 301, ' ', 'y'}));
-  EXPECT_EQ(t.encode("xy<|a|>xy", false), (Ids{256, 300, 256}));
-  EXPECT_EQ(t.encode("<|a|><|a|>", false), (Ids{300, 300}));
+  EXPECT_EQ(t.encode("x<|a|>b y", false), (Ids{'x', 258, ' ', 'y'}));
+  EXPECT_EQ(t.encode("xy<|a|>xy", false), (Ids{256, 257, 256}));
+  EXPECT_EQ(t.encode("<|a|><|a|>", false), (Ids{257, 257}));
   EXPECT_EQ(t.encode("<|a|", false), (Ids{'<', '|', 'a', '|'}));
-  EXPECT_EQ(t.encode("foofoo", false), (Ids{302, 302}));
-  EXPECT_EQ(t.vocab_size(), 304);
-  EXPECT_TRUE(t.is_special(300));
-  EXPECT_FALSE(t.is_special(302));
+  EXPECT_EQ(t.encode("foofoo", false), (Ids{259, 259}));
+  EXPECT_EQ(t.vocab_size(), 261);
+  EXPECT_TRUE(t.is_special(257));
+  EXPECT_FALSE(t.is_special(259));
   EXPECT_FALSE(t.is_special('x'));
-  EXPECT_EQ(t.token_to_id("<|a|>b"), 301);
+  EXPECT_EQ(t.token_to_id("<|a|>b"), 258);
   EXPECT_EQ(t.token_to_id(bl(' ')), ' ');
   EXPECT_EQ(t.token_to_id("nope"), std::nullopt);
 }
 
+TEST(AddedTokens, IdsFollowHuggingFaceAssignmentNotTheIdField) {
+  // HF registers added tokens in file order: a content in the model vocabulary keeps the model's
+  // id, a new one gets the next id after the vocabulary (257 entries) and earlier added tokens.
+  nlohmann::json j = test::byte_level_bpe({{"x", "y"}});
+  j["added_tokens"] = {test::added_token(999, "<new>", true), test::added_token(5, "xy", true),
+                       test::added_token(7, "<new2>", false)};
+  const Tokenizer t = make(j);
+  EXPECT_EQ(t.token_to_id("<new>"), 257);
+  EXPECT_EQ(t.token_to_id("xy"), 256);
+  EXPECT_EQ(t.token_to_id("<new2>"), 258);
+  EXPECT_TRUE(t.is_special(256));
+  EXPECT_EQ(t.encode("xy<new>", false), (Ids{256, 257}));
+  EXPECT_EQ(t.vocab_size(), 259);
+}
+
 TEST(AddedTokens, LstripRstripTakeTheSurroundingWhitespace) {
   const Tokenizer t = make(with_added_tokens());
-  EXPECT_EQ(t.encode("a \t<m>  b", false), (Ids{'a', 303, 'b'}));
+  EXPECT_EQ(t.encode("a \t<m>  b", false), (Ids{'a', 260, 'b'}));
 }
 
 TEST(AddedTokens, DecodeSkipsOnlySpecialTokens) {
   const Tokenizer t = make(with_added_tokens());
-  const Ids ids = {'x', 300, 302, 'y'};
+  const Ids ids = {'x', 257, 259, 'y'};
   EXPECT_EQ(t.decode(ids, false), "x<|a|>fooy");
   EXPECT_EQ(t.decode(ids, true), "xfooy");
   EXPECT_EQ(t.decode(Ids{'x', 99999, -5, 'y'}, false), "xy");  // unknown ids are dropped, as HF
@@ -184,16 +200,16 @@ TEST(PostProcessor, TemplateAndRoberta) {
       {"type", "TemplateProcessing"},
       {"single",
        {{{"SpecialToken", {{"id", "<|a|>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}}}}}},
-      {"special_tokens", {{"<|a|>", {{"id", "<|a|>"}, {"ids", {300}}}}}}};
-  EXPECT_EQ(make(j).encode("x", true), (Ids{300, 'x'}));
+      {"special_tokens", {{"<|a|>", {{"id", "<|a|>"}, {"ids", {257}}}}}}};
+  EXPECT_EQ(make(j).encode("x", true), (Ids{257, 'x'}));
   EXPECT_EQ(make(j).encode("x", false), (Ids{'x'}));
-  EXPECT_EQ(make(j).encode("", true), (Ids{300}));
+  EXPECT_EQ(make(j).encode("", true), (Ids{257}));
   j["post_processor"] = {{"type", "RobertaProcessing"},
-                         {"sep", {"<m>", 303}},
-                         {"cls", {"<|a|>", 300}},
+                         {"sep", {"<m>", 260}},
+                         {"cls", {"<|a|>", 257}},
                          {"trim_offsets", true},
                          {"add_prefix_space", false}};
-  EXPECT_EQ(make(j).encode("x", true), (Ids{300, 'x', 303}));
+  EXPECT_EQ(make(j).encode("x", true), (Ids{257, 'x', 260}));
 }
 
 TEST(SentencePiece, PrependReplaceByteFallbackAndStrip) {
@@ -333,7 +349,7 @@ TEST(BadInput, ModelDirectoryFiles) {
   test::write_text(dir + "/tokenizer_config.json", R"({"eos_token": "<nope>"})");
   EXPECT_THROW(Tokenizer::load(dir), InputError);
   test::write_text(dir + "/tokenizer_config.json", R"({})");
-  test::write_text(dir + "/generation_config.json", R"({"eos_token_id": [300, 99999]})");
+  test::write_text(dir + "/generation_config.json", R"({"eos_token_id": [257, 99999]})");
   EXPECT_THROW(Tokenizer::load(dir), InputError);
   std::filesystem::remove_all(dir);
 }
@@ -351,16 +367,16 @@ TEST(Config, SpecialIdsAndChatTemplate) {
   test::write_text(dir + "/tokenizer_config.json",
                    R"({"bos_token": {"content": "<|a|>", "special": true}, "eos_token": "<m>",
                        "add_bos_token": true, "chat_template": "{{ messages }}"})");
-  test::write_text(dir + "/generation_config.json", R"({"eos_token_id": [301, 303]})");
+  test::write_text(dir + "/generation_config.json", R"({"eos_token_id": [258, 260]})");
   {
     const Tokenizer t = Tokenizer::load(dir);
-    EXPECT_EQ(t.bos_id(), 300);
-    EXPECT_EQ(t.eos_ids(), (Ids{301, 303}));  // <m> = 303 is listed once
+    EXPECT_EQ(t.bos_id(), 257);
+    EXPECT_EQ(t.eos_ids(), (Ids{258, 260}));  // <m> = 260 is listed once
     EXPECT_TRUE(t.add_bos_token());
     EXPECT_EQ(t.chat_template(), "{{ messages }}");
   }
-  test::write_text(dir + "/generation_config.json", R"({"eos_token_id": 301})");
-  EXPECT_EQ(Tokenizer::load(dir).eos_ids(), (Ids{301, 303}));
+  test::write_text(dir + "/generation_config.json", R"({"eos_token_id": 258})");
+  EXPECT_EQ(Tokenizer::load(dir).eos_ids(), (Ids{258, 260}));
   std::filesystem::remove_all(dir);
 }
 
