@@ -90,6 +90,7 @@ DecoderModel::DecoderModel(const KvPlan& plan, std::string_view forced_backend,
   for (const LayerKvSpec& s : plan_.layers)
     backends_.push_back(select_attention_backend(s, Device::kCpu, forced_backend).backend);
 
+  model::use_single_threaded_blas();
   inv_freq_ = model::rope_inv_freq(head_dim_, arch_.rope_theta, arch_.rope_scaling);
   if (!weights_) weights_ = load_weights();
 }

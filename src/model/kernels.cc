@@ -1,7 +1,9 @@
 #include "model/kernels.h"
 
 #include <cblas.h>
+#include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <new>
@@ -21,11 +23,49 @@ void FloatArray::Free::operator()(float* p) const {
   std::free(p);
 }
 
+void use_single_threaded_blas() {
+  static const bool done = [] {
+    openblas_set_num_threads(1);
+    return true;
+  }();
+  (void)done;
+}
+
 void matmul_wt(int m, int n, int k, const float* in, int lda, const float* w, float* out, int ldc,
                float beta) {
   if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, in, lda, w, k, beta, out,
-              ldc);
+  // One OpenMP team runs everything (attention included); each thread multiplies its own
+  // slice with single-threaded sgemm. A second pool (OpenBLAS's pthreads) would fight the
+  // spinning OpenMP workers for the same cores.
+  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t work = static_cast<int64_t>(m) * n * k;
+  const int parts = work < (1 << 16) ? 1 : threads;
+  if (parts <= 1) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, in, lda, w, k, beta, out,
+                ldc);
+    return;
+  }
+  // Slices of output columns (weight rows) keep each thread's weights apart, which is what
+  // decode needs; a prefill with few columns per thread splits its rows instead.
+  const bool split_n = n / parts >= 64 || m < parts;
+#pragma omp parallel num_threads(parts)
+  {
+    const int p = omp_get_thread_num(), np = omp_get_num_threads();
+    if (split_n) {
+      const int chunk = (n + np - 1) / np;
+      const int n0 = std::min(n, p * chunk), n1 = std::min(n, n0 + chunk);
+      if (n1 > n0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n1 - n0, k, 1.0f, in, lda,
+                    w + static_cast<size_t>(n0) * k, k, beta, out + n0, ldc);
+    } else {
+      const int chunk = (m + np - 1) / np;
+      const int m0 = std::min(m, p * chunk), m1 = std::min(m, m0 + chunk);
+      if (m1 > m0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m1 - m0, n, k, 1.0f,
+                    in + static_cast<size_t>(m0) * lda, lda, w, k, beta,
+                    out + static_cast<size_t>(m0) * ldc, ldc);
+    }
+  }
 }
 
 void rms_norm(const float* x, const float* weight, int n, float eps, float* y) {

@@ -30,8 +30,13 @@ class FloatArray {
   size_t n_ = 0;
 };
 
+// Makes OpenBLAS run each call on the calling thread (once per process): kvq parallelises
+// matrix products itself, with OpenMP (see matmul_wt).
+void use_single_threaded_blas();
+
 // out[m][n] = in[m][k] * w[n][k]^T + beta * out (w is a PyTorch Linear weight, [out][in]).
-// Rows of `in` are `lda` floats apart, rows of `out` `ldc` floats apart.
+// Rows of `in` are `lda` floats apart, rows of `out` `ldc` floats apart. Split over the OpenMP
+// threads (omp_get_max_threads()) when large enough.
 void matmul_wt(int m, int n, int k, const float* in, int lda, const float* w, float* out, int ldc,
                float beta);
 
