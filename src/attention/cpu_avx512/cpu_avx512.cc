@@ -132,11 +132,11 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa) {
     KVQ_CHECK(!avx512 || d == 64 || d == 128 || d == 256,
               "the AVX-512 kernel has no instance for head_dim " + std::to_string(d));
   const auto run_item = avx512 ? run_item_avx512 : run_item_portable;
-  auto decoder = [&](KvDtype d) {
-    DecodeTileFn f = avx512 ? avx512_decoder(d) : nullptr;
+  auto decoder = [&](KvDtype d, int dim) {
+    DecodeTileFn f = avx512 ? avx512_decoder(d, dim) : nullptr;
     return f ? f : decode_tile_generic;
   };
-  const DecodeTileFn k_decode = decoder(spec.k_dtype), v_decode = decoder(spec.v_dtype);
+  const DecodeTileFn k_decode = decoder(spec.k_dtype, dk), v_decode = decoder(spec.v_dtype, dv);
 
   struct Unit {
     int seq, kv_head, first_pos, num_pos;
@@ -154,9 +154,9 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa) {
   {
     const size_t nq = static_cast<size_t>(pos_per_item) * ratio;
     std::vector<float> q(nq * dk), acc(nq * dv), m(nq), l(nq);
-    std::vector<float> k_tile(static_cast<size_t>(kTile) * dk, 0.0f);
-    std::vector<float> v_tile(static_cast<size_t>(kTile) * dv, 0.0f);
-    std::vector<float> p(kTile);
+    std::vector<float> k_tile(static_cast<size_t>(kChunk) * dk, 0.0f);
+    std::vector<float> v_tile(static_cast<size_t>(kChunk) * dv, 0.0f);
+    std::vector<float> p(2 * kChunk);
     std::vector<int> lo(pos_per_item), hi(pos_per_item);
 
 #pragma omp for schedule(dynamic, 1)

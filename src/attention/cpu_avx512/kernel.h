@@ -13,8 +13,11 @@
 
 namespace kvq::cpu_attn {
 
-// Queries of one work item come in tiles of this many kv tokens; block sizes are multiples.
+// A work item walks its kv tokens in tiles of kTile (block sizes are multiples), grouped in
+// chunks of kChunkTiles tiles that are dequantized together.
 inline constexpr int kTile = 16;
+inline constexpr int kChunkTiles = 2;
+inline constexpr int kChunk = kTile * kChunkTiles;
 
 // Rows [0, n) of a tile of one side: row i's values at values + i * row_data_bytes,
 // its per-row metadata at scales + i * row_scale_bytes.
@@ -64,7 +67,7 @@ struct WorkItem {
   float* out = nullptr;
   size_t out_pos_stride = 0;
   // Scratch owned by the calling thread: acc[num_pos * ratio][dim_v], m and l
-  // [num_pos * ratio], k_tile[kTile][dim_k], v_tile[kTile][dim_v], p[kTile].
+  // [num_pos * ratio], k_tile[kChunk][dim_k], v_tile[kChunk][dim_v], p[2 * kChunk].
   float* acc = nullptr;
   float* m = nullptr;
   float* l = nullptr;
@@ -77,8 +80,9 @@ void run_item_portable(const WorkItem& item);
 
 // AVX-512 (F, BW, VL). Only call when cpu_has_avx512().
 void run_item_avx512(const WorkItem& item);
-// The AVX-512 decoder for `dtype`, or nullptr where the generic one must be used.
-DecodeTileFn avx512_decoder(KvDtype dtype);
+// The AVX-512 decoder for rows of `dim` values of `dtype`, or nullptr where the generic one
+// must be used.
+DecodeTileFn avx512_decoder(KvDtype dtype, int dim);
 
 bool cpu_has_avx512();
 

@@ -62,23 +62,34 @@ uint16_t load_u16(const std::byte* p) {
 // e4m3 value / 2^8 for normals and subnormals alike; * 2^8 is exact. (Folding the 2^8 into
 // the scale would overflow for scales near FLT_MAX where the reference does not.)
 // The one e4m3 NaN magnitude (0x7F) would land on a finite fp16, so it is patched.
-__m512 e4m3x16(__m128i codes) {
-  const __m256i u = _mm256_cvtepu8_epi16(codes);
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8);
-  const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi16(0x7F));
-  const __m256i h = _mm256_or_si256(sign, _mm256_slli_epi16(mag, 7));
-  const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F));
-  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-  return _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(__builtin_nanf("")));
+// 32 codes -> two vectors of 16 values, times `scale`.
+void e4m3x32(__m256i codes, __m512 scale, __m512& lo, __m512& hi) {
+  const __m512i u = _mm512_cvtepu8_epi16(codes);
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x80)), 8);
+  const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi16(0x7F));
+  const __m512i h = _mm512_or_si512(sign, _mm512_slli_epi16(mag, 7));
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F));
+  const __m512 k256 = _mm512_set1_ps(256.0f), qnan = _mm512_set1_ps(__builtin_nanf(""));
+  lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), k256);
+  hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), k256);
+  lo = _mm512_mul_ps(_mm512_mask_mov_ps(lo, static_cast<__mmask16>(nan), qnan), scale);
+  hi = _mm512_mul_ps(_mm512_mask_mov_ps(hi, static_cast<__mmask16>(nan >> 16), qnan), scale);
 }
 
-// 16 4-bit codes from 8 bytes, element 2i in the low nibble of byte i.
-__m512i nibbles_x16(const std::byte* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+// 64 4-bit codes from 32 bytes (element 2i in the low nibble of byte i) as four vectors of
+// 16 lane indices: idx[k] holds elements 16k .. 16k + 15.
+void nibbles_x64(const std::byte* p, __m512i idx[4]) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(x, mask);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
+  // Within each 128-bit lane: unpacklo interleaves bytes 0-7 (elements 0-15 of the lane's
+  // 32), unpackhi bytes 8-15 (elements 16-31).
+  const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+  idx[0] = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(a));
+  idx[1] = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));
+  idx[2] = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(a, 1));
+  idx[3] = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1));
 }
 
 constexpr float e4m3_value(unsigned code) {
@@ -142,12 +153,15 @@ void decode_bf16(const TileSource& s, int n, float* out) {
   });
 }
 
+// fp8 rows in steps of 32 values (head dims are multiples of 32 here: 64, 128, 256).
 void decode_e4m3(const TileSource& s, int n, float* out) {
   const __m512 k = _mm512_set1_ps(s.tensor_scale);
   for_each_chunk(s, n, out, [k](const std::byte* row, const std::byte*, int chunks, float* o) {
-    for (int c = 0; c < chunks; ++c) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
-      _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(e4m3x16(b), k));
+    for (int c = 0; c < chunks; c += 2) {
+      __m512 lo, hi;
+      e4m3x32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c)), k, lo, hi);
+      _mm512_storeu_ps(o + 16 * c, lo);
+      _mm512_storeu_ps(o + 16 * c + 16, hi);
     }
   });
 }
@@ -155,10 +169,13 @@ void decode_e4m3(const TileSource& s, int n, float* out) {
 void decode_e5m2(const TileSource& s, int n, float* out) {
   const __m512 k = _mm512_set1_ps(s.tensor_scale);
   for_each_chunk(s, n, out, [k](const std::byte* row, const std::byte*, int chunks, float* o) {
-    for (int c = 0; c < chunks; ++c) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
-      const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
-      _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_cvtph_ps(h), k));
+    for (int c = 0; c < chunks; c += 2) {
+      const __m512i h = _mm512_slli_epi16(
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))),
+          8);
+      _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), k));
+      _mm512_storeu_ps(o + 16 * c + 16,
+                       _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), k));
     }
   });
 }
@@ -176,36 +193,51 @@ void decode_int8_pth(const TileSource& s, int n, float* out) {
 void decode_fp8_pth(const TileSource& s, int n, float* out) {
   for_each_chunk(s, n, out, [](const std::byte* row, const std::byte* meta, int chunks, float* o) {
     const __m512 k = _mm512_set1_ps(load_f32(meta));
-    for (int c = 0; c < chunks; ++c) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
-      _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(e4m3x16(b), k));
+    for (int c = 0; c < chunks; c += 2) {
+      __m512 lo, hi;
+      e4m3x32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c)), k, lo, hi);
+      _mm512_storeu_ps(o + 16 * c, lo);
+      _mm512_storeu_ps(o + 16 * c + 16, hi);
     }
   });
 }
 
+// int4: each row's 16 possible values fma(q, S, Z) go in a table once, then every element is
+// a lane permute of it (the reference computes the same fma per element).
 void decode_int4_pth(const TileSource& s, int n, float* out) {
-  for_each_chunk(s, n, out, [](const std::byte* row, const std::byte* meta, int chunks, float* o) {
-    const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(meta))));
-    const __m512 zero = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(meta + 2))));
-    for (int c = 0; c < chunks; ++c) {
-      const __m512 q = _mm512_cvtepi32_ps(nibbles_x16(row + 8 * c));
-      _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(q, scale, zero));
-    }
-  });
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for_each_chunk(
+      s, n, out, [iota](const std::byte* row, const std::byte* meta, int chunks, float* o) {
+        const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(meta))));
+        const __m512 zero =
+            _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(meta + 2))));
+        const __m512 table = _mm512_fmadd_ps(iota, scale, zero);
+        for (int c = 0; c < chunks; c += 4) {
+          __m512i idx[4];
+          nibbles_x64(row + 8 * c, idx);
+          for (int k = 0; k < 4; ++k)
+            _mm512_storeu_ps(o + 16 * (c + k), _mm512_permutexvar_ps(idx[k], table));
+        }
+      });
 }
 
+// nvfp4: per 16-value block, a table of the 16 E2M1 values times the block scale, times T
+// (the reference's order of the two multiplications), then lane permutes.
 void decode_nvfp4(const TileSource& s, int n, float* out) {
-  // E2M1 values by 4-bit code (bit 3 is the sign).
   const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
                                     -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
   const __m512 t = _mm512_set1_ps(s.tensor_scale);
   const int dim = s.dim;
   for_each_chunk(s, n, out, [&](const std::byte* row, const std::byte*, int chunks, float* o) {
     const std::byte* block_scales = row + dim / 2;
-    for (int c = 0; c < chunks; ++c) {
-      const __m512 v = _mm512_permutexvar_ps(nibbles_x16(row + 8 * c), lut);
-      const __m512 bs = _mm512_set1_ps(kE4m3.v[static_cast<uint8_t>(block_scales[c])]);
-      _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_mul_ps(v, bs), t));
+    for (int c = 0; c < chunks; c += 4) {
+      __m512i idx[4];
+      nibbles_x64(row + 8 * c, idx);
+      for (int k = 0; k < 4; ++k) {
+        const __m512 bs = _mm512_set1_ps(kE4m3.v[static_cast<uint8_t>(block_scales[c + k])]);
+        const __m512 table = _mm512_mul_ps(_mm512_mul_ps(lut, bs), t);
+        _mm512_storeu_ps(o + 16 * (c + k), _mm512_permutexvar_ps(idx[k], table));
+      }
     }
   });
 }
@@ -244,7 +276,7 @@ __m512 soft_cap16(__m512 x, float cap) {
 
 // Lane t of the result is the sum of the lanes of a[t]: four rounds of pairwise merging
 // (within 128-bit lanes, then across them), 45 shuffles/adds for 16 dot products.
-__m512 reduce16(const __m512* a) {
+inline __attribute__((always_inline)) __m512 reduce16(const __m512* a) {
   __m512 s1[8];
   for (int i = 0; i < 8; ++i)
     s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
@@ -281,16 +313,132 @@ TileSource tile_source(const Side& s, const WorkItem& item, int t0) {
   return src;
 }
 
+// Requests tile t0's rows and per-row scales of one side. A (kv head, tile) region is 1-8 KiB
+// and the next one is a block's worth of other heads away, often on another page, where the
+// hardware prefetchers stop.
+void prefetch_tile(const Side& s, const WorkItem& item, int t0, int n) {
+  const TileSource src = tile_source(s, item, t0);
+  const char* v = reinterpret_cast<const char*>(src.values);
+  const size_t value_bytes = static_cast<size_t>(n) * src.row_data_bytes;
+  for (size_t off = 0; off < value_bytes; off += 64) _mm_prefetch(v + off, _MM_HINT_T0);
+  const char* sc = reinterpret_cast<const char*>(src.scales);
+  const size_t scale_bytes = static_cast<size_t>(n) * src.row_scale_bytes;
+  for (size_t off = 0; off < scale_bytes; off += 64) _mm_prefetch(sc + off, _MM_HINT_T0);
+}
+
+void prefetch_chunk(const WorkItem& item, int c0, int last) {
+  for (int t0 = c0; t0 < c0 + kChunk && t0 < last; t0 += kTile) {
+    prefetch_tile(item.k, item, t0, imin(kTile, last - t0));
+    prefetch_tile(item.v, item, t0, imin(kTile, last - t0));
+  }
+}
+
+// GCC folds a load into every FMA that uses it, loading a vector shared by two queries twice;
+// loads, not FMAs, bound these loops, so the shared vectors are pinned to registers.
+inline __attribute__((always_inline)) void keep_in_register(__m512& v) {
+  asm("" : "+v"(v));
+}
+
 // ---- the work item ------------------------------------------------------------------------
+//
+// Tokens go in chunks of kChunk (kChunkTiles tiles of 16): the chunk's K and V rows are
+// decoded once into fp32 scratch (L1-resident), then the queries of each position, two at a
+// time, compute their logits of the chunk (16 dot products per tile, reduced into one
+// vector by reduce16), take one online-softmax step for the chunk and accumulate its V rows.
+// Pairing the queries halves the loads per FMA (each K or V vector loaded feeds both), which
+// is what bounds this loop; one softmax step per chunk keeps its serial chain (max, exp,
+// rescale) short relative to the FMAs.
+
+// Queries qi0 .. qi0 + Q - 1 (one position, so one mask) against chunk tokens [a, b).
+template <int DK, int DV, int Q>
+void attend_chunk(const WorkItem& item, int qi0, int a, int b, const __mmask16* lanes) {
+  constexpr int CK = DK / 16, CV = DV / 16;
+  const float neg_inf = -__builtin_inff();
+  const int s_first = a / kTile, s_end = (b - 1) / kTile + 1;
+
+  __m512 logits[Q][kChunkTiles];
+  for (int sub = s_first; sub < s_end; ++sub) {
+    __m512 dots[Q][kTile];
+    for (int t = 0; t < kTile; ++t) {
+      const float* k = item.k_tile + (sub * kTile + t) * DK;
+      __m512 s0[Q], s1[Q];
+      for (int i = 0; i < Q; ++i) {
+        s0[i] = _mm512_setzero_ps();
+        s1[i] = _mm512_setzero_ps();
+      }
+      for (int c = 0; c < CK; c += 2) {
+        __m512 k0 = _mm512_loadu_ps(k + 16 * c);
+        __m512 k1 = _mm512_loadu_ps(k + 16 * (c + 1));
+        if constexpr (Q > 1) {
+          keep_in_register(k0);
+          keep_in_register(k1);
+        }
+        for (int i = 0; i < Q; ++i) {
+          const float* q = item.q + static_cast<size_t>(qi0 + i) * DK;
+          s0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), k0, s0[i]);
+          s1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * (c + 1)), k1, s1[i]);
+        }
+      }
+      for (int i = 0; i < Q; ++i) dots[i][t] = _mm512_add_ps(s0[i], s1[i]);
+    }
+    for (int i = 0; i < Q; ++i) {
+      logits[i][sub] = reduce16(dots[i]);
+      if (item.soft_cap != 0.0f) logits[i][sub] = soft_cap16(logits[i][sub], item.soft_cap);
+    }
+  }
+
+  float* p[Q];
+  __m512 w_corr[Q];
+  for (int i = 0; i < Q; ++i) {
+    const int qi = qi0 + i;
+    __m512 cmax = _mm512_set1_ps(neg_inf);
+    for (int sub = s_first; sub < s_end; ++sub)
+      cmax = _mm512_mask_max_ps(cmax, lanes[sub], cmax, logits[i][sub]);
+    const float m_old = item.m[qi];
+    const float m_new = fmax1(m_old, _mm512_reduce_max_ps(cmax));
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 psum = _mm512_setzero_ps();
+    p[i] = item.p + i * kChunk;
+    for (int sub = s_first; sub < s_end; ++sub) {
+      const __m512 e = _mm512_maskz_mov_ps(lanes[sub], exp16(_mm512_sub_ps(logits[i][sub], mv)));
+      _mm512_storeu_ps(p[i] + sub * kTile, e);
+      psum = _mm512_add_ps(psum, e);
+    }
+    // exp(-inf - m_new) would be 0 too, but only by way of exp16's clamping.
+    const float corr =
+        m_old == neg_inf ? 0.0f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m_old - m_new)));
+    item.l[qi] = item.l[qi] * corr + _mm512_reduce_add_ps(psum);
+    item.m[qi] = m_new;
+    w_corr[i] = _mm512_set1_ps(corr);
+  }
+
+  __m512 acc[Q][CV];
+  for (int i = 0; i < Q; ++i)
+    for (int c = 0; c < CV; ++c)
+      acc[i][c] = _mm512_mul_ps(
+          _mm512_loadu_ps(item.acc + static_cast<size_t>(qi0 + i) * DV + 16 * c), w_corr[i]);
+  for (int t = a; t < b; ++t) {
+    const float* v = item.v_tile + t * DV;
+    __m512 w[Q];
+    for (int i = 0; i < Q; ++i) w[i] = _mm512_set1_ps(p[i][t]);
+    for (int c = 0; c < CV; ++c) {
+      __m512 vc = _mm512_loadu_ps(v + 16 * c);
+      if constexpr (Q > 1) keep_in_register(vc);
+      for (int i = 0; i < Q; ++i) acc[i][c] = _mm512_fmadd_ps(w[i], vc, acc[i][c]);
+    }
+  }
+  for (int i = 0; i < Q; ++i)
+    for (int c = 0; c < CV; ++c)
+      _mm512_storeu_ps(item.acc + static_cast<size_t>(qi0 + i) * DV + 16 * c, acc[i][c]);
+}
 
 template <int DK, int DV>
 void run_item_t(const WorkItem& item) {
-  constexpr int CK = DK / 16, CV = DV / 16;
+  constexpr int CV = DV / 16;
   const int nq = item.num_pos * item.ratio;
-  const float neg_inf = -__builtin_inff();
   for (int i = 0; i < nq * DV; i += 16) _mm512_storeu_ps(item.acc + i, _mm512_setzero_ps());
   for (int i = 0; i < nq; ++i) {
-    item.m[i] = neg_inf;
+    item.m[i] = -__builtin_inff();
     item.l[i] = 0.0f;
   }
   int first = item.lo[0], last = item.hi[0];
@@ -299,59 +447,33 @@ void run_item_t(const WorkItem& item) {
     last = imax(last, item.hi[j]);
   }
 
-  for (int t0 = first - first % kTile; t0 < last; t0 += kTile) {
-    const int n = imin(kTile, last - t0);
+  const int begin = first - first % kTile;
+  prefetch_chunk(item, begin, last);
+  for (int c0 = begin; c0 < last; c0 += kChunk) {
+    const int cn = imin(kChunk, last - c0);
+    prefetch_chunk(item, c0 + kChunk, last);
     bool decoded = false;
     for (int j = 0; j < item.num_pos; ++j) {
-      const int a = imax(item.lo[j], t0) - t0, b = imin(item.hi[j], t0 + n) - t0;
-      if (a >= b) continue;  // this position sees nothing of the tile
+      // This position sees chunk tokens [a, b).
+      const int a = imax(item.lo[j], c0) - c0, b = imin(item.hi[j], c0 + cn) - c0;
+      if (a >= b) continue;
       if (!decoded) {
-        item.k.decode(tile_source(item.k, item, t0), n, item.k_tile);
-        item.v.decode(tile_source(item.v, item, t0), n, item.v_tile);
+        for (int t = 0; t < cn; t += kTile) {
+          const int n = imin(kTile, cn - t);
+          item.k.decode(tile_source(item.k, item, c0 + t), n, item.k_tile + t * DK);
+          item.v.decode(tile_source(item.v, item, c0 + t), n, item.v_tile + t * DV);
+        }
         decoded = true;
       }
-      const __mmask16 lanes = static_cast<__mmask16>(((1u << b) - 1u) & ~((1u << a) - 1u));
-      for (int r = 0; r < item.ratio; ++r) {
-        const int qi = j * item.ratio + r;
-        const float* q = item.q + static_cast<size_t>(qi) * DK;
-        // Logits of the 16 rows (rows outside [a, b) are computed on stale data and masked).
-        __m512 qv[CK];
-        for (int c = 0; c < CK; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-        __m512 dots[kTile];
-        for (int t = 0; t < kTile; ++t) {
-          const float* k = item.k_tile + t * DK;
-          __m512 s0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-          __m512 s1 = _mm512_setzero_ps();
-          for (int c = 1; c < CK; c += 2) {
-            s1 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s1);
-            if (c + 1 < CK) s0 = _mm512_fmadd_ps(qv[c + 1], _mm512_loadu_ps(k + 16 * (c + 1)), s0);
-          }
-          dots[t] = _mm512_add_ps(s0, s1);
-        }
-        __m512 logits = reduce16(dots);
-        if (item.soft_cap != 0.0f) logits = soft_cap16(logits, item.soft_cap);
-
-        const float m_old = item.m[qi];
-        const float m_new = fmax1(m_old, _mm512_mask_reduce_max_ps(lanes, logits));
-        const __m512 p =
-            _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(logits, _mm512_set1_ps(m_new))));
-        _mm512_storeu_ps(item.p, p);
-        const float corr = m_old == neg_inf ? 0.0f : __builtin_expf(m_old - m_new);
-        item.l[qi] = item.l[qi] * corr + _mm512_reduce_add_ps(p);
-        item.m[qi] = m_new;
-
-        float* acc_row = item.acc + static_cast<size_t>(qi) * DV;
-        __m512 acc[CV];
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (int c = 0; c < CV; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(acc_row + 16 * c), cv);
-        for (int t = a; t < b; ++t) {
-          const __m512 w = _mm512_set1_ps(item.p[t]);
-          const float* v = item.v_tile + t * DV;
-          for (int c = 0; c < CV; ++c)
-            acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), acc[c]);
-        }
-        for (int c = 0; c < CV; ++c) _mm512_storeu_ps(acc_row + 16 * c, acc[c]);
+      __mmask16 lanes[kChunkTiles];
+      for (int sub = a / kTile; sub <= (b - 1) / kTile; ++sub) {
+        const int la = imax(a - sub * kTile, 0), lb = imin(b - sub * kTile, kTile);
+        lanes[sub] = static_cast<__mmask16>(((1u << lb) - 1u) & ~((1u << la) - 1u));
       }
+      const int qi0 = j * item.ratio;
+      int r = 0;
+      for (; r + 2 <= item.ratio; r += 2) attend_chunk<DK, DV, 2>(item, qi0 + r, a, b, lanes);
+      if (r < item.ratio) attend_chunk<DK, DV, 1>(item, qi0 + r, a, b, lanes);
     }
   }
 
@@ -394,7 +516,8 @@ void run_item_avx512(const WorkItem& item) {
   // Unreachable: run_tiled checks the head dims before any item runs.
 }
 
-DecodeTileFn avx512_decoder(KvDtype dtype) {
+DecodeTileFn avx512_decoder(KvDtype dtype, int dim) {
+  if (dim % 64 != 0) return nullptr;  // the decoders step 32 or 64 values at a time
   switch (dtype) {
     case KvDtype::kFloat32:
       return decode_f32;

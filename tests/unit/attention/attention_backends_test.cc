@@ -196,9 +196,9 @@ TEST(CpuAvx512Decoders, MatchReferenceDecodeBitForBit) {
   std::uniform_int_distribution<int> byte(0, 255);
   for (const auto& t : kKvDtypeTraits) {
     if (!t.concrete) continue;
-    const cpu_attn::DecodeTileFn fast = cpu_attn::avx512_decoder(t.dtype);
-    ASSERT_NE(fast, nullptr) << t.name;
     for (int dim : {64, 128, 256}) {
+      const cpu_attn::DecodeTileFn fast = cpu_attn::avx512_decoder(t.dtype, dim);
+      ASSERT_NE(fast, nullptr) << t.name;
       constexpr int kRows = 16;
       const size_t rdb = row_data_bytes(t.dtype, dim), rsb = row_scale_bytes(t.dtype);
       std::vector<std::byte> values(kRows * rdb), scales(kRows * rsb + 4);
