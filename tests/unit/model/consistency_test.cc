@@ -2,7 +2,9 @@
 // sizes, token-by-token decode, or batched with another sequence (float32 cache).
 #include <gtest/gtest.h>
 
+#include <omp.h>
 #include <algorithm>
+
 #include <cstdio>
 
 #include "model_test_util.h"
@@ -93,6 +95,31 @@ TEST(Consistency, BatchedSequencesMatchEachAlone) {
   ASSERT_EQ(lab2.size(), 6 * V);
   expect_close(lab2.data(), lb2.data(), lb2.size(), "b's chunk in a mixed batch");
   expect_close(lab2.data() + 5 * V, la2.data(), la2.size(), "a's decode in a mixed batch");
+}
+
+// Matrix products split over threads by output columns (few threads) or rows (many): the
+// logits do not depend on the thread count.
+TEST(Consistency, ThreadCountDoesNotChangeLogits) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const TinySpec s = sliding_qwen3();
+  const TinyModel m = make_tiny_model(s, rng);
+  std::shared_ptr<const Model> model = Model::load(plan_for(m.dir));
+  const auto tokens = random_tokens(40, s.vocab, rng);
+  const int saved = omp_get_max_threads();
+  std::vector<std::vector<float>> runs;
+  for (int threads : {1, 3, 8}) {
+    omp_set_num_threads(threads);
+    Runner r(model, 4);
+    runs.push_back(r.step({1}, {tokens}));
+    auto d = r.step({1}, {{tokens[0]}});  // a decode step too
+    runs.back().insert(runs.back().end(), d.begin(), d.end());
+  }
+  omp_set_num_threads(saved);
+  for (size_t i = 1; i < runs.size(); ++i)
+    expect_close(runs[i].data(), runs[0].data(), runs[0].size(),
+                 "threads run " + std::to_string(i));
 }
 
 // The weights shared by with_plan give the same logits as a fresh load.
