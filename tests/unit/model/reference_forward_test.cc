@@ -129,5 +129,36 @@ TEST(WeightConversion, Bf16AndF16MatchTheirF32Values) {
   }
 }
 
+// A checkpoint sharded over two files (model.safetensors.index.json) loads the same weights.
+TEST(WeightConversion, ShardedCheckpointMatchesSingleFile) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  TinySpec s;
+  s.layers = 2;
+  const TinyModel m = make_tiny_model(s, rng);
+  const auto files = CheckpointFiles::open(m.dir);
+  std::vector<FixtureTensor> shard[2];
+  nlohmann::json weight_map = nlohmann::json::object();
+  int i = 0;
+  for (const auto& [name, vals] : m.w) {
+    const int which = i++ % 2;
+    shard[which].push_back(f32_tensor(name, files.find(name).second->shape,
+                                      std::vector<float>(vals.begin(), vals.end())));
+    weight_map[name] = "model-0000" + std::to_string(which + 1) + "-of-00002.safetensors";
+  }
+  const std::string dir = make_model_dir(m.config, {}, /*with_weights=*/false);
+  for (int w = 0; w < 2; ++w)
+    write_safetensors(dir + "/model-0000" + std::to_string(w + 1) + "-of-00002.safetensors",
+                      shard[w]);
+  write_text(
+      dir + "/model.safetensors.index.json",
+      nlohmann::json{{"metadata", nlohmann::json::object()}, {"weight_map", weight_map}}.dump());
+
+  const auto tokens = random_tokens(19, s.vocab, rng);
+  Runner a(Model::load(plan_for(m.dir)), 4), b(Model::load(plan_for(dir)), 4);
+  ASSERT_EQ(a.step({1}, {tokens}), b.step({1}, {tokens}));
+}
+
 }  // namespace
 }  // namespace kvq::test
