@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "tokenizer/nfc.h"
 #include "tokenizer/regex.h"
 #include "tokenizer/utf8.h"
 
@@ -115,11 +116,9 @@ class StripNormalizer final : public Normalizer {
   }
 };
 
-// NFC without Unicode composition tables: the identity. Exact for text that is already in NFC
-// (all ASCII and most real-world text); the limitation is documented in tokenizer.h.
 class NfcNormalizer final : public Normalizer {
  public:
-  void apply(std::string&) const override {}
+  void apply(std::string& s) const override { s = nfc(s); }
 };
 
 // ---- pre-tokenizers ----------------------------------------------------------------------

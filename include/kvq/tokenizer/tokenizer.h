@@ -6,20 +6,22 @@
 // Supported tokenizer.json components:
 //   model:          BPE (vocab, merges as "a b" strings or [a, b] pairs, unk_token, fuse_unk,
 //                   byte_fallback, ignore_merges, continuing_subword_prefix, end_of_word_suffix)
-//   normalizer:     Sequence, Prepend, Replace, Strip, NFC (see the NFC limitation below)
-//   pre_tokenizer:  Sequence, ByteLevel, Split, Metaspace, Digits, Whitespace, WhitespaceSplit,
-//                   CharDelimiterSplit
+//   normalizer:     Sequence, Prepend, Replace, Strip, NFC
+//   pre_tokenizer:  Sequence, ByteLevel, Split (String or Regex pattern, every behavior, invert),
+//                   Metaspace (prepend_scheme always/first/never, split), Digits
 //   post_processor: TemplateProcessing, ByteLevel, RobertaProcessing, BertProcessing, Sequence
 //   decoder:        Sequence, ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace
-//   added_tokens:   literal matching, longest first, with special/normalized/lstrip/rstrip/
-//                   single_word honoured
+//   added_tokens:   literal matching, leftmost-longest, with special/normalized/lstrip/rstrip/
+//                   single_word honoured; ids assigned by HF's rule (file order; the "id" field
+//                   only agrees with it in a consistent file)
+// Split regexes run on PCRE2 (UTF + UCP, JIT) with \s widened to Oniguruma's (adds U+0085).
 //
 // Behaviour on unusual input:
 //   - Invalid UTF-8 in encode() input is replaced by U+FFFD (one per maximal invalid
 //     subsequence, as Rust's String::from_utf8_lossy does) before tokenization.
 //   - decode() skips ids that are neither in the vocabulary nor added tokens, as HF does.
-//   - NFC normalizer: applied as the identity. Input that is already NFC (all ASCII, and most
-//     real text) tokenizes exactly; decomposed input (e.g. "e" + U+0301) can differ from HF.
+//   - NFC uses tables generated from Python's unicodedata (Unicode 14); characters newer than
+//     that are left as they are.
 //   - truncation / padding in tokenizer.json are ignored (encode returns every id).
 #pragma once
 
