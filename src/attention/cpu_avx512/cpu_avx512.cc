@@ -9,7 +9,10 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include <omp.h>
 
 #include "attention/backends.h"
 #include "attention/cpu_avx512/kernel.h"
@@ -23,6 +26,9 @@ namespace cpu_attn {
 namespace {
 // Queries (positions x heads of the group) per work item: bounds the per-thread scratch.
 constexpr int kMaxQueries = 64;
+// Splitting a unit's kv range: pieces of at least this many tokens, at most this many pieces.
+constexpr int kMinSplitTokens = 256;
+constexpr int kMaxSplits = 32;
 }  // namespace
 
 bool cpu_has_avx512() {
@@ -108,6 +114,7 @@ void run_item_portable(const WorkItem& item) {
       }
     }
   }
+  if (!item.normalize) return;
   for (int j = 0; j < item.num_pos; ++j)
     for (int r = 0; r < item.ratio; ++r) {
       const int qi = j * item.ratio + r;
@@ -119,11 +126,12 @@ void run_item_portable(const WorkItem& item) {
     }
 }
 
-void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa) {
+void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, int min_tasks) {
   const BlockTableView& bt = args.block_table;
   const int ratio = spec.gqa_ratio();
   const int dk = spec.head_dim_k, dv = spec.head_dim_v;
   const int pos_per_item = std::max(1, kMaxQueries / ratio);
+  const size_t max_nq = static_cast<size_t>(pos_per_item) * ratio;
   const bool k_rotated = traits(spec.k_dtype).rotated;
   const bool v_rotated = traits(spec.v_dtype).rotated;
   const bool avx512 = isa == Isa::kAvx512;
@@ -138,40 +146,97 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa) {
   };
   const DecodeTileFn k_decode = decoder(spec.k_dtype, dk), v_decode = decoder(spec.v_dtype, dv);
 
+  // Masks as documented in AttentionArgs: query position `pos` sees kv tokens [lo, hi).
+  auto visible = [&](int pos, int kv_len) {
+    const int lo = spec.attention == AttentionKind::kSlidingWindow
+                       ? std::max(0, pos - spec.sliding_window + 1)
+                       : 0;
+    const int hi = spec.attention == AttentionKind::kNonCausal ? kv_len : pos + 1;
+    return std::pair{lo, hi};
+  };
+
+  // Units: (sequence, kv head, up to pos_per_item positions), with the kv range they see.
   struct Unit {
     int seq, kv_head, first_pos, num_pos;
+    int kv_first, kv_last;
+    int splits = 1;
+    size_t partial = 0;  // first task's offset in `partials` when split
   };
   std::vector<Unit> units;
   for (int s = 0; s < bt.num_seqs; ++s) {
     const int q_len = args.q_indptr[s + 1] - args.q_indptr[s];
-    for (int g = 0; g < spec.num_kv_heads; ++g)
-      for (int j = 0; j < q_len; j += pos_per_item)
-        units.push_back({s, g, j, std::min(pos_per_item, q_len - j)});
+    const int kv_len = bt.seq_lens[s];
+    for (int j = 0; j < q_len; j += pos_per_item) {
+      const int n = std::min(pos_per_item, q_len - j);
+      const int first = visible(kv_len - q_len + j, kv_len).first;
+      const int last = visible(kv_len - q_len + j + n - 1, kv_len).second;
+      for (int g = 0; g < spec.num_kv_heads; ++g) units.push_back({s, g, j, n, first, last});
+    }
   }
-  const int num_units = static_cast<int>(units.size());
 
-#pragma omp parallel if (num_units > 1)
+  // Too few units to occupy every core (decode of a small batch): split the kv range of each
+  // unit into pieces with their own softmax state, merged at the end (flash-decoding).
+  const int tasks_wanted = min_tasks > 0 ? min_tasks : 2 * omp_get_max_threads();
+  const int want = units.empty() ? 1
+                                 : (tasks_wanted + static_cast<int>(units.size()) - 1) /
+                                       static_cast<int>(units.size());
+  struct Task {
+    int unit, kv_begin, kv_end, split;
+  };
+  std::vector<Task> tasks;
+  const size_t partial_floats = max_nq * (static_cast<size_t>(dv) + 2);
+  size_t num_partials = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    Unit& unit = units[u];
+    const int len = unit.kv_last - unit.kv_first;
+    int splits = std::clamp(std::min(want, len / kMinSplitTokens), 1, kMaxSplits);
+    const int piece = (len / splits + kChunk - 1) / kChunk * kChunk;  // chunk-aligned pieces
+    splits = (len + piece - 1) / piece;
+    unit.splits = splits;
+    unit.partial = num_partials;
+    if (splits > 1) num_partials += static_cast<size_t>(splits);
+    // Pieces start at multiples of kChunk from the unit's first tile.
+    const int base = unit.kv_first - unit.kv_first % kTile;
+    for (int sp = 0; sp < splits; ++sp)
+      tasks.push_back({static_cast<int>(u), sp == 0 ? unit.kv_first : base + sp * piece,
+                       sp + 1 == splits ? unit.kv_last : base + (sp + 1) * piece, sp});
+  }
+  std::vector<float> partials(num_partials * partial_floats);
+  const int num_tasks = static_cast<int>(tasks.size());
+
+  auto out_row = [&](const Unit& unit, int j, int r) {
+    const int q_row = args.q_indptr[unit.seq] + unit.first_pos + j;
+    return args.out + (static_cast<size_t>(q_row) * spec.num_q_heads +
+                       static_cast<size_t>(unit.kv_head * ratio + r)) *
+                          dv;
+  };
+  auto unrotate_out = [&](const Unit& unit) {
+    if (!v_rotated) return;  // V rows are stored rotated: the weighted sum is too
+    for (int j = 0; j < unit.num_pos; ++j)
+      for (int r = 0; r < ratio; ++r)
+        quant::hadamard_unrotate(std::span<float>(out_row(unit, j, r), static_cast<size_t>(dv)));
+  };
+
+#pragma omp parallel if (num_tasks > 1)
   {
-    const size_t nq = static_cast<size_t>(pos_per_item) * ratio;
-    std::vector<float> q(nq * dk), acc(nq * dv), m(nq), l(nq);
+    std::vector<float> q(max_nq * dk), acc(max_nq * dv), m(max_nq), l(max_nq);
     std::vector<float> k_tile(static_cast<size_t>(kChunk) * dk, 0.0f);
     std::vector<float> v_tile(static_cast<size_t>(kChunk) * dv, 0.0f);
     std::vector<float> p(2 * kChunk);
     std::vector<int> lo(pos_per_item), hi(pos_per_item);
 
 #pragma omp for schedule(dynamic, 1)
-    for (int u = 0; u < num_units; ++u) {
-      const Unit& unit = units[static_cast<size_t>(u)];
+    for (int t = 0; t < num_tasks; ++t) {
+      const Task& task = tasks[static_cast<size_t>(t)];
+      const Unit& unit = units[static_cast<size_t>(task.unit)];
       const int kv_len = bt.seq_lens[unit.seq];
       const int q_begin = args.q_indptr[unit.seq];
       const int q_len = args.q_indptr[unit.seq + 1] - q_begin;
       for (int j = 0; j < unit.num_pos; ++j) {
-        // Masks as documented in AttentionArgs: position p sees [lo, hi).
-        const int pos = kv_len - q_len + unit.first_pos + j;
-        lo[j] = spec.attention == AttentionKind::kSlidingWindow
-                    ? std::max(0, pos - spec.sliding_window + 1)
-                    : 0;
-        hi[j] = spec.attention == AttentionKind::kNonCausal ? kv_len : pos + 1;
+        const auto [vis_lo, vis_hi] = visible(kv_len - q_len + unit.first_pos + j, kv_len);
+        lo[j] = std::max(vis_lo, task.kv_begin);
+        hi[j] = std::min(vis_hi, task.kv_end);
+        if (lo[j] >= hi[j]) lo[j] = hi[j] = task.kv_begin;  // sees nothing of this piece
         for (int r = 0; r < ratio; ++r) {
           const float* src =
               args.q + (static_cast<size_t>(q_begin + unit.first_pos + j) * spec.num_q_heads +
@@ -212,22 +277,53 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa) {
       item.v = side(KvSide::kV, v_decode);
       item.soft_cap = args.logit_soft_cap;
       item.out_pos_stride = static_cast<size_t>(spec.num_q_heads) * dv;
-      item.out = args.out + static_cast<size_t>(q_begin + unit.first_pos) * item.out_pos_stride +
-                 static_cast<size_t>(unit.kv_head * ratio) * dv;
-      item.acc = acc.data();
-      item.m = m.data();
-      item.l = l.data();
+      item.out = out_row(unit, 0, 0);
       item.k_tile = k_tile.data();
       item.v_tile = v_tile.data();
       item.p = p.data();
-      run_item(item);
+      if (unit.splits == 1) {
+        item.acc = acc.data();
+        item.m = m.data();
+        item.l = l.data();
+        run_item(item);
+        unrotate_out(unit);
+      } else {  // leave this piece's unnormalized state for the merge
+        float* part =
+            partials.data() + (unit.partial + static_cast<size_t>(task.split)) * partial_floats;
+        item.acc = part;
+        item.m = part + max_nq * dv;
+        item.l = item.m + max_nq;
+        item.normalize = false;
+        run_item(item);
+      }
+    }
 
-      if (v_rotated)  // V rows are stored rotated: the weighted sum is too
-        for (int j = 0; j < unit.num_pos; ++j)
-          for (int r = 0; r < ratio; ++r)
-            quant::hadamard_unrotate(
-                std::span<float>(item.out + j * item.out_pos_stride + static_cast<size_t>(r) * dv,
-                                 static_cast<size_t>(dv)));
+    // Merge split units: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max m_s.
+    const int num_units = static_cast<int>(units.size());
+#pragma omp for schedule(dynamic, 1)
+    for (int u = 0; u < num_units; ++u) {
+      const Unit& unit = units[static_cast<size_t>(u)];
+      if (unit.splits == 1) continue;
+      for (int qi = 0; qi < unit.num_pos * ratio; ++qi) {
+        auto part = [&](int sp) {
+          return partials.data() + (unit.partial + static_cast<size_t>(sp)) * partial_floats;
+        };
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int sp = 0; sp < unit.splits; ++sp) mx = std::max(mx, part(sp)[max_nq * dv + qi]);
+        float* o = out_row(unit, qi / ratio, qi % ratio);
+        std::fill(o, o + dv, 0.0f);
+        float denom = 0.0f;
+        for (int sp = 0; sp < unit.splits; ++sp) {
+          const float m_s = part(sp)[max_nq * dv + qi];
+          if (m_s == -std::numeric_limits<float>::infinity()) continue;  // saw nothing
+          const float w = std::exp(m_s - mx);
+          denom += part(sp)[max_nq * dv + max_nq + qi] * w;
+          const float* a = part(sp) + static_cast<size_t>(qi) * dv;
+          for (int d = 0; d < dv; ++d) o[d] += a[d] * w;
+        }
+        for (int d = 0; d < dv; ++d) o[d] /= denom;
+      }
+      unrotate_out(unit);
     }
   }
 }

@@ -64,6 +64,9 @@ struct WorkItem {
   int block_tokens = 0;
   Side k, v;
   float soft_cap = 0.0f;
+  // true: write out = acc / l. false: leave acc, m, l unnormalized (one piece of a split kv
+  // range; the driver merges the pieces).
+  bool normalize = true;
   float* out = nullptr;
   size_t out_pos_stride = 0;
   // Scratch owned by the calling thread: acc[num_pos * ratio][dim_v], m and l
@@ -88,7 +91,8 @@ bool cpu_has_avx512();
 
 enum class Isa { kPortable, kAvx512 };
 // The whole backend minus the argument checks of AttentionBackend::run (tests call it with
-// kPortable to cover the fallback on AVX-512 machines).
-void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa);
+// kPortable to cover the fallback on AVX-512 machines). Units of work whose kv range is long
+// are split until there are about `min_tasks` tasks (0: twice the OpenMP threads).
+void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, int min_tasks = 0);
 
 }  // namespace kvq::cpu_attn

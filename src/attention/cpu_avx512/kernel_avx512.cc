@@ -477,6 +477,7 @@ void run_item_t(const WorkItem& item) {
     }
   }
 
+  if (!item.normalize) return;
   for (int j = 0; j < item.num_pos; ++j)
     for (int r = 0; r < item.ratio; ++r) {
       const int qi = j * item.ratio + r;

@@ -186,6 +186,40 @@ TEST(AttentionBackends, DifferentKvHeadDimsAndLongContext) {
       }
 }
 
+// Long kv ranges split into pieces with their own softmax state, merged at the end: forced
+// here (the backend splits only when there are fewer units of work than cores).
+TEST(CpuAvx512SplitKv, PiecesMergeToExactAttention) {
+  const unsigned seed = test::fresh_seed();
+  const std::vector<std::pair<KvDtype, KvDtype>> pairs = {
+      {KvDtype::kBFloat16, KvDtype::kBFloat16},
+      {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead},
+      {KvDtype::kFp8E4M3, KvDtype::kNvfp4}};
+  int n = 0;
+  for (cpu_attn::Isa isa : {cpu_attn::Isa::kAvx512, cpu_attn::Isa::kPortable}) {
+    if (isa == cpu_attn::Isa::kAvx512 && !cpu_attn::cpu_has_avx512()) continue;
+    for (const auto& [k, v] : pairs)
+      for (AttentionKind kind :
+           {AttentionKind::kCausal, AttentionKind::kSlidingWindow, AttentionKind::kNonCausal}) {
+        AttnCase c;
+        c.k = k;
+        c.v = v;
+        c.kind = kind;
+        c.window = 300;
+        c.head_dim_k = c.head_dim_v = 64;
+        c.ratio = 2;
+        c.num_kv_heads = 2;
+        c.soft_cap = n % 2 ? 6.0f : 0.0f;
+        c.seqs = {{900, 1}, {517, 3}, {40, 1}};
+        const unsigned case_seed = seed + static_cast<unsigned>(++n);
+        AttnProblem problem(c, case_seed);
+        cpu_attn::run_tiled(problem.spec(), problem.args(), isa, /*min_tasks=*/64);
+        EXPECT_TRUE(problem.check(tolerance(Impl::kAvx512, k, v)))
+            << (isa == cpu_attn::Isa::kAvx512 ? "avx512" : "portable") << ": " << c.describe()
+            << ", seed " << case_seed;
+      }
+  }
+}
+
 // The AVX-512 tile decoders reproduce the reference codecs bit for bit, on encoded rows of
 // random data and on random bytes (every code, NaN codes included).
 TEST(CpuAvx512Decoders, MatchReferenceDecodeBitForBit) {
