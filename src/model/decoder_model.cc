@@ -213,6 +213,7 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
   KVQ_CHECK(cache.num_layers() == static_cast<size_t>(num_layers_),
             "forward: the cache has " + std::to_string(cache.num_layers()) + " layers, the model " +
                 std::to_string(num_layers_));
+  KVQ_CHECK(R <= T, "forward: more logit rows than tokens");
   for (int32_t r : b.logit_rows)
     KVQ_CHECK(r >= 0 && r < T, "forward: logit row " + std::to_string(r) + " out of range");
   for (int32_t t : b.tokens)
