@@ -286,12 +286,18 @@ class StepState {
     if (!text.empty()) out.push_back(std::move(text));
   }
 
-  // Literal replacement over a stream: hold back a tail that may be the start of a match.
+  // Literal replacement over a stream: replace the whole matches, then hold back a tail that
+  // may be the start of a match still to come.
   void replace_held(std::vector<std::string>& out, bool at_end) {
     size_t keep = 0;
     const std::string& lit = s_.pattern.literal;
     if (!at_end && !lit.empty()) {
-      for (size_t k = std::min(lit.size() - 1, held_.size()); k > 0; --k) {
+      size_t last_end = 0;
+      for (const Piece& p : s_.pattern.find_matches(held_)) {
+        if (p.is_match) last_end = p.end;
+      }
+      const size_t tail = held_.size() - last_end;
+      for (size_t k = std::min(lit.size() - 1, tail); k > 0; --k) {
         if (held_.compare(held_.size() - k, k, lit, 0, k) == 0) {
           keep = k;
           break;

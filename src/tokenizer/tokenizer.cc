@@ -105,8 +105,10 @@ json parse_json_text(std::string_view text, const std::string& origin) {
   }
 }
 
+// Rust regex's Unicode \w (HF's single_word check): Alphabetic, marks, decimal digits,
+// connector punctuation and the joiners; PCRE2's \w differs (it has all of \p{N}, e.g. "²").
 bool is_word_char(std::string_view ch) {
-  static const tok::Regex word(R"(^\w$)");
+  static const tok::Regex word(R"(^[\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\x{200C}\x{200D}]$)");
   return word.search(ch);
 }
 

@@ -188,6 +188,25 @@ TEST(AddedTokens, LstripRstripTakeTheSurroundingWhitespace) {
   EXPECT_EQ(t.encode("a \t<m>  b", false), (Ids{'a', 260, 'b'}));
 }
 
+TEST(AddedTokens, SingleWordUsesRustWordCharacters) {
+  // HF checks single_word with Rust's Unicode \w: letters and decimal digits are word
+  // characters, "²" (No) and "-" are not.
+  nlohmann::json j = test::byte_level_bpe({});
+  j["added_tokens"] = {{{"id", 256},
+                        {"content", "the"},
+                        {"single_word", true},
+                        {"lstrip", false},
+                        {"rstrip", false},
+                        {"normalized", true},
+                        {"special", false}}};
+  const Tokenizer t = make(j);
+  EXPECT_EQ(t.encode("the", false), (Ids{256}));
+  EXPECT_EQ(t.encode("-the-", false), (Ids{'-', 256, '-'}));
+  EXPECT_EQ(t.encode("x\xC2\xB2the", false), (Ids{'x', 0xC2, 0xB2, 256}));
+  EXPECT_EQ(t.encode("other", false), (Ids{'o', 't', 'h', 'e', 'r'}));
+  EXPECT_EQ(t.encode("3the", false), (Ids{'3', 't', 'h', 'e'}));
+}
+
 TEST(AddedTokens, DecodeSkipsOnlySpecialTokens) {
   const Tokenizer t = make(with_added_tokens());
   const Ids ids = {'x', 257, 259, 'y'};
@@ -480,6 +499,27 @@ TEST(Property, StreamingHoldsBackIncompleteCharacters) {
   EXPECT_EQ(sd.push(0x8D), "\xF0\x9F\x90\x8D");
   EXPECT_EQ(sd.push(0xE4), "");
   EXPECT_EQ(sd.finish(), "\xEF\xBF\xBD");  // a truncated character ends as one U+FFFD
+}
+
+TEST(Property, StreamingReplaceAfterFuseSpansTokens) {
+  // Replace("ll" -> "L") after Fuse sees the joined text, so "l" + "l" from two tokens is
+  // replaced; the stream must hold the first "l" back until it knows.
+  const std::string sp = "\xE2\x96\x81";
+  nlohmann::json j = test::sentencepiece_bpe({sp, "l", "a"}, {});
+  j["decoder"] = {{"type", "Sequence"},
+                  {"decoders",
+                   {{{"type", "ByteFallback"}},
+                    {{"type", "Fuse"}},
+                    {{"type", "Replace"}, {"pattern", {{"String", "ll"}}}, {"content", "L"}}}}};
+  const Tokenizer t = make(j);
+  const int32_t l = *t.token_to_id("l"), a = *t.token_to_id("a");
+  const Ids ids = {a, l, l, l, a, l};
+  EXPECT_EQ(t.decode(ids, false), "aLlal");
+  StreamingDecoder sd(t, false);
+  std::string all;
+  for (int32_t id : ids) all += sd.push(id);
+  all += sd.finish();
+  EXPECT_EQ(all, "aLlal");
 }
 
 TEST(Performance, OneMegabyteEncodesQuickly) {
