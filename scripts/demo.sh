@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job on the embedded default model: what the KV plan looks like with a
-# 16-bit cache and with quantized caches, and which attention backend runs each layer.
+# The main job on the embedded default model (models/kvq-code-tiny, a Qwen3 with
+# alternating sliding-window layers): the KV plan, the same prompt with a bf16 and an
+# fp8 KV cache side by side, then the accuracy table for every KV dtype.
 set -euo pipefail
 kvq=${1:-build/kvq}
 model=${2:-models/kvq-code-tiny}
@@ -8,14 +9,22 @@ shared=${3:-../shared}
 
 run() {
   echo
-  echo "\$ kvq $*"
+  printf '$ kvq'
+  printf ' %q' "$@"
+  echo
   "$kvq" "$@"
 }
 
-run plan --model "$model"
+prompt=$'import os\n\n\ndef '
 run plan --model "$model" --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers sliding_window --kv-cache-memory 1GiB
-run plan --model "$model" -ctk int4_per_token_head -ctv fp8_per_token_head --kv-cache-memory 1GiB
-run backends
+
+for dtype in bfloat16 fp8; do
+  run generate --model "$model" --prompt "$prompt" --kv-cache-dtype "$dtype" --temperature 0 --max-tokens 96
+done
+
+run eval --model "$model" --text "$model/heldout.txt" --all-dtypes --max-tokens 16384
+
 if [ -d "$shared/models/stories260K" ]; then
-  run plan --model "$shared/models/stories260K" --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0
+  run generate --model "$shared/models/stories260K" --prompt "" --kv-cache-dtype fp8 \
+    --kv-cache-dtype-skip-layers 0 --temperature 0 --max-tokens 64
 fi
