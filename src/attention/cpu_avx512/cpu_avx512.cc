@@ -1,9 +1,10 @@
-// cpu_avx512: paged attention on the CPU for decode and prefill. Work items are
-// (sequence, kv head, up to kMaxQueries queries of the GQA group); OpenMP spreads them over
-// cores. Each item walks its kv tokens in tiles of kTile rows: a tile of K and V is
-// dequantized once into fp32 scratch (L1-resident) and shared by every query of the group,
-// then each query updates an fp32 online softmax. The per-item kernel is AVX-512 when the
-// CPU has it (kernel_avx512.cc) and portable C++ otherwise (below).
+// cpu_avx512: paged attention on the CPU for decode and prefill. Units of work are
+// (sequence, kv head, up to kMaxQueries queries of the GQA group); when there are fewer
+// units than cores (decode of a small batch) each unit's kv range is split into pieces whose
+// softmax states are merged at the end. OpenMP spreads the tasks over cores. A task walks
+// its kv tokens in chunks: K and V rows are dequantized once into fp32 scratch (L1-resident)
+// and shared by every query of the group, each query keeping an fp32 online softmax. The
+// per-task kernel is AVX-512 when the CPU has it (kernel_avx512.cc), portable C++ otherwise.
 #include <algorithm>
 #include <cmath>
 #include <limits>
