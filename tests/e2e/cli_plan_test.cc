@@ -58,7 +58,7 @@ TEST(CliPlan, TableAndMemoryBudget) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("int8_per_token_head"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("-ctk int8_per_token_head"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("--v-cache-dtype bf16"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("-ctv bf16"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("tokens"), std::string::npos);
   EXPECT_NE(r.out.find("memory: 1MiB = 1048576 bytes"), std::string::npos) << r.out;
 }

@@ -7,8 +7,12 @@ void PlanFlags::add_to(CLI::App& app, bool with_memory) {
       ->required();
   app.add_option("--kv-cache-dtype", kv_cache_dtype,
                  "KV cache dtype of every layer, K and V: " + accepted_kv_dtype_names());
-  app.add_option("--k-cache-dtype", k_cache_dtype, "K cache dtype (also -ctk); overrides --kv-cache-dtype for K");
-  app.add_option("--v-cache-dtype", v_cache_dtype, "V cache dtype (also -ctv); overrides --kv-cache-dtype for V");
+  auto* k = app.add_option("--k-cache-dtype", k_cache_dtype,
+                           "K cache dtype (also -ctk); overrides --kv-cache-dtype for K");
+  auto* v = app.add_option("--v-cache-dtype", v_cache_dtype,
+                           "V cache dtype (also -ctv); overrides --kv-cache-dtype for V");
+  app.add_option("--ctk", ctk)->group("")->excludes(k);
+  app.add_option("--ctv", ctv)->group("")->excludes(v);
   app.add_option("--kv-cache-dtype-skip-layers", skip_layers,
                  "layers kept in the model's dtype: indices (3), ranges (0-3), sliding_window, boundary:N; comma-separated");
   app.add_option("--block-size", block_size, "tokens per KV cache block (default 16)");
@@ -24,8 +28,8 @@ KvPlanOptions PlanFlags::options() const {
     return DtypeFlag{parse_kv_dtype_or_throw(value, name), std::string(name) + " " + value};
   };
   o.kv = flag(kv_cache_dtype, "--kv-cache-dtype");
-  o.k = flag(k_cache_dtype, "--k-cache-dtype");
-  o.v = flag(v_cache_dtype, "--v-cache-dtype");
+  o.k = ctk.empty() ? flag(k_cache_dtype, "--k-cache-dtype") : flag(ctk, "-ctk");
+  o.v = ctv.empty() ? flag(v_cache_dtype, "--v-cache-dtype") : flag(ctv, "-ctv");
   o.skip_layers = skip_layers;
   o.block_tokens = block_size;
   return o;
@@ -35,10 +39,8 @@ std::vector<std::string> normalize_args(int argc, char** argv) {
   std::vector<std::string> out;
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "-ctk") a = "--k-cache-dtype";
-    else if (a == "-ctv") a = "--v-cache-dtype";
-    else if (a.rfind("-ctk=", 0) == 0) a = "--k-cache-dtype=" + a.substr(5);
-    else if (a.rfind("-ctv=", 0) == 0) a = "--v-cache-dtype=" + a.substr(5);
+    if (a == "-ctk" || a == "-ctv" || a.rfind("-ctk=", 0) == 0 || a.rfind("-ctv=", 0) == 0)
+      a = "-" + a;
     out.push_back(std::move(a));
   }
   return out;

@@ -12,6 +12,7 @@ namespace kvq::cli {
 struct PlanFlags {
   std::string model;
   std::string kv_cache_dtype, k_cache_dtype, v_cache_dtype;
+  std::string ctk, ctv;  // llama.cpp spellings, kept apart so provenance shows what was typed
   std::string skip_layers;
   int block_size = 16;
   std::string kv_cache_memory;  // "" = not given
@@ -22,7 +23,7 @@ struct PlanFlags {
 };
 
 // llama.cpp spells separate K/V dtypes -ctk/-ctv (single dash, several letters), which CLI11
-// cannot declare; rewrite them to --k-cache-dtype / --v-cache-dtype before parsing.
+// cannot declare; rewrite them to the hidden long options --ctk / --ctv before parsing.
 std::vector<std::string> normalize_args(int argc, char** argv);
 
 }  // namespace kvq::cli
