@@ -91,13 +91,14 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
   const KvPlan& plan = model.plan();
   const int32_t block_tokens = plan.layers.front().block_tokens;
   const int32_t needed = blocks_for_tokens(prompt_len + max_new, block_tokens);
-  int32_t num_blocks = options.num_blocks > 0 ? options.num_blocks : needed;
+  const int64_t num_blocks = options.num_blocks.value_or(needed);
   if (num_blocks < needed)
     throw InputError("the KV cache budget holds " + std::to_string(num_blocks) + " blocks (" +
                      std::to_string(static_cast<int64_t>(num_blocks) * block_tokens) +
                      " tokens); the prompt plus max tokens need " + std::to_string(needed) +
                      " blocks (" + std::to_string(prompt_len + max_new) + " tokens)");
-  PagedKvCache cache(plan.layers, num_blocks);
+  // A budget larger than the request needs is not allocated: one request never uses more.
+  PagedKvCache cache(plan.layers, needed);
   const SequenceId seq = 1;
   cache.add_sequence(seq);
 

@@ -69,10 +69,8 @@ Action add_generate_command(CLI::App& app) {
     GeneratorOptions options;
     options.prefill_chunk = st->model.prefill_chunk;
     if (!st->model.plan.kv_cache_memory.empty())
-      options.num_blocks = static_cast<int32_t>(std::min<int64_t>(
-          blocks_for_budget(lm.model->plan().layers,
-                            parse_byte_size(st->model.plan.kv_cache_memory, "--kv-cache-memory")),
-          1 << 30));
+      options.num_blocks = blocks_for_budget(
+          lm.model->plan().layers, parse_byte_size(st->model.plan.kv_cache_memory, "--kv-cache-memory"));
     const bool text_out = !st->output_ids;
     GenerationResult r = generate(*lm.model, *lm.tokenizer, prompt_ids, params, options,
                                   [text_out](std::string_view piece, int32_t) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -27,7 +28,7 @@ struct GenerationResult {
 
 struct GeneratorOptions {
   int32_t prefill_chunk = 512;  // tokens per prefill step
-  int32_t num_blocks = 0;       // cache blocks; 0: exactly what prompt + max_tokens need
+  std::optional<int64_t> num_blocks;  // cache blocks; unset: exactly what prompt + max tokens need
 };
 
 // Called with each newly final piece of text (complete UTF-8, stop strings held back until

@@ -1,0 +1,173 @@
+// `kvq generate` and `kvq eval` as a user runs them.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <fstream>
+#include <sstream>
+
+#include "e2e/cli_test_util.h"
+#include "support/fixtures.h"
+
+namespace kvq::test {
+namespace {
+
+using nlohmann::json;
+
+const std::string kStories = std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K";
+const std::string kCode = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
+
+#define SKIP_WITHOUT(dir) \
+  if (!std::filesystem::exists(std::string(dir) + "/config.json")) GTEST_SKIP() << dir << " is absent; skipping"
+
+void expect_error(const CommandResult& r, const std::string& needle) {
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("kvq: error: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << "missing '" << needle << "' in: " << r.err;
+  EXPECT_EQ(r.err.find("internal error"), std::string::npos) << r.err;
+}
+
+TEST(CliGenerate, Stories260KGreedyFromBosTellsTheKnownStory) {
+  SKIP_WITHOUT(kStories);
+  for (const char* dtype : {"auto", "fp8", "int8_per_token_head"}) {
+    const auto r = run_kvq({"generate", "--model", kStories, "--prompt", "", "--temperature", "0",
+                            "--max-tokens", "30", "--kv-cache-dtype", dtype});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out.rfind("Once upon a time, there was a little girl named Lily.", 0), 0u)
+        << dtype << ": " << r.out;
+    EXPECT_NE(r.err.find("generated 30 tokens"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("tok/s"), std::string::npos) << r.err;
+  }
+}
+
+TEST(CliGenerate, PromptIdsAndOutputIdsAgreeWithTextMode) {
+  SKIP_WITHOUT(kStories);
+  const auto ids = run_kvq({"generate", "--model", kStories, "--prompt-ids", "1", "--temperature", "0",
+                            "--max-tokens", "12", "--output-ids"});
+  ASSERT_EQ(ids.exit_code, 0) << ids.err;
+  std::istringstream in(ids.out);
+  std::vector<int> got;
+  for (int v; in >> v;) got.push_back(v);
+  EXPECT_EQ(got.size(), 12u) << ids.out;
+  // Feeding the prompt plus the first 6 generated ids must continue with the remaining 6.
+  std::string prompt = "1";
+  for (size_t i = 0; i < 6; ++i) prompt += "," + std::to_string(got[i]);
+  const auto cont = run_kvq({"generate", "--model", kStories, "--prompt-ids", prompt, "--temperature", "0",
+                             "--max-tokens", "6", "--output-ids"});
+  ASSERT_EQ(cont.exit_code, 0) << cont.err;
+  std::istringstream in2(cont.out);
+  std::vector<int> rest;
+  for (int v; in2 >> v;) rest.push_back(v);
+  EXPECT_EQ(rest, std::vector<int>(got.begin() + 6, got.end()));
+}
+
+TEST(CliGenerate, StopStringEndsTheTextBeforeIt) {
+  SKIP_WITHOUT(kStories);
+  const auto r = run_kvq({"generate", "--model", kStories, "--prompt", "", "--temperature", "0",
+                          "--max-tokens", "60", "--stop", "Lily"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "Once upon a time, there was a little girl named \n");
+  EXPECT_NE(r.err.find("(stop)"), std::string::npos) << r.err;
+}
+
+TEST(CliGenerate, DefaultModelWritesCode) {
+  SKIP_WITHOUT(kCode);
+  const auto r = run_kvq({"generate", "--model", kCode, "--prompt", "import os\n\n\ndef ", "--temperature",
+                          "0", "--max-tokens", "48", "--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers",
+                          "sliding_window"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("("), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(":"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("bfloat16 x3, fp8_e4m3 x3"), std::string::npos) << r.err;
+}
+
+TEST(CliGenerateBadInput, EachMistakeIsOneLineAndExitTwo) {
+  SKIP_WITHOUT(kStories);
+  auto gen = [](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"generate", "--model", kStories};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_kvq(args);
+  };
+  expect_error(gen({"--prompt", "x", "--temperature", "-1"}), "--temperature must be");
+  expect_error(gen({"--prompt", "x", "--top-p", "0"}), "--top-p must be in (0, 1]");
+  expect_error(gen({"--prompt", "x", "--min-p", "2"}), "--min-p");
+  expect_error(gen({"--prompt", "x", "--top-k", "-3"}), "--top-k");
+  expect_error(gen({"--prompt", "x", "--max-tokens", "0"}), "--max-tokens must be >= 1");
+  expect_error(gen({"--prompt-ids", "1,x"}), "--prompt-ids: cannot parse 'x'");
+  expect_error(gen({"--prompt-ids", "1,99999"}), "out of range");
+  expect_error(gen({}), "--prompt");
+  expect_error(gen({"--prompt", "x", "--device", "cuda"}), "--device cuda");
+  std::string long_prompt = "1";
+  for (int i = 0; i < 600; ++i) long_prompt += ",5";
+  expect_error(gen({"--prompt-ids", long_prompt}), "the model's context is 512 tokens");
+  expect_error(gen({"--prompt", "x", "--kv-cache-memory", "1KiB"}), "KV cache budget");
+}
+
+TEST(CliGenerateBadInput, BrokenModelFolders) {
+  SKIP_WITHOUT(kStories);
+  // A copy of stories260K with a malformed tokenizer.json.
+  const std::string dir = fresh_dir("badtok");
+  for (const auto& e : std::filesystem::directory_iterator(kStories))
+    std::filesystem::copy_file(e.path(), dir + "/" + e.path().filename().string());
+  write_text(dir + "/tokenizer.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": ");
+  expect_error(run_kvq({"generate", "--model", dir, "--prompt", "x"}), "tokenizer.json");
+  // Unsupported architecture: the error lists the supported ones.
+  json c = json::parse(std::ifstream(kStories + "/config.json"));
+  c["architectures"] = {"GPT2LMHeadModel"};
+  write_text(dir + "/config.json", c.dump());
+  write_text(dir + "/tokenizer.json", "");
+  std::filesystem::copy_file(kStories + "/tokenizer.json", dir + "/tokenizer.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  expect_error(run_kvq({"generate", "--model", dir, "--prompt", "x"}), "LlamaForCausalLM");
+}
+
+TEST(CliEval, JsonReportAgainstFloat32Reference) {
+  SKIP_WITHOUT(kCode);
+  const auto r = run_kvq({"eval", "--model", kCode, "--text", kCode + "/heldout.txt", "--max-tokens", "1024",
+                          "--kv-cache-dtype", "int4_per_token_head", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["reference"]["kv_dtype"], "float32");
+  EXPECT_EQ(j["predicted_tokens"], 1024);
+  const double ref = j["reference"]["ppl"].get<double>();
+  EXPECT_GT(ref, 1.0);
+  EXPECT_LT(ref, 200.0) << "the default model should predict its own held-out code";
+  ASSERT_EQ(j["rows"].size(), 1u);
+  const json& row = j["rows"][0];
+  EXPECT_GT(row["mean_kl"].get<double>(), 0.0);
+  EXPECT_LT(row["mean_kl"].get<double>(), 0.2);
+  EXPECT_GT(row["top1_agreement"].get<double>(), 0.7);
+  EXPECT_NEAR(row["delta_ppl"].get<double>(), row["ppl"].get<double>() - ref, 1e-9);
+  EXPECT_NEAR(row["ratio_to_bf16"].get<double>(), 864.0 / 3072.0, 1e-9);
+}
+
+TEST(CliEval, AllDtypesTableMarksWhatCannotRun) {
+  SKIP_WITHOUT(kStories);
+  const std::string text = fresh_dir("evaltext") + "/story.txt";
+  write_text(text,
+             "Once upon a time, there was a little boy named Tim. Tim liked to play with his red ball in "
+             "the park. One day, the sun was hot and Tim was sad because his ball was lost.");
+  const auto r = run_kvq({"eval", "--model", kStories, "--text", text, "--all-dtypes", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json j = json::parse(r.out);
+  ASSERT_EQ(j["rows"].size(), 9u);
+  for (const auto& row : j["rows"]) {
+    if (row["kv_dtype"] == "nvfp4") {
+      EXPECT_NE(row["unsupported"].get<std::string>().find("head_dim 8"), std::string::npos) << row;
+      continue;
+    }
+    ASSERT_FALSE(row.contains("unsupported")) << row;
+    if (row["kv_dtype"] == "float32") {
+      EXPECT_EQ(row["mean_kl"].get<double>(), 0.0);
+      EXPECT_EQ(row["top1_agreement"].get<double>(), 1.0);
+    }
+  }
+}
+
+TEST(CliEvalBadInput, MissingTextFile) {
+  SKIP_WITHOUT(kStories);
+  expect_error(run_kvq({"eval", "--model", kStories, "--text", "/nonexistent/file.txt"}), "--text");
+}
+
+}  // namespace
+}  // namespace kvq::test
