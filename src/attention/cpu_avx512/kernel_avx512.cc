@@ -59,21 +59,29 @@ uint16_t load_u16(const std::byte* p) {
 }
 
 // e4m3 magnitude bits placed in an fp16 (exponent 0EEEE, mantissa MMM0000000) give the
-// e4m3 value / 2^8 for normals and subnormals alike; * 2^8 is exact. (Folding the 2^8 into
-// the scale would overflow for scales near FLT_MAX where the reference does not.)
-// The one e4m3 NaN magnitude (0x7F) would land on a finite fp16, so it is patched.
-// 32 codes -> two vectors of 16 values, times `scale`.
-void e4m3x32(__m256i codes, __m512 scale, __m512& lo, __m512& hi) {
+// e4m3 value / 2^8 for normals and subnormals alike, so value * scale = fp16 * (2^8 * scale),
+// exactly, while 2^8 * scale is finite (else the 2^8 goes on separately). The one e4m3 NaN
+// magnitude (0x7F) would land on a finite fp16, so it is patched to an fp16 NaN.
+// 32 codes -> two vectors of 16 values.
+void e4m3x32(__m256i codes, float scale, __m512& lo, __m512& hi) {
   const __m512i u = _mm512_cvtepu8_epi16(codes);
-  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x80)), 8);
-  const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi16(0x7F));
-  const __m512i h = _mm512_or_si512(sign, _mm512_slli_epi16(mag, 7));
-  const __mmask32 nan = _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F));
-  const __m512 k256 = _mm512_set1_ps(256.0f), qnan = _mm512_set1_ps(__builtin_nanf(""));
-  lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), k256);
-  hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), k256);
-  lo = _mm512_mul_ps(_mm512_mask_mov_ps(lo, static_cast<__mmask16>(nan), qnan), scale);
-  hi = _mm512_mul_ps(_mm512_mask_mov_ps(hi, static_cast<__mmask16>(nan >> 16), qnan), scale);
+  __m512i h = _mm512_slli_epi16(u, 7);  // magnitude at bits 7-13, sign at bit 14
+  h = _mm512_add_epi16(h, _mm512_and_si512(h, _mm512_set1_epi16(0x4000)));  // sign to bit 15
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(u, _mm512_set1_epi16(0x7F)),
+                                                _mm512_set1_epi16(0x7F));
+  h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7E00));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  const float folded = 256.0f * scale;
+  if (__builtin_isinf(folded) && !__builtin_isinf(scale)) {
+    lo = _mm512_mul_ps(lo, _mm512_set1_ps(256.0f));
+    hi = _mm512_mul_ps(hi, _mm512_set1_ps(256.0f));
+    lo = _mm512_mul_ps(lo, _mm512_set1_ps(scale));
+    hi = _mm512_mul_ps(hi, _mm512_set1_ps(scale));
+  } else {
+    lo = _mm512_mul_ps(lo, _mm512_set1_ps(folded));
+    hi = _mm512_mul_ps(hi, _mm512_set1_ps(folded));
+  }
 }
 
 // 64 4-bit codes from 32 bytes (element 2i in the low nibble of byte i) as four vectors of
@@ -155,7 +163,7 @@ void decode_bf16(const TileSource& s, int n, float* out) {
 
 // fp8 rows in steps of 32 values (head dims are multiples of 32 here: 64, 128, 256).
 void decode_e4m3(const TileSource& s, int n, float* out) {
-  const __m512 k = _mm512_set1_ps(s.tensor_scale);
+  const float k = s.tensor_scale;
   for_each_chunk(s, n, out, [k](const std::byte* row, const std::byte*, int chunks, float* o) {
     for (int c = 0; c < chunks; c += 2) {
       __m512 lo, hi;
@@ -192,7 +200,7 @@ void decode_int8_pth(const TileSource& s, int n, float* out) {
 
 void decode_fp8_pth(const TileSource& s, int n, float* out) {
   for_each_chunk(s, n, out, [](const std::byte* row, const std::byte* meta, int chunks, float* o) {
-    const __m512 k = _mm512_set1_ps(load_f32(meta));
+    const float k = load_f32(meta);
     for (int c = 0; c < chunks; c += 2) {
       __m512 lo, hi;
       e4m3x32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c)), k, lo, hi);

@@ -1,0 +1,107 @@
+// CUDA decode attention over the paged cache (split-KV flash-decoding on tensor cores).
+//
+// The device-level entry points behind the "cuda_decode" backend, for callers that keep the
+// block table on the device (benchmarks, a future graph-captured engine step):
+//   plan_decode  host-side scheduling from the host copy of the sequence lengths;
+//   run_decode   three launches on `stream`: Q preparation, the split-KV kernel, the merge.
+//
+// Work split: one warp owns (sequence, kv head, up to 8 query heads of its GQA group, a
+// contiguous range of 16-token tiles). Per tile it issues 16-byte loads of K and V straight
+// from the paged cache into registers, dequantizes into fp16 (bf16 for bfloat16 / float32
+// caches) mma operands, and runs S = Q K^T and O += P V as m16n8k16 tensor-core MMAs with
+// fp32 accumulation and an fp32 online softmax. Q is kept as fp16 with a per-head power-of-two
+// scale (bf16 for bf16 / fp32 K); P is fp16 (bf16 for bf16 / fp32 V); nothing is fp8.
+// Scales are applied in fp32: per-tensor K scales fold into the logit factor, per-token K
+// scales multiply the logits, per-token V scales multiply P (normalized by the running
+// maximum scale of the warp's range so fp16 P cannot underflow), int4 zero points add
+// sum(q) * z / sum(p) * z terms. Each warp writes an (o, m, l) partial; the merge kernel
+// combines the splits of a query head and un-rotates rotated V.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/cache/paged_kv_cache.h"
+#include "kvq/plan/layer_kv_spec.h"
+
+namespace kvq::cuda {
+
+inline constexpr int kDecodeTileTokens = 16;
+inline constexpr int kDecodeHeadsPerWarp = 8;
+inline constexpr int kDecodeMaxKvHeads = 128;
+inline constexpr int kDecodeMaxSplits = 1024;
+
+// What the kernels cannot run (empty: supported). The K == V dtype pairs, head_dim 64 / 128
+// / 256 (K and V equal), block_tokens a multiple of 16, at most 128 kv heads.
+std::vector<std::string> decode_unsupported_reasons(const LayerKvSpec& spec);
+
+struct DecodeOptions {
+  int chunk_tiles = 0;  // tiles per work item; 0: chosen to fill the device
+  int num_sms = 0;      // 0: read from the current device
+};
+
+struct DecodePlan {
+  int32_t num_seqs = 0;
+  int32_t chunk_tiles = 0;  // minimum tiles per work item
+  int32_t max_splits = 0;   // work items per (sequence, kv head, head chunk), at most
+  int32_t head_chunks = 0;  // ceil(gqa_ratio / 8)
+  size_t workspace_bytes = 0;
+};
+
+// Visible kv positions [lo, hi) of the decode query (the last position) of a sequence.
+__host__ __device__ inline void decode_visible_range(int kv_len, int attention_kind, int window,
+                                                     int& lo, int& hi) {
+  hi = kv_len;
+  lo = 0;
+  if (attention_kind == static_cast<int>(AttentionKind::kSlidingWindow) && kv_len > window)
+    lo = kv_len - window;
+}
+
+// Tiles per work item and the number of work items of a sequence with `tiles` visible tiles:
+// every item gets at least chunk_tiles, and no sequence more than max_splits items.
+__host__ __device__ inline int decode_num_splits(int tiles, int chunk_tiles, int max_splits,
+                                                 int& chunk) {
+  chunk = chunk_tiles;
+  if (max_splits > 0 && (tiles + chunk - 1) / chunk > max_splits)
+    chunk = (tiles + max_splits - 1) / max_splits;
+  return tiles <= 0 ? 0 : (tiles + chunk - 1) / chunk;
+}
+
+__host__ __device__ inline int decode_visible_tiles(int kv_len, int attention_kind, int window,
+                                                    int& first_tile) {
+  int lo = 0, hi = 0;
+  decode_visible_range(kv_len, attention_kind, window, lo, hi);
+  first_tile = lo / kDecodeTileTokens;
+  return hi <= lo ? 0 : (hi + kDecodeTileTokens - 1) / kDecodeTileTokens - first_tile;
+}
+
+// Host-side scheduling. `seq_lens` is the host copy of block_table.seq_lens (each >= 1).
+DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_lens,
+                       const DecodeOptions& options = {});
+
+// Everything in device memory. q: [num_seqs][num_q_heads][head_dim] fp32, the query of each
+// sequence at position seq_lens[i] - 1 (model space, not rotated); out: the same shape.
+// block_table arrays and the cache view are device pointers; workspace holds
+// plan.workspace_bytes (256-byte aligned).
+struct DecodeArgs {
+  const float* q = nullptr;
+  float* out = nullptr;
+  BlockTableView block_table;
+  LayerCacheView cache;
+  float softmax_scale = 1.0f;
+  float logit_soft_cap = 0.0f;
+  void* workspace = nullptr;
+};
+
+// Launches the decode on `stream` (asynchronous). The spec must pass
+// decode_unsupported_reasons; the plan must come from plan_decode for the same spec and
+// sequence lengths.
+void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArgs& args,
+                cudaStream_t stream);
+
+}  // namespace kvq::cuda

@@ -1,0 +1,116 @@
+// Kernel parameters and the register layouts shared by the decode kernels (private to
+// src/attention/cuda).
+//
+// MMA fragments (m16n8k16, lane = 4 * g + c): the A operand's rows are the query heads of the
+// warp (g = 0..7; rows 8..15 are zero), the B operand of S = Q K^T is K^T with one token per
+// n index. A lane of quad position c holds, for its token, one quarter of the row's values:
+// chunks c, c + 4, c + 8, ... of kChunkBytes bytes. Because the dot product does not care
+// about the order of the head dimension, each dtype emits its values in whatever order its
+// unpacking makes cheapest (4-bit codes come out as nibble pairs (k, k + 4) of each word),
+// and Q is stored in that same order: k_dim_of() is the one definition of that order.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cache/cuda/kv_codec_device.cuh"
+#include "kvq/core/kv_dtype.h"
+
+namespace kvq::cuda {
+
+inline constexpr int kDecodeWarps = 4;  // warps per block of the split-KV kernel
+
+__host__ __device__ constexpr int kv_value_bits(KvDtype d) {
+  switch (d) {
+    case KvDtype::kFloat32: return 32;
+    case KvDtype::kFloat16:
+    case KvDtype::kBFloat16: return 16;
+    case KvDtype::kFp8E4M3:
+    case KvDtype::kFp8E5M2:
+    case KvDtype::kInt8PerTokenHead:
+    case KvDtype::kFp8PerTokenHead: return 8;
+    case KvDtype::kInt4PerTokenHead:
+    case KvDtype::kNvfp4: return 4;
+    default: return 0;
+  }
+}
+
+// Bytes of one row's codes (nvfp4's block scales excluded: they follow the codes).
+__host__ __device__ constexpr int kv_code_bytes(KvDtype d, int hd) {
+  return hd * kv_value_bits(d) / 8;
+}
+__host__ __device__ constexpr int kv_row_bytes(KvDtype d, int hd) {
+  return d == KvDtype::kNvfp4 ? hd / 16 * 9 : kv_code_bytes(d, hd);
+}
+// Widest aligned load within a row: rows start at multiples of the row size.
+__host__ __device__ constexpr int kv_load_align(KvDtype d, int hd) {
+  const int r = kv_row_bytes(d, hd);
+  const int p = r & -r;
+  return p < 16 ? p : 16;
+}
+__host__ __device__ constexpr int cmin(int a, int b) {
+  return a < b ? a : b;
+}
+// Operand type of the tensor-core MMAs for a dtype: bf16 where fp16 could not hold the
+// values (bfloat16, float32), fp16 everywhere else (every quantized code is exact in fp16).
+__host__ __device__ constexpr bool kv_bf16_operands(KvDtype d) {
+  return d == KvDtype::kBFloat16 || d == KvDtype::kFloat32;
+}
+
+// K side: bytes a lane loads at once, and the physical dim of the lane's v-th value
+// (v = 0 .. hd/4 - 1) for quad position c.
+__host__ __device__ constexpr int k_chunk_bytes(KvDtype d, int hd) {
+  return cmin(cmin(16, kv_code_bytes(d, hd) / 4), kv_load_align(d, hd));
+}
+__host__ __device__ constexpr int k_dim_of(KvDtype d, int hd, int c, int v) {
+  const int bits = kv_value_bits(d);
+  const int epb = k_chunk_bytes(d, hd) * 8 / bits;
+  const int j = v / epb, e = v % epb;
+  int off = e;
+  if (bits == 4) {
+    const int r = e % 8;
+    off = (e / 8) * 8 + (r >> 1) + 4 * (r & 1);
+  }
+  return (c + 4 * j) * epb + off;
+}
+// V side (B operand of O = P V): lane g holds dims [g * hd/8, (g+1) * hd/8) of its four
+// tokens; n-tile j of the output is dim g * hd/8 + j of lane g.
+__host__ __device__ constexpr int v_part_bytes(KvDtype d, int hd) {
+  return kv_code_bytes(d, hd) / 8;
+}
+__host__ __device__ constexpr int v_load_bytes(KvDtype d, int hd) {
+  return cmin(cmin(16, v_part_bytes(d, hd)), kv_load_align(d, hd));
+}
+
+struct DecodeSide {
+  const uint8_t* base;
+  uint64_t block_bytes, head_stride, values_bytes, row_bytes, row_scale_bytes;
+  float tensor_scale[128];  // per kv head (1 where unused)
+};
+
+// Workspace layouts:
+//   qfrag [num_seqs][num_kv_heads][head_chunks][hd/16][32 lanes] uint2 (A-operand regs 0, 2)
+//   qmeta [num_seqs][num_kv_heads][head_chunks][8] float2 (logit factor, sum of Q operands)
+//   part rows r = (((seq * max_splits + split) * num_kv_heads + kvh) * head_chunks + hc) * 8
+//     + g: part_o [r][hd] fp32 (normalized), part_ml [r] float2 (max in log2 units, sum)
+struct DecodeKernelParams {
+  DecodeSide k, v;
+  const int32_t* indptr;
+  const int32_t* indices;
+  const int32_t* seq_lens;
+  const uint2* qfrag;
+  const float2* qmeta;
+  float* part_o;
+  float2* part_ml;
+  int num_seqs, num_kv_heads, ratio, head_chunks, block_tokens;
+  int chunk_tiles, max_splits, attention_kind, window;
+  float soft_cap;  // 0: off
+};
+
+// One instantiation per dtype (K == V), defined in decode_<dtype>.cu.
+template <KvDtype D>
+void launch_decode_main(const DecodeKernelParams& p, int head_dim, dim3 grid,
+                        cudaStream_t stream);
+
+}  // namespace kvq::cuda
