@@ -184,8 +184,13 @@ void AttentionBackend::run(const LayerKvSpec& spec, const AttentionArgs& args) c
 
 std::span<const AttentionBackend* const> all_attention_backends() {
   // Highest priority first (a test checks the order against capabilities().priority).
+#ifdef KVQ_WITH_CUDA
+  static const std::array<const AttentionBackend*, 3> kBackends = {
+      &cuda_decode_backend(), &cpu_avx512_backend(), &cpu_reference_backend()};
+#else
   static const std::array<const AttentionBackend*, 2> kBackends = {&cpu_avx512_backend(),
                                                                    &cpu_reference_backend()};
+#endif
   return kBackends;
 }
 

@@ -12,6 +12,10 @@ namespace kvq {
 
 const AttentionBackend& cpu_reference_backend();
 const AttentionBackend& cpu_avx512_backend();
+#ifdef KVQ_WITH_CUDA
+// src/attention/cuda/cuda_decode_backend.cu (built only with KVQ_CUDA).
+const AttentionBackend& cuda_decode_backend();
+#endif
 
 // "{64, 128, 256}" and friends, for reasons and the support matrix.
 std::string format_int_set(const std::vector<int>& values);

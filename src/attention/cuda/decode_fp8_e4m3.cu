@@ -4,5 +4,5 @@
 
 namespace kvq::cuda {
 template void launch_decode_main<KvDtype::kFp8E4M3>(const DecodeKernelParams&, int, dim3,
-                                                  cudaStream_t);
+                                                    cudaStream_t);
 }  // namespace kvq::cuda

@@ -25,12 +25,14 @@ __device__ __forceinline__ void mma(float& d0, float& d1, uint32_t a0, uint32_t 
                                     uint32_t b1) {
   float d2, d3;
   if constexpr (kBf16) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%10,%11};\n"
         : "+f"(d0), "+f"(d1), "=f"(d2), "=f"(d3)
         : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f), "f"(0.0f));
   } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%10,%11};\n"
         : "+f"(d0), "+f"(d1), "=f"(d2), "=f"(d3)
         : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f), "f"(0.0f));
@@ -97,7 +99,8 @@ struct Shape {
   static constexpr bool kTensorScale =
       D == KvDtype::kFp8E4M3 || D == KvDtype::kFp8E5M2 || D == KvDtype::kNvfp4;
   // Keep the next tile's raw bytes in flight while computing this one, when they are few.
-  static constexpr bool kPrefetch = kCodeBytes <= 0;
+  // Off for now: a second tile in registers costs occupancy (not measured yet).
+  static constexpr bool kPrefetch = false;
   static constexpr bool kQInRegs = HD <= 128;
   // head_dim 256: V is loaded after S = Q K^T, so K and V bytes are never live together.
   static constexpr bool kLateV = HD > 128;
@@ -108,10 +111,10 @@ struct Shape {
 template <KvDtype D, int HD>
 struct TileRaw {
   using S = Shape<D, HD>;
-  uint32_t k[2][S::kKWords];  // tokens g and 8 + g
-  uint32_t v[4][S::kVWords];  // tokens 2c, 2c + 1, 2c + 8, 2c + 9
-  uint32_t ks[4];             // per-token K metadata of tokens 2c, 2c + 1, 2c + 8, 2c + 9
-  uint32_t vs[4];             // per-token V metadata, same tokens
+  uint32_t k[2][S::kKWords];    // tokens g and 8 + g
+  uint32_t v[4][S::kVWords];    // tokens 2c, 2c + 1, 2c + 8, 2c + 9
+  uint32_t ks[4];               // per-token K metadata of tokens 2c, 2c + 1, 2c + 8, 2c + 9
+  uint32_t vs[4];               // per-token V metadata, same tokens
   uint32_t kb[2][S::kKChunks];  // nvfp4: K block-scale bytes per chunk
   uint32_t vb[4];               // nvfp4: V block-scale bytes
 };
@@ -206,14 +209,14 @@ __device__ __forceinline__ void load_tile(TileRaw<D, HD>& r, const DecodeKernelP
       const bool v0 = t0 + tt >= x.lo && t0 + tt < x.hi;
       const bool v1 = t0 + tt + 1 >= x.lo && t0 + tt + 1 < x.hi;
       if constexpr ((kParts & 1) != 0) {
-        const uint2 ka = __ldg(reinterpret_cast<const uint2*>(
-            kh + p.k.values_bytes + static_cast<uint64_t>(off + tt) * 4));
+        const uint2 ka = __ldg(reinterpret_cast<const uint2*>(kh + p.k.values_bytes +
+                                                              static_cast<uint64_t>(off + tt) * 4));
         r.ks[2 * h] = v0 ? ka.x : 0u;
         r.ks[2 * h + 1] = v1 ? ka.y : 0u;
       }
       if constexpr ((kParts & 2) != 0) {
-        const uint2 va = __ldg(reinterpret_cast<const uint2*>(
-            vh + p.v.values_bytes + static_cast<uint64_t>(off + tt) * 4));
+        const uint2 va = __ldg(reinterpret_cast<const uint2*>(vh + p.v.values_bytes +
+                                                              static_cast<uint64_t>(off + tt) * 4));
         r.vs[2 * h] = v0 ? va.x : 0u;
         r.vs[2 * h + 1] = v1 ? va.y : 0u;
       }
@@ -354,9 +357,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<HD>)
 #pragma unroll
   for (int j = 0; j < S::kNTiles; ++j) o[j][0] = o[j][1] = 0.0f;
   float m = -__uint_as_float(kF32Inf);  // running max, log2 units
-  float l = 0.0f;                        // this lane's share of the running sum
-  float s_run = 0.0f;                    // running max of the per-token V scales
-  float zacc = 0.0f;                     // int4: this lane's share of sum(p * zero point)
+  float l = 0.0f;                       // this lane's share of the running sum
+  float s_run = 0.0f;                   // running max of the per-token V scales
+  float zacc = 0.0f;                    // int4: this lane's share of sum(p * zero point)
 
   auto process = [&](TileRaw<D, HD>& cur, int tile) {
     const int t0 = tile * kDecodeTileTokens;
@@ -378,6 +381,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<HD>)
       mma<S::kBf16>(sc[1][0], sc[1][1], q0, q2, k_pair<D, HD>(cur.k[1], cur.kb[1], 2 * s),
                     k_pair<D, HD>(cur.k[1], cur.kb[1], 2 * s + 1));
     }
+
+    // head_dim 256: V (and its scales) only now, so K and V bytes are never live together.
+    if constexpr (S::kLateV) load_tile<D, HD, 2>(cur, p, x, tile);
 
     // ---- logits of tokens 2c, 2c + 1, 2c + 8, 2c + 9 (the lane's C-fragment entries) ----
     float xs[4], pr[4];
@@ -428,7 +434,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<HD>)
     }
 
     // ---- O = O * corr + P V ----
-    if constexpr (S::kLateV) load_tile<D, HD, 2>(cur, p, x, tile);
     uint32_t pa0, pa2;
     if constexpr (S::kBf16) {
       pa0 = f32x2_to_bf16x2f(pr[0], pr[1]);
@@ -481,12 +486,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<HD>)
   const float zterm = S::kInt4 ? quad_sum(zacc) : 0.0f;
   const int rows = min(kDecodeHeadsPerWarp, p.ratio - hc * kDecodeHeadsPerWarp);
   if (x.g < rows) {
-    const size_t row =
-        (((static_cast<size_t>(seq) * p.max_splits + split) * p.num_kv_heads + kvh) *
-             p.head_chunks +
-         hc) *
-            kDecodeHeadsPerWarp +
-        x.g;
+    const size_t row = (((static_cast<size_t>(seq) * p.max_splits + split) * p.num_kv_heads + kvh) *
+                            p.head_chunks +
+                        hc) *
+                           kDecodeHeadsPerWarp +
+                       x.g;
     float* dst = p.part_o + row * HD;
 #pragma unroll
     for (int j = 0; j < S::kNTiles; ++j) {
@@ -500,8 +504,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<HD>)
 }  // namespace decode_detail
 
 template <KvDtype D>
-void launch_decode_main(const DecodeKernelParams& p, int head_dim, dim3 grid,
-                        cudaStream_t stream) {
+void launch_decode_main(const DecodeKernelParams& p, int head_dim, dim3 grid, cudaStream_t stream) {
   const dim3 block(kDecodeWarps * 32);
   switch (head_dim) {
     case 64:
@@ -514,8 +517,8 @@ void launch_decode_main(const DecodeKernelParams& p, int head_dim, dim3 grid,
       decode_detail::decode_main_kernel<D, 256><<<grid, block, 0, stream>>>(p);
       break;
     default:
-      KVQ_CHECK(false, "cuda decode: head_dim " + std::to_string(head_dim) +
-                           " not in {64, 128, 256}");
+      KVQ_CHECK(false,
+                "cuda decode: head_dim " + std::to_string(head_dim) + " not in {64, 128, 256}");
   }
   KVQ_CUDA_CHECK_LAUNCH();
 }

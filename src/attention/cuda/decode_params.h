@@ -23,16 +23,21 @@ inline constexpr int kDecodeWarps = 4;  // warps per block of the split-KV kerne
 
 __host__ __device__ constexpr int kv_value_bits(KvDtype d) {
   switch (d) {
-    case KvDtype::kFloat32: return 32;
+    case KvDtype::kFloat32:
+      return 32;
     case KvDtype::kFloat16:
-    case KvDtype::kBFloat16: return 16;
+    case KvDtype::kBFloat16:
+      return 16;
     case KvDtype::kFp8E4M3:
     case KvDtype::kFp8E5M2:
     case KvDtype::kInt8PerTokenHead:
-    case KvDtype::kFp8PerTokenHead: return 8;
+    case KvDtype::kFp8PerTokenHead:
+      return 8;
     case KvDtype::kInt4PerTokenHead:
-    case KvDtype::kNvfp4: return 4;
-    default: return 0;
+    case KvDtype::kNvfp4:
+      return 4;
+    default:
+      return 0;
   }
 }
 
@@ -110,7 +115,6 @@ struct DecodeKernelParams {
 
 // One instantiation per dtype (K == V), defined in decode_<dtype>.cu.
 template <KvDtype D>
-void launch_decode_main(const DecodeKernelParams& p, int head_dim, dim3 grid,
-                        cudaStream_t stream);
+void launch_decode_main(const DecodeKernelParams& p, int head_dim, dim3 grid, cudaStream_t stream);
 
 }  // namespace kvq::cuda

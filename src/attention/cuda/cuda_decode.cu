@@ -1,0 +1,400 @@
+// Host side of the CUDA decode (plan, launches) plus the two small kernels around the
+// split-KV kernel: Q preparation (rotation, operand conversion, fragment order) and the merge
+// of the splits.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <string>
+
+#include "attention/cuda/cuda_decode.h"
+#include "attention/cuda/decode_params.h"
+#include "cache/cuda/cuda_check.h"
+#include "cache/cuda/kv_codec_device.cuh"
+#include "kvq/core/error.h"
+
+namespace kvq::cuda {
+
+namespace {
+
+// Work items (warps) per SM the automatic chunking aims for, and the fewest tiles per item
+// (below that, writing the partial costs as much as reading the tiles).
+constexpr int kItemsPerSm = 32;
+constexpr int kMinChunkTiles = 4;
+constexpr size_t kAlign = 256;
+
+size_t align_up(size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
+
+struct WorkspaceLayout {
+  size_t qfrag = 0, qmeta = 0, part_o = 0, part_ml = 0, total = 0;
+};
+
+WorkspaceLayout workspace_layout(const LayerKvSpec& spec, int num_seqs, int head_chunks,
+                                 int max_splits) {
+  const size_t hd = static_cast<size_t>(spec.head_dim_k);
+  const size_t groups = static_cast<size_t>(num_seqs) * spec.num_kv_heads * head_chunks;
+  const size_t rows = groups * static_cast<size_t>(max_splits) * kDecodeHeadsPerWarp;
+  WorkspaceLayout w;
+  w.qfrag = 0;
+  w.qmeta = align_up(w.qfrag + groups * (hd / 16) * 32 * sizeof(uint2));
+  w.part_o = align_up(w.qmeta + groups * kDecodeHeadsPerWarp * sizeof(float2));
+  w.part_ml = align_up(w.part_o + rows * hd * sizeof(float));
+  w.total = align_up(w.part_ml + rows * sizeof(float2));
+  return w;
+}
+
+struct PrepParams {
+  const float* q;
+  uint2* qfrag;
+  float2* qmeta;
+  int num_q_heads, num_kv_heads, ratio, head_chunks;
+  KvDtype k_dtype;
+  bool rotate, bf16;
+  float softmax_scale;
+  HadamardSigns signs;
+  float k_tensor_scale[kDecodeMaxKvHeads];
+};
+
+// One warp per (sequence, kv head, head chunk, row g): rotates Q for rotated K, converts it to
+// the MMA operand type (fp16 with a power-of-two scale a so |q a| < 2, or bf16), and scatters
+// it into the fragment order of decode_params.h. Rows past the group's heads become zeros.
+template <int HD>
+__global__ void __launch_bounds__(32) decode_prep_kernel(const __grid_constant__ PrepParams p) {
+  constexpr int E = HD / 32;
+  __shared__ uint16_t row[HD];
+  const int lane = static_cast<int>(threadIdx.x);
+  const int r = static_cast<int>(blockIdx.x);
+  const int seq = static_cast<int>(blockIdx.y);
+  const int g = r % kDecodeHeadsPerWarp;
+  const int hc = (r / kDecodeHeadsPerWarp) % p.head_chunks;
+  const int kvh = r / (kDecodeHeadsPerWarp * p.head_chunks);
+  const int hin = hc * kDecodeHeadsPerWarp + g;
+  const bool valid = hin < p.ratio;
+  float x[E];
+  const float* src =
+      p.q + (static_cast<size_t>(seq) * p.num_q_heads + kvh * p.ratio + hin) * HD + lane * E;
+#pragma unroll
+  for (int e = 0; e < E; ++e) x[e] = valid ? src[e] : 0.0f;
+  if (p.rotate) warp_hadamard_rotate<E>(x, lane, p.signs);
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float a = fabsf(x[e]);
+    if (is_finite_f32(a) && a > amax) amax = a;
+  }
+  amax = warp_max(amax);
+  float a = 1.0f;
+  if (!p.bf16 && amax > 0.0f) a = ldexpf(1.0f, -ilogbf(amax));
+  float qs = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float y = x[e] * a;  // exact: a is a power of two
+    if (p.bf16) {
+      const __nv_bfloat16 b = __float2bfloat16_rn(y);
+      row[lane * E + e] = __bfloat16_as_ushort(b);
+      qs += __bfloat162float(b);
+    } else {
+      const __half h = __float2half_rn(y);
+      row[lane * E + e] = __half_as_ushort(h);
+      qs += __half2float(h);
+    }
+  }
+  const float qsum = warp_sum(qs);
+  __syncwarp();
+  const size_t group = (static_cast<size_t>(seq) * p.num_kv_heads + kvh) * p.head_chunks + hc;
+  uint16_t* frag = reinterpret_cast<uint16_t*>(p.qfrag + group * (HD / 16) * 32);
+  for (int idx = lane; idx < HD; idx += 32) {
+    const int c = idx / (HD / 4), v = idx % (HD / 4);
+    const int s = v / 4, i = v % 4;
+    frag[((s * 32 + g * 4 + c) * 2 + (i >> 1)) * 2 + (i & 1)] = row[k_dim_of(p.k_dtype, HD, c, v)];
+  }
+  if (lane == 0)
+    p.qmeta[group * kDecodeHeadsPerWarp + g] =
+        make_float2(valid ? p.softmax_scale * p.k_tensor_scale[kvh] / a : 0.0f, qsum);
+}
+
+struct MergeParams {
+  const float* part_o;
+  const float2* part_ml;
+  const int32_t* seq_lens;
+  float* out;
+  int num_q_heads, num_kv_heads, ratio, head_chunks;
+  int chunk_tiles, max_splits, attention_kind, window;
+  bool unrotate;
+  HadamardSigns signs;
+};
+
+// One warp per (sequence, query head): weights each split by l * 2^(m - M), sums the
+// normalized partials, and un-rotates rotated V.
+template <int HD>
+__global__ void __launch_bounds__(128) decode_merge_kernel(const __grid_constant__ MergeParams p) {
+  constexpr int E = HD / 32;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int qh = static_cast<int>(blockIdx.x) * 4 + static_cast<int>(threadIdx.x >> 5);
+  const int seq = static_cast<int>(blockIdx.y);
+  if (qh >= p.num_q_heads) return;
+  const int kvh = qh / p.ratio, hin = qh % p.ratio;
+  const int hc = hin / kDecodeHeadsPerWarp, g = hin % kDecodeHeadsPerWarp;
+  int first_tile = 0, chunk = 0;
+  const int tiles = decode_visible_tiles(p.seq_lens[seq], p.attention_kind, p.window, first_tile);
+  const int nsplit = decode_num_splits(tiles, p.chunk_tiles, p.max_splits, chunk);
+  auto row_of = [&](int split) {
+    return (((static_cast<size_t>(seq) * p.max_splits + split) * p.num_kv_heads + kvh) *
+                p.head_chunks +
+            hc) *
+               kDecodeHeadsPerWarp +
+           g;
+  };
+  float mx = -__uint_as_float(kF32Inf);
+  for (int s = lane; s < nsplit; s += 32) mx = fmaxf(mx, p.part_ml[row_of(s)].x);
+  mx = warp_max(mx);
+  float wsum = 0.0f;
+  for (int s = lane; s < nsplit; s += 32) {
+    const float2 ml = p.part_ml[row_of(s)];
+    wsum += ml.y * exp2f(ml.x - mx);
+  }
+  wsum = warp_sum(wsum);
+  const float inv = 1.0f / wsum;
+  float acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+  for (int s = 0; s < nsplit; ++s) {
+    const size_t row = row_of(s);
+    const float2 ml = p.part_ml[row];
+    const float w = ml.y * exp2f(ml.x - mx) * inv;
+    const float* src = p.part_o + row * HD + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = fmaf(w, src[e], acc[e]);
+  }
+  if (p.unrotate) warp_hadamard_unrotate<E>(acc, lane, p.signs);
+  float* dst = p.out + (static_cast<size_t>(seq) * p.num_q_heads + qh) * HD + lane * E;
+#pragma unroll
+  for (int e = 0; e < E; ++e) dst[e] = acc[e];
+}
+
+template <int HD>
+void launch_prep_merge(bool merge, const PrepParams& pp, const MergeParams& mp, dim3 grid,
+                       cudaStream_t stream) {
+  if (merge)
+    decode_merge_kernel<HD><<<grid, 128, 0, stream>>>(mp);
+  else
+    decode_prep_kernel<HD><<<grid, 32, 0, stream>>>(pp);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void launch_by_dim(int hd, bool merge, const PrepParams& pp, const MergeParams& mp, dim3 grid,
+                   cudaStream_t stream) {
+  switch (hd) {
+    case 64:
+      return launch_prep_merge<64>(merge, pp, mp, grid, stream);
+    case 128:
+      return launch_prep_merge<128>(merge, pp, mp, grid, stream);
+    case 256:
+      return launch_prep_merge<256>(merge, pp, mp, grid, stream);
+    default:
+      KVQ_CHECK(false, "cuda decode: head_dim " + std::to_string(hd) + " unsupported");
+  }
+}
+
+void launch_main(KvDtype d, const DecodeKernelParams& p, int hd, dim3 grid, cudaStream_t s) {
+  switch (d) {
+    case KvDtype::kFloat16:
+      return launch_decode_main<KvDtype::kFloat16>(p, hd, grid, s);
+    case KvDtype::kBFloat16:
+      return launch_decode_main<KvDtype::kBFloat16>(p, hd, grid, s);
+    case KvDtype::kFloat32:
+      return launch_decode_main<KvDtype::kFloat32>(p, hd, grid, s);
+    case KvDtype::kFp8E4M3:
+      return launch_decode_main<KvDtype::kFp8E4M3>(p, hd, grid, s);
+    case KvDtype::kFp8E5M2:
+      return launch_decode_main<KvDtype::kFp8E5M2>(p, hd, grid, s);
+    case KvDtype::kInt8PerTokenHead:
+      return launch_decode_main<KvDtype::kInt8PerTokenHead>(p, hd, grid, s);
+    case KvDtype::kFp8PerTokenHead:
+      return launch_decode_main<KvDtype::kFp8PerTokenHead>(p, hd, grid, s);
+    case KvDtype::kInt4PerTokenHead:
+      return launch_decode_main<KvDtype::kInt4PerTokenHead>(p, hd, grid, s);
+    case KvDtype::kNvfp4:
+      return launch_decode_main<KvDtype::kNvfp4>(p, hd, grid, s);
+    case KvDtype::kAuto:
+      break;
+  }
+  KVQ_CHECK(false, "cuda decode: unresolved KV dtype");
+}
+
+DecodeSide make_side(const LayerKvSpec& spec, const LayerCacheView& cache, KvSide s) {
+  const KvSideLayout& l = cache.layout(s);
+  DecodeSide d{};
+  d.base = reinterpret_cast<const uint8_t*>(cache.base(s));
+  d.block_bytes = l.block_bytes;
+  d.head_stride = l.head_stride;
+  d.values_bytes = l.values_bytes;
+  d.row_bytes = l.row_data_bytes;
+  d.row_scale_bytes = l.row_scale_bytes;
+  const bool tensor_scaled = traits(l.dtype).uses_tensor_scale;
+  for (int h = 0; h < spec.num_kv_heads; ++h)
+    d.tensor_scale[h] = tensor_scaled ? spec.scale(s).for_head(h) : 1.0f;
+  return d;
+}
+
+}  // namespace
+
+std::vector<std::string> decode_unsupported_reasons(const LayerKvSpec& spec) {
+  std::vector<std::string> r;
+  if (spec.k_dtype != spec.v_dtype)
+    r.push_back("K and V dtypes differ (" + std::string(to_string(spec.k_dtype)) + ", " +
+                std::string(to_string(spec.v_dtype)) + "); the CUDA decode kernels are built for " +
+                "K == V only");
+  if (spec.head_dim_k != spec.head_dim_v)
+    r.push_back("K head_dim " + std::to_string(spec.head_dim_k) + " differs from V head_dim " +
+                std::to_string(spec.head_dim_v));
+  if (spec.head_dim_k != 64 && spec.head_dim_k != 128 && spec.head_dim_k != 256)
+    r.push_back("head_dim " + std::to_string(spec.head_dim_k) + " not in {64, 128, 256}");
+  if (spec.block_tokens <= 0 || spec.block_tokens % kDecodeTileTokens != 0)
+    r.push_back("block_tokens " + std::to_string(spec.block_tokens) + " is not a multiple of 16");
+  if (spec.num_kv_heads > kDecodeMaxKvHeads)
+    r.push_back("num_kv_heads " + std::to_string(spec.num_kv_heads) + " exceeds " +
+                std::to_string(kDecodeMaxKvHeads));
+  if (!traits(spec.k_dtype).concrete) r.push_back("K dtype is unresolved (auto)");
+  return r;
+}
+
+DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_lens,
+                       const DecodeOptions& options) {
+  const auto reasons = decode_unsupported_reasons(spec);
+  KVQ_CHECK(reasons.empty(), "plan_decode: unsupported layer: " + reasons.front());
+  KVQ_CHECK(spec.num_kv_heads > 0 && spec.num_q_heads % spec.num_kv_heads == 0,
+            "plan_decode: bad head counts");
+  DecodePlan plan;
+  plan.num_seqs = static_cast<int32_t>(seq_lens.size());
+  plan.head_chunks = (spec.gqa_ratio() + kDecodeHeadsPerWarp - 1) / kDecodeHeadsPerWarp;
+  int num_sms = options.num_sms;
+  if (num_sms <= 0) {
+    int dev = 0;
+    KVQ_CUDA_CHECK(cudaGetDevice(&dev));
+    KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
+  }
+  const int kind = static_cast<int>(spec.attention);
+  int64_t total_tiles = 0;
+  for (int32_t len : seq_lens) {
+    KVQ_CHECK(len >= 1, "plan_decode: a decode sequence needs at least one cached token, got " +
+                            std::to_string(len));
+    int first = 0;
+    total_tiles += decode_visible_tiles(len, kind, spec.sliding_window, first);
+  }
+  total_tiles *= static_cast<int64_t>(spec.num_kv_heads) * plan.head_chunks;
+  if (options.chunk_tiles > 0) {
+    plan.chunk_tiles = options.chunk_tiles;
+  } else {
+    const int64_t target = static_cast<int64_t>(num_sms) * kItemsPerSm;
+    plan.chunk_tiles = static_cast<int32_t>(
+        std::max<int64_t>(kMinChunkTiles, (total_tiles + target - 1) / target));
+  }
+  plan.max_splits = 1;
+  for (int32_t len : seq_lens) {
+    int first = 0, chunk = 0;
+    const int tiles = decode_visible_tiles(len, kind, spec.sliding_window, first);
+    plan.max_splits = std::max(plan.max_splits,
+                               decode_num_splits(tiles, plan.chunk_tiles, kDecodeMaxSplits, chunk));
+  }
+  plan.workspace_bytes =
+      workspace_layout(spec, plan.num_seqs, plan.head_chunks, plan.max_splits).total;
+  return plan;
+}
+
+void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArgs& args,
+                cudaStream_t stream) {
+  const auto reasons = decode_unsupported_reasons(spec);
+  KVQ_CHECK(reasons.empty(), "run_decode: unsupported layer: " + reasons.front());
+  const BlockTableView& bt = args.block_table;
+  KVQ_CHECK(bt.num_seqs == plan.num_seqs, "run_decode: the plan was made for " +
+                                              std::to_string(plan.num_seqs) + " sequences, got " +
+                                              std::to_string(bt.num_seqs));
+  KVQ_CHECK(bt.block_tokens == spec.block_tokens, "run_decode: block table block_tokens differs");
+  if (plan.num_seqs == 0) return;
+  KVQ_CHECK(plan.num_seqs <= 65535, "run_decode: at most 65535 sequences per call");
+  KVQ_CHECK(args.q && args.out && args.workspace && bt.indptr && bt.indices && bt.seq_lens &&
+                args.cache.k_base && args.cache.v_base,
+            "run_decode: null pointer");
+  const int hd = spec.head_dim_k;
+  const WorkspaceLayout w =
+      workspace_layout(spec, plan.num_seqs, plan.head_chunks, plan.max_splits);
+  KVQ_CHECK(w.total == plan.workspace_bytes, "run_decode: the plan does not match the spec");
+  auto* ws = static_cast<std::byte*>(args.workspace);
+  auto* qfrag = reinterpret_cast<uint2*>(ws + w.qfrag);
+  auto* qmeta = reinterpret_cast<float2*>(ws + w.qmeta);
+  auto* part_o = reinterpret_cast<float*>(ws + w.part_o);
+  auto* part_ml = reinterpret_cast<float2*>(ws + w.part_ml);
+  const HadamardSigns signs = make_hadamard_signs();
+
+  PrepParams pp{};
+  pp.q = args.q;
+  pp.qfrag = qfrag;
+  pp.qmeta = qmeta;
+  pp.num_q_heads = spec.num_q_heads;
+  pp.num_kv_heads = spec.num_kv_heads;
+  pp.ratio = spec.gqa_ratio();
+  pp.head_chunks = plan.head_chunks;
+  pp.k_dtype = spec.k_dtype;
+  pp.rotate = traits(spec.k_dtype).rotated;
+  pp.bf16 = kv_bf16_operands(spec.k_dtype);
+  pp.softmax_scale = args.softmax_scale;
+  pp.signs = signs;
+  const bool k_tensor_scaled = traits(spec.k_dtype).uses_tensor_scale;
+  for (int h = 0; h < spec.num_kv_heads; ++h)
+    pp.k_tensor_scale[h] = k_tensor_scaled ? spec.k_scale.for_head(h) : 1.0f;
+
+  MergeParams mp{};
+  mp.part_o = part_o;
+  mp.part_ml = part_ml;
+  mp.seq_lens = bt.seq_lens;
+  mp.out = args.out;
+  mp.num_q_heads = spec.num_q_heads;
+  mp.num_kv_heads = spec.num_kv_heads;
+  mp.ratio = spec.gqa_ratio();
+  mp.head_chunks = plan.head_chunks;
+  mp.chunk_tiles = plan.chunk_tiles;
+  mp.max_splits = plan.max_splits;
+  mp.attention_kind = static_cast<int>(spec.attention);
+  mp.window = spec.sliding_window;
+  mp.unrotate = traits(spec.v_dtype).rotated;
+  mp.signs = signs;
+
+  DecodeKernelParams kp{};
+  kp.k = make_side(spec, args.cache, KvSide::kK);
+  kp.v = make_side(spec, args.cache, KvSide::kV);
+  kp.indptr = bt.indptr;
+  kp.indices = bt.indices;
+  kp.seq_lens = bt.seq_lens;
+  kp.qfrag = qfrag;
+  kp.qmeta = qmeta;
+  kp.part_o = part_o;
+  kp.part_ml = part_ml;
+  kp.num_seqs = plan.num_seqs;
+  kp.num_kv_heads = spec.num_kv_heads;
+  kp.ratio = spec.gqa_ratio();
+  kp.head_chunks = plan.head_chunks;
+  kp.block_tokens = spec.block_tokens;
+  kp.chunk_tiles = plan.chunk_tiles;
+  kp.max_splits = plan.max_splits;
+  kp.attention_kind = static_cast<int>(spec.attention);
+  kp.window = spec.sliding_window;
+  kp.soft_cap = args.logit_soft_cap;
+
+  const auto seqs = static_cast<unsigned>(plan.num_seqs);
+  launch_by_dim(
+      hd, false, pp, mp,
+      dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * kDecodeHeadsPerWarp), seqs),
+      stream);
+  const int items = plan.max_splits * plan.head_chunks;
+  launch_main(spec.k_dtype, kp, hd,
+              dim3(static_cast<unsigned>((items + kDecodeWarps - 1) / kDecodeWarps),
+                   static_cast<unsigned>(spec.num_kv_heads), seqs),
+              stream);
+  launch_by_dim(hd, true, pp, mp, dim3(static_cast<unsigned>((spec.num_q_heads + 3) / 4), seqs),
+                stream);
+}
+
+}  // namespace kvq::cuda

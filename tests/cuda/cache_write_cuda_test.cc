@@ -1,0 +1,273 @@
+// write_kv_cuda against write_kv_reference: every byte of the device storage (written rows,
+// metadata, and untouched 0xFF poison) must equal the reference cache's, for every dtype,
+// head_dim and block size, on random rows, outlier rows and rows of special values.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "kvq/cache/device_kv_cache.h"
+#include "kvq/cache/paged_kv_cache.h"
+#include "kvq/core/error.h"
+
+namespace kvq {
+namespace {
+
+using test::DeviceBuffer;
+
+std::vector<KvDtype> concrete_dtypes() {
+  std::vector<KvDtype> out;
+  for (const auto& t : kKvDtypeTraits)
+    if (t.concrete) out.push_back(t.dtype);
+  return out;
+}
+
+// K and V of different dtypes (so the two launches are told apart), per-tensor scales per
+// head; head 0's scale is a power of two so that rounding ties of x survive x / scale.
+LayerKvSpec write_spec(KvDtype k, KvDtype v, int head_dim, int block_tokens) {
+  LayerKvSpec s;
+  s.layer = 5;
+  s.k_dtype = k;
+  s.v_dtype = v;
+  s.num_kv_heads = 3;
+  s.num_q_heads = 6;
+  s.head_dim_k = s.head_dim_v = head_dim;
+  s.block_tokens = block_tokens;
+  for (KvSide side : {KvSide::kK, KvSide::kV}) {
+    ScaleSource& sc = side == KvSide::kK ? s.k_scale : s.v_scale;
+    const auto& t = traits(s.dtype(side));
+    if (t.uses_tensor_scale) {
+      sc.kind = ScaleSourceKind::kCheckpoint;
+      const float base = s.dtype(side) == KvDtype::kNvfp4 ? 0.004f : 0.02f;
+      sc.values = {0.5f, base * 1.7f, base * 3.1f};
+    } else if (t.scale_kind == ScaleKind::kPerTokenHead) {
+      sc.kind = ScaleSourceKind::kDynamic;
+    }
+  }
+  return s;
+}
+
+// Kinds of rows: most random, some with an outlier, some special.
+std::vector<float> make_row(std::mt19937& rng, int dim, int kind) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> spread(0.05f, 3.0f);
+  std::uniform_int_distribution<int> pick(0, dim - 1);
+  std::vector<float> x(static_cast<size_t>(dim));
+  const float sigma = spread(rng);
+  for (float& e : x) e = sigma * normal(rng);
+  const float inf = std::numeric_limits<float>::infinity();
+  switch (kind) {
+    case 0:
+      break;
+    case 1:  // outliers
+      for (int i = 0; i < 3; ++i) x[pick(rng)] *= 40.0f;
+      break;
+    case 2:  // all zero, signed zeros included
+      for (size_t i = 0; i < x.size(); ++i) x[i] = i % 3 == 0 ? -0.0f : 0.0f;
+      break;
+    case 3:  // NaN and infinities among normal values
+      x[pick(rng)] = std::numeric_limits<float>::quiet_NaN();
+      x[pick(rng)] = inf;
+      x[pick(rng)] = -inf;
+      break;
+    case 4:  // huge values (saturation, scale caps)
+      for (float& e : x) e *= 1e37f;
+      x[pick(rng)] = 3.4e38f;
+      break;
+    case 5:  // tiny values (subnormal scales and codes)
+      for (float& e : x) e *= 1e-39f;
+      break;
+    case 6: {  // rounding ties for several target formats (bf16, fp16, e4m3, e5m2, e2m1)
+      const int keep[] = {7, 10, 3, 2, 1};
+      for (float& e : x) {
+        const int m = keep[std::uniform_int_distribution<int>(0, 4)(rng)];
+        uint32_t b = std::bit_cast<uint32_t>(e);
+        b = (b & ~((1u << (23 - m)) - 1u)) | (1u << (22 - m));
+        e = std::bit_cast<float>(b);
+      }
+      break;
+    }
+    case 7:  // exact small integers and halves (int8 / int4 grid ties)
+      for (float& e : x)
+        e = 0.5f * static_cast<float>(std::uniform_int_distribution<int>(-40, 40)(rng));
+      break;
+    case 8:  // all NaN
+      for (float& e : x) e = std::numeric_limits<float>::quiet_NaN();
+      break;
+    case 9:  // zeros of both signs as the minimum after a positive rest
+      for (float& e : x) e = std::fabs(e);
+      x[pick(rng)] = -0.0f;
+      x[pick(rng)] = 0.0f;
+      break;
+  }
+  return x;
+}
+
+std::string first_mismatch(const std::vector<std::byte>& got, const std::vector<std::byte>& want,
+                           const KvSideLayout& l) {
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (got[i] == want[i]) continue;
+    const size_t block = i / l.block_bytes, in_block = i % l.block_bytes;
+    const size_t head = in_block / l.head_stride, in_head = in_block % l.head_stride;
+    std::ostringstream os;
+    os << "byte " << i << " (block " << block << ", head " << head << ", ";
+    if (in_head < l.values_bytes)
+      os << "token " << in_head / l.row_data_bytes << " value byte " << in_head % l.row_data_bytes;
+    else
+      os << "metadata byte " << in_head - l.values_bytes;
+    os << "): got 0x" << std::hex << static_cast<int>(got[i]) << ", want 0x"
+       << static_cast<int>(want[i]);
+    return os.str();
+  }
+  return {};
+}
+
+TEST(CudaCacheWrite, BitIdenticalToReferenceForEveryDtype) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  const std::vector<KvDtype> dtypes = concrete_dtypes();
+  int index = 0;
+  for (KvDtype kd : dtypes) {
+    for (int hd : {64, 128, 256}) {
+      for (int bt : {16, 32}) {
+        // V takes the next dtype of the list so every dtype is also written as V.
+        const KvDtype vd = dtypes[static_cast<size_t>(index++ + 1) % dtypes.size()];
+        const LayerKvSpec spec = write_spec(kd, vd, hd, bt);
+        const int32_t num_blocks = 6;
+        const int n = 2 * bt + 7;  // a partial block, tokens spread over random blocks
+        std::vector<int64_t> slots(static_cast<size_t>(num_blocks) * bt);
+        std::iota(slots.begin(), slots.end(), 0);
+        std::shuffle(slots.begin(), slots.end(), rng);
+        slots.resize(static_cast<size_t>(n));
+        const size_t row_elems = static_cast<size_t>(spec.num_kv_heads) * hd;
+        std::vector<float> k(n * row_elems), v(n * row_elems);
+        for (int t = 0; t < n; ++t)
+          for (int h = 0; h < spec.num_kv_heads; ++h) {
+            const int kind = (t * spec.num_kv_heads + h) % 10;
+            const auto rk = make_row(rng, hd, kind), rv = make_row(rng, hd, (kind + 3) % 10);
+            std::copy(rk.begin(), rk.end(),
+                      k.begin() + static_cast<ptrdiff_t>((t * spec.num_kv_heads + h) * hd));
+            std::copy(rv.begin(), rv.end(),
+                      v.begin() + static_cast<ptrdiff_t>((t * spec.num_kv_heads + h) * hd));
+          }
+
+        // Reference: a host cache of the same layout, poisoned like the device one.
+        const KvSideLayout kl = spec.layout(KvSide::kK), vl = spec.layout(KvSide::kV);
+        std::vector<std::byte> hk(num_blocks * kl.block_bytes, std::byte{0xFF});
+        std::vector<std::byte> hv(num_blocks * vl.block_bytes, std::byte{0xFF});
+        LayerCacheView host;
+        host.k_base = hk.data();
+        host.v_base = hv.data();
+        host.k_layout = kl;
+        host.v_layout = vl;
+        host.num_blocks = num_blocks;
+        write_kv_reference(spec, host, slots, k.data(), v.data());
+
+        DeviceKvCache cache({spec}, num_blocks);
+        DeviceBuffer<int64_t> d_slots(slots);
+        DeviceBuffer<float> d_k(k), d_v(v);
+        write_kv_cuda(spec, cache.layer_view(0), d_slots.get(), n, d_k.get(), d_v.get());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+        for (KvSide side : {KvSide::kK, KvSide::kV}) {
+          const auto& want = side == KvSide::kK ? hk : hv;
+          std::vector<std::byte> got(want.size());
+          ASSERT_EQ(cudaMemcpy(got.data(), cache.layer_view(0).base(side), got.size(),
+                               cudaMemcpyDeviceToHost),
+                    cudaSuccess);
+          const std::string bad = first_mismatch(got, want, spec.layout(side));
+          EXPECT_TRUE(bad.empty())
+              << to_string(side) << " " << to_string(spec.dtype(side)) << ", head_dim " << hd
+              << ", block " << bt << ": " << bad << ", seed " << seed;
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaCacheWrite, SkipsPaddingAndOutOfRangeSlots) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  const LayerKvSpec spec = write_spec(KvDtype::kFp8E4M3, KvDtype::kInt4PerTokenHead, 128, 16);
+  const int32_t num_blocks = 2;
+  const std::vector<int64_t> slots = {3, -1, 17, 32, 1000, 0};
+  const std::vector<int64_t> valid = {3, 17, 0};
+  const size_t row_elems = static_cast<size_t>(spec.num_kv_heads) * 128;
+  std::vector<float> k(slots.size() * row_elems), v(slots.size() * row_elems);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  std::vector<float> k_valid, v_valid;
+  for (size_t t = 0; t < slots.size(); ++t)
+    if (slots[t] >= 0 && slots[t] < num_blocks * 16) {
+      k_valid.insert(k_valid.end(), k.begin() + static_cast<ptrdiff_t>(t * row_elems),
+                     k.begin() + static_cast<ptrdiff_t>((t + 1) * row_elems));
+      v_valid.insert(v_valid.end(), v.begin() + static_cast<ptrdiff_t>(t * row_elems),
+                     v.begin() + static_cast<ptrdiff_t>((t + 1) * row_elems));
+    }
+  const KvSideLayout kl = spec.layout(KvSide::kK), vl = spec.layout(KvSide::kV);
+  std::vector<std::byte> hk(num_blocks * kl.block_bytes, std::byte{0xFF});
+  std::vector<std::byte> hv(num_blocks * vl.block_bytes, std::byte{0xFF});
+  LayerCacheView host{hk.data(), hv.data(), kl, vl, num_blocks};
+  write_kv_reference(spec, host, valid, k_valid.data(), v_valid.data());
+
+  DeviceKvCache cache({spec}, num_blocks);
+  DeviceBuffer<int64_t> d_slots(slots);
+  DeviceBuffer<float> d_k(k), d_v(v);
+  write_kv_cuda(spec, cache.layer_view(0), d_slots.get(), static_cast<int64_t>(slots.size()),
+                d_k.get(), d_v.get());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (KvSide side : {KvSide::kK, KvSide::kV}) {
+    const auto& want = side == KvSide::kK ? hk : hv;
+    std::vector<std::byte> got(want.size());
+    ASSERT_EQ(
+        cudaMemcpy(got.data(), cache.layer_view(0).base(side), got.size(), cudaMemcpyDeviceToHost),
+        cudaSuccess);
+    EXPECT_EQ(first_mismatch(got, want, spec.layout(side)), "") << "seed " << seed;
+  }
+}
+
+TEST(CudaCacheWrite, DeviceCacheMatchesTheCpuLayout) {
+  KVQ_REQUIRE_GPU();
+  std::vector<LayerKvSpec> specs = {
+      write_spec(KvDtype::kNvfp4, KvDtype::kBFloat16, 64, 32),
+      write_spec(KvDtype::kInt8PerTokenHead, KvDtype::kFloat32, 256, 32)};
+  specs[1].layer = 6;
+  DeviceKvCache dev(specs, 5);
+  PagedKvCache cpu(specs, 5);
+  EXPECT_EQ(dev.bytes_allocated(), cpu.bytes_allocated());
+  for (size_t l = 0; l < specs.size(); ++l) {
+    const LayerCacheView a = dev.layer_view(l), b = cpu.layer_view(l);
+    for (KvSide s : {KvSide::kK, KvSide::kV}) {
+      EXPECT_EQ(dev.storage_bytes(l, s), cpu.storage_bytes(l, s));
+      EXPECT_EQ(a.layout(s).block_bytes, b.layout(s).block_bytes);
+      EXPECT_EQ(a.layout(s).head_stride, b.layout(s).head_stride);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(a.base(s)) % 256, 0u);
+      // Poisoned like the CPU cache.
+      std::vector<std::byte> bytes(dev.storage_bytes(l, s));
+      ASSERT_EQ(cudaMemcpy(bytes.data(), a.base(s), bytes.size(), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(),
+                              [](std::byte x) { return x == std::byte{0xFF}; }));
+    }
+    EXPECT_EQ(a.num_blocks, 5);
+  }
+  LayerKvSpec other = specs[0];
+  other.block_tokens = 16;
+  EXPECT_THROW(DeviceKvCache({specs[0], other}, 2), InternalError);
+}
+
+}  // namespace
+}  // namespace kvq
