@@ -1,6 +1,7 @@
 // `kvq generate` and `kvq eval` as a user runs them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <fstream>
@@ -67,6 +68,28 @@ TEST(CliGenerate, StopStringEndsTheTextBeforeIt) {
                           "--max-tokens", "60", "--stop", "Lily"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, "Once upon a time, there was a little girl named \n");
+  EXPECT_NE(r.err.find("(stop)"), std::string::npos) << r.err;
+}
+
+TEST(CliGenerate, StopTokenIdEndsGenerationAndIsReported) {
+  SKIP_WITHOUT(kStories);
+  const auto all = run_kvq({"generate", "--model", kStories, "--prompt-ids", "1", "--temperature", "0",
+                            "--max-tokens", "10", "--output-ids"});
+  ASSERT_EQ(all.exit_code, 0) << all.err;
+  std::istringstream in(all.out);
+  std::vector<int> ids;
+  for (int v; in >> v;) ids.push_back(v);
+  ASSERT_EQ(ids.size(), 10u);
+  // Stop at the first occurrence of the 5th generated id.
+  const int stop = ids[4];
+  const size_t first = static_cast<size_t>(std::find(ids.begin(), ids.end(), stop) - ids.begin());
+  const auto r = run_kvq({"generate", "--model", kStories, "--prompt-ids", "1", "--temperature", "0",
+                          "--max-tokens", "10", "--output-ids", "--stop-token-ids", std::to_string(stop)});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::istringstream in2(r.out);
+  std::vector<int> got;
+  for (int v; in2 >> v;) got.push_back(v);
+  EXPECT_EQ(got, std::vector<int>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(first) + 1));
   EXPECT_NE(r.err.find("(stop)"), std::string::npos) << r.err;
 }
 

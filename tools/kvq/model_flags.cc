@@ -43,6 +43,8 @@ void SamplingFlags::add_to(CLI::App& app) {
   app.add_option("--seed", seed, "random seed (default: random)");
   app.add_option("--max-tokens,-n", max_tokens, "tokens to generate at most (default 256)");
   app.add_option("--stop", stop, "stop string (repeatable); not included in the output");
+  app.add_option("--stop-token-ids", stop_token_ids, "token ids that end generation (repeatable)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--ignore-eos", ignore_eos, "keep generating past end-of-sequence tokens");
 }
 
@@ -55,6 +57,7 @@ SamplingParams SamplingFlags::params(const std::string& prefix) const {
   if (seed >= 0) p.seed = static_cast<uint64_t>(seed);
   p.max_tokens = max_tokens;
   p.stop = stop;
+  p.stop_token_ids = stop_token_ids;
   p.ignore_eos = ignore_eos;
   auto errors = sampling_param_errors(p);
   if (!errors.empty()) {

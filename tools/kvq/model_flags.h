@@ -39,6 +39,7 @@ struct SamplingFlags {
   int64_t seed = -1;
   int max_tokens = 256;
   std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
 
   void add_to(CLI::App& app);
