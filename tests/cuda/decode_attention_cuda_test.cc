@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -74,10 +75,13 @@ LayerKvSpec spec_for(const DecodeCase& c) {
 
 // Error allowed per element, relative to the largest |V| of the (sequence, kv head). The
 // reference reads the same bytes, so what remains is the kernel's arithmetic: Q and P as fp16
-// MMA operands (bf16 for bfloat16 / float32 caches, ~8x coarser), fp32 accumulation.
+// MMA operands (bf16 for bfloat16 / float32 caches, 8x coarser), fp32 accumulation. With
+// |q| ~ 2.5 sigma, fp16 Q moves a logit by up to ~1e-2 and an output by up to ~5e-3 of max |V|;
+// bf16 Q by 8x that (test data is fp32; a bf16 model's Q is exact in bf16). Layout or scale
+// bugs show as errors of order 1.
 double tolerance(KvDtype d) {
-  double tol = (d == KvDtype::kBFloat16 || d == KvDtype::kFloat32) ? 3e-2 : 5e-3;
-  if (traits(d).rotated) tol *= 2;
+  double tol = (d == KvDtype::kBFloat16 || d == KvDtype::kFloat32) ? 6e-2 : 1.5e-2;
+  if (traits(d).rotated) tol *= 1.5;
   return tol;
 }
 
@@ -186,11 +190,15 @@ class DecodeProblem {
     EXPECT_EQ(cudaMemcpy(v.v_base, hv_.data(), hv_.size(), cudaMemcpyHostToDevice), cudaSuccess);
   }
 
+  // Largest |error| / max |V| of the last check (NaN-free elements only).
+  double worst() const { return worst_; }
+
   ::testing::AssertionResult check(const std::vector<float>& got,
                                    const std::vector<float>& want) const {
     const int hd = case_.head_dim, nq = spec_.num_q_heads;
     const double tol = tolerance(case_.dtype);
     int bad = 0;
+    worst_ = 0.0;
     std::ostringstream msg;
     for (size_t i = 0; i < case_.lens.size(); ++i)
       for (int h = 0; h < nq; ++h) {
@@ -198,6 +206,7 @@ class DecodeProblem {
         for (int d = 0; d < hd; ++d) {
           const size_t e = (i * nq + h) * hd + d;
           const double err = std::fabs(static_cast<double>(got[e]) - want[e]);
+          if (err / vmax > worst_) worst_ = err / vmax;
           if (!(err <= tol * vmax)) {
             if (++bad <= 5)
               msg << "\n  seq " << i << " (len " << case_.lens[i] << ") head " << h << " dim " << d
@@ -221,6 +230,7 @@ class DecodeProblem {
   std::vector<int32_t> indptr_, indices_, seq_lens_, q_indptr_;
   std::vector<double> vmax_;
   std::vector<float> q_;
+  mutable double worst_ = 0.0;
 };
 
 // Runs the cuda_decode backend (device q / out / cache, host block table) with a poisoned
@@ -258,6 +268,7 @@ TEST_P(CudaDecodeGrid, MatchesCpuReference) {
   const unsigned seed = test::fresh_seed();
   std::mt19937 rng(seed);
   int index = 0;
+  double worst = 0.0;
   for (int hd : {64, 128, 256}) {
     for (int bt : {16, 32}) {
       for (int ratio : {1, 4, 8}) {
@@ -282,9 +293,12 @@ TEST_P(CudaDecodeGrid, MatchesCpuReference) {
         const std::vector<float> got = run_backend(problem, c.soft_cap);
         EXPECT_TRUE(problem.check(got, want))
             << c.describe() << ", seed " << seed << " (case seed " << case_seed << ")";
+        worst = std::max(worst, problem.worst());
       }
     }
   }
+  std::printf("  %s: largest |error| / max|V| over the grid %.2e (tolerance %.1e)\n",
+              std::string(to_string(dtype)).c_str(), worst, tolerance(dtype));
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryDtype, CudaDecodeGrid, ::testing::ValuesIn(concrete_dtypes()),

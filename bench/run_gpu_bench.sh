@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs the CUDA decode benchmark and the PyTorch SDPA comparison in one go on a GPU machine,
+# then prints the merged table last.
+#
+#   bench/run_gpu_bench.sh BUILD_DIR OUT_DIR [--quick]
+#
+# BUILD_DIR holds a KVQ_CUDA=ON build with the cuda_decode_bench target built. OUT_DIR gets
+# kvq_decode.json, sdpa.json, decode_merged.csv (time, effective TB/s, % of copy bandwidth,
+# ratio to the best SDPA time for every point) and decode_tables.md (markdown tables).
+set -uo pipefail
+build=${1:?usage: run_gpu_bench.sh BUILD_DIR OUT_DIR [--quick]}
+out=${2:?usage: run_gpu_bench.sh BUILD_DIR OUT_DIR [--quick]}
+shift 2
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out"
+bench=$(find "$build" -name cuda_decode_bench -type f -perm -u+x | head -1)
+if [[ -z "$bench" ]]; then
+  echo "run_gpu_bench.sh: no cuda_decode_bench under $build" >&2
+  exit 1
+fi
+"$bench" --json "$out/kvq_decode.json" "$@" || echo "cuda_decode_bench failed (rc $?)"
+PYTHONUNBUFFERED=1 python3 "$here/sdpa_bench.py" --json "$out/sdpa.json" "$@" ||
+  echo "sdpa_bench.py failed (rc $?)"
+python3 "$here/sdpa_bench.py" --report "$out/kvq_decode.json" "$out/sdpa.json" \
+  --csv "$out/decode_merged.csv" --markdown "$out/decode_tables.md"
