@@ -1,0 +1,94 @@
+// LlmEngine: many concurrent requests over one model and one paged KV cache.
+//
+// A background thread runs scheduler steps: continuous batching (chunked prefill mixed with
+// decode under a per-step token budget), block allocation as sequences grow, preemption by
+// recomputation when the cache is full (the youngest running sequence gives up its blocks and
+// is re-queued; requests are delayed, never lost or truncated), and prefix caching (full blocks
+// hashed by their token content and the layer plan, shared by reference count, evicted least
+// recently used). Thread-safe: add_request / cancel / stats may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvq/engine/sampler.h"
+#include "kvq/model/model.h"
+#include "kvq/tokenizer/tokenizer.h"
+
+namespace kvq {
+
+struct EngineConfig {
+  int64_t num_blocks = 0;             // KV cache blocks shared by all requests (> 0)
+  int32_t max_num_seqs = 64;          // sequences running at once
+  int32_t max_num_batched_tokens = 512;  // tokens per step (prefill chunks + decodes)
+  bool enable_prefix_caching = true;
+};
+
+using RequestId = uint64_t;
+
+struct TokenLogprob {
+  int32_t id = 0;
+  float logprob = 0.0f;
+};
+
+// One event for one request, delivered on the engine thread, in order. The last event of a
+// request has `finished` set (and is delivered exactly once, also after cancel()).
+struct RequestOutput {
+  RequestId id = 0;
+  std::string text;                  // new text since the previous event (complete UTF-8)
+  std::vector<int32_t> token_ids;    // new token ids since the previous event
+  std::vector<TokenLogprob> logprobs;  // per new token: the sampled token's logprob (when asked)
+  bool finished = false;
+  std::string finish_reason;         // "stop", "length", "cancelled" (when finished)
+  int32_t prompt_tokens = 0;
+  int32_t completion_tokens = 0;     // so far
+  int32_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
+};
+
+using OutputCallback = std::function<void(const RequestOutput&)>;
+
+struct EngineStats {
+  int32_t running = 0;
+  int32_t waiting = 0;
+  int64_t preemptions = 0;
+  int64_t prefix_cache_queries = 0;  // prompt tokens looked up
+  int64_t prefix_cache_hits = 0;     // prompt tokens found
+  int64_t blocks_total = 0;
+  int64_t blocks_used = 0;           // held by running sequences or cached prefixes in use
+  int64_t blocks_cached_free = 0;    // cached prefix blocks with no owner (evictable)
+  int64_t prompt_tokens_total = 0;
+  int64_t generation_tokens_total = 0;
+  int64_t requests_finished = 0;
+};
+
+class LlmEngine {
+ public:
+  LlmEngine(std::unique_ptr<Model> model, std::unique_ptr<Tokenizer> tokenizer, EngineConfig config);
+  ~LlmEngine();  // stops the engine thread; unfinished requests get a "cancelled" final event
+
+  LlmEngine(const LlmEngine&) = delete;
+  LlmEngine& operator=(const LlmEngine&) = delete;
+
+  const Model& model() const;
+  const Tokenizer& tokenizer() const;
+  int32_t context_length() const;
+
+  // Queues a request. Throws InputError (before queueing) for an empty prompt, a prompt that
+  // does not fit the model's context, a prompt that could never fit the whole cache, or invalid
+  // sampling parameters. `want_logprobs`: report each sampled token's logprob.
+  RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
+                        OutputCallback on_output, bool want_logprobs = false);
+  // Cancels a request (no-op when it has finished): frees everything it holds.
+  void cancel(RequestId id);
+  EngineStats stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvq
