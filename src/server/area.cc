@@ -1,0 +1,1 @@
+// Area server: sources land here.
