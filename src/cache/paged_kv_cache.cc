@@ -100,6 +100,35 @@ void PagedKvCache::add_sequence(SequenceId id) {
   KVQ_CHECK(inserted, "PagedKvCache::add_sequence: sequence " + std::to_string(id) + " exists");
 }
 
+void PagedKvCache::add_sequence_with_blocks(SequenceId id,
+                                            std::span<const int32_t> shared_full_blocks,
+                                            int32_t num_tokens) {
+  KVQ_CHECK(!seqs_.contains(id),
+            "PagedKvCache::add_sequence_with_blocks: sequence " + std::to_string(id) + " exists");
+  KVQ_CHECK(static_cast<int64_t>(num_tokens) ==
+                static_cast<int64_t>(shared_full_blocks.size()) * block_tokens_,
+            "PagedKvCache::add_sequence_with_blocks: " + std::to_string(num_tokens) +
+                " tokens in " + std::to_string(shared_full_blocks.size()) +
+                " blocks; only full blocks of " + std::to_string(block_tokens_) +
+                " tokens can be shared");
+  // Check every block before retaining any, so a failure leaves no trace.
+  for (int32_t b : shared_full_blocks)
+    KVQ_CHECK(allocator_.refcount(b) > 0,
+              "PagedKvCache::add_sequence_with_blocks: block " + std::to_string(b) + " is free");
+  for (int32_t b : shared_full_blocks) allocator_.retain(b);
+  Sequence& seq = seqs_[id];
+  seq.blocks.assign(shared_full_blocks.begin(), shared_full_blocks.end());
+  seq.len = num_tokens;
+}
+
+void PagedKvCache::retain_block(int32_t block) {
+  allocator_.retain(block);
+}
+
+void PagedKvCache::release_block(int32_t block) {
+  allocator_.release(block);
+}
+
 bool PagedKvCache::has_sequence(SequenceId id) const {
   return seqs_.contains(id);
 }
@@ -124,6 +153,10 @@ std::vector<int64_t> PagedKvCache::append(SequenceId id, int32_t n) {
   const int64_t new_len = static_cast<int64_t>(seq.len) + n;
   KVQ_CHECK(new_len <= std::numeric_limits<int32_t>::max(),
             "PagedKvCache::append: sequence length overflows");
+  // Writing into a shared block would change what its other owners read.
+  KVQ_CHECK(n == 0 || seq.len % block_tokens_ == 0 || allocator_.refcount(seq.blocks.back()) == 1,
+            "PagedKvCache::append: sequence " + std::to_string(id) +
+                " would write into shared block " + std::to_string(seq.blocks.back()));
   const int64_t blocks_needed = (new_len + block_tokens_ - 1) / block_tokens_;
   const int64_t extra = blocks_needed - static_cast<int64_t>(seq.blocks.size());
   // All or nothing: check before allocating so a failure leaves no trace.

@@ -77,10 +77,22 @@ class PagedKvCache {
 
   // Registers an empty sequence. Throws InternalError if the id exists.
   void add_sequence(SequenceId id);
+  // Registers a sequence that starts with `shared_full_blocks` (prefix sharing): each block, in
+  // use elsewhere, gains this sequence as an owner, and the sequence holds
+  // num_tokens == shared_full_blocks.size() * block_tokens() tokens. Only full blocks can be
+  // shared, so later appends go to fresh blocks and a shared block is never written.
+  // Throws InternalError if the id exists, a block is free, or num_tokens does not match.
+  void add_sequence_with_blocks(SequenceId id, std::span<const int32_t> shared_full_blocks,
+                                int32_t num_tokens);
+  // An owner outside any sequence (a prefix cache keeping a block for reuse): retain adds one,
+  // release drops one (the block is freed at count 0). Same checks as BlockAllocator.
+  void retain_block(int32_t block);
+  void release_block(int32_t block);
   bool has_sequence(SequenceId id) const;
   int32_t seq_len(SequenceId id) const;
   // Reserves n more tokens and returns their slots (block * block_tokens + offset), or an
-  // empty vector (and changes nothing) when not enough blocks are free.
+  // empty vector (and changes nothing) when not enough blocks are free. Throws InternalError
+  // when the tokens would land in a partly filled block that another owner shares.
   std::vector<int64_t> append(SequenceId id, int32_t n);
   // Releases every block the sequence holds and forgets it.
   void free_sequence(SequenceId id);
