@@ -75,13 +75,13 @@ LayerKvSpec spec_for(const DecodeCase& c) {
 
 // Error allowed per element, relative to the largest |V| of the (sequence, kv head). The
 // reference reads the same bytes, so what remains is the kernel's arithmetic: Q and P as fp16
-// MMA operands (bf16 for bfloat16 / float32 caches, 8x coarser), fp32 accumulation. With
-// |q| ~ 2.5 sigma, fp16 Q moves a logit by up to ~1e-2 and an output by up to ~5e-3 of max |V|;
-// bf16 Q by 8x that (test data is fp32; a bf16 model's Q is exact in bf16). Layout or scale
-// bugs show as errors of order 1.
+// MMA operands (bf16 for bfloat16 / float32 caches, 8x coarser), fp32 accumulation. Measured
+// on an H100 with |q| ~ 2.5 sigma: worst 1.3e-3 (fp16 operands), 3.6e-3 (int4, rotated
+// twice), 7.7e-3 (bf16 operands; test Q is fp32, a bf16 model's Q is exact in bf16). The
+// bounds keep about 4x headroom; layout or scale bugs show as errors of order 0.1 to 1.
 double tolerance(KvDtype d) {
-  double tol = (d == KvDtype::kBFloat16 || d == KvDtype::kFloat32) ? 6e-2 : 1.5e-2;
-  if (traits(d).rotated) tol *= 1.5;
+  double tol = (d == KvDtype::kBFloat16 || d == KvDtype::kFloat32) ? 3e-2 : 5e-3;
+  if (traits(d).rotated) tol *= 2.5;
   return tol;
 }
 
@@ -320,9 +320,11 @@ TEST(CudaDecode, SplitCountsAndHeadChunksAgree) {
     c.block_tokens = 16;
     c.ratio = 12;
     c.num_kv_heads = 1;
-    c.kind = AttentionKind::kSlidingWindow;
+    // fp8: causal with 4500 tokens (282 one-tile splits, more than one merge pass);
+    // the others: a sliding window that starts inside a tile.
+    c.kind = dtype == KvDtype::kFp8E4M3 ? AttentionKind::kCausal : AttentionKind::kSlidingWindow;
     c.window = 1000;
-    c.lens = {2500, 5, 999, 1001};
+    c.lens = {dtype == KvDtype::kFp8E4M3 ? 4500 : 2500, 5, 999, 1001};
     const DecodeProblem problem(c, seed);
     const std::vector<float> want = problem.reference();
     DeviceKvCache dev({problem.spec()}, problem.num_blocks());

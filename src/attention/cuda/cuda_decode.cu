@@ -17,10 +17,11 @@ namespace kvq::cuda {
 
 namespace {
 
-// Work items (warps) per SM the automatic chunking aims for, and the fewest tiles per item
-// (below that, writing the partial costs as much as reading the tiles).
+// Work items (warps) per SM the automatic chunking aims for (several per resident slot, so
+// the last wave is short), and the fewest tiles per item (a partial row of 8 heads costs 4 KB
+// to write and read back; 8 tiles of fp8 K/V at head_dim 128 are 32 KB).
 constexpr int kItemsPerSm = 32;
-constexpr int kMinChunkTiles = 4;
+constexpr int kMinChunkTiles = 8;
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t n) {
@@ -126,59 +127,94 @@ struct MergeParams {
   HadamardSigns signs;
 };
 
-// One warp per (sequence, query head): weights each split by l * 2^(m - M), sums the
-// normalized partials, and un-rotates rotated V.
+constexpr int kMergeThreads = 256;
+
+__device__ __forceinline__ float block_reduce(float v, bool is_max, float* scratch) {
+  v = is_max ? warp_max(v) : warp_sum(v);
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  __syncthreads();  // scratch may still be read from a previous reduction
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int w = 1; w < kMergeThreads / 32; ++w) v = is_max ? fmaxf(v, scratch[w]) : v + scratch[w];
+  return v;
+}
+
+// One block per (query head, sequence): every split's weight l * 2^(m - M) into shared
+// memory, then kMergeThreads / HD groups of threads walk the splits (one dim per thread,
+// several loads in flight), a sum over the groups, and the un-rotation of rotated V.
 template <int HD>
-__global__ void __launch_bounds__(128) decode_merge_kernel(const __grid_constant__ MergeParams p) {
+__global__ void __launch_bounds__(kMergeThreads)
+    decode_merge_kernel(const __grid_constant__ MergeParams p) {
+  constexpr int kGroups = kMergeThreads / HD;
   constexpr int E = HD / 32;
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  const int qh = static_cast<int>(blockIdx.x) * 4 + static_cast<int>(threadIdx.x >> 5);
+  __shared__ float weight[kDecodeMaxSplits];
+  __shared__ float partial[kMergeThreads];
+  __shared__ float scratch[kMergeThreads / 32];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int qh = static_cast<int>(blockIdx.x);
   const int seq = static_cast<int>(blockIdx.y);
-  if (qh >= p.num_q_heads) return;
   const int kvh = qh / p.ratio, hin = qh % p.ratio;
   const int hc = hin / kDecodeHeadsPerWarp, g = hin % kDecodeHeadsPerWarp;
   int first_tile = 0, chunk = 0;
   const int tiles = decode_visible_tiles(p.seq_lens[seq], p.attention_kind, p.window, first_tile);
   const int nsplit = decode_num_splits(tiles, p.chunk_tiles, p.max_splits, chunk);
-  auto row_of = [&](int split) {
-    return (((static_cast<size_t>(seq) * p.max_splits + split) * p.num_kv_heads + kvh) *
-                p.head_chunks +
-            hc) *
-               kDecodeHeadsPerWarp +
-           g;
-  };
+  const size_t row0 =
+      ((static_cast<size_t>(seq) * p.max_splits * p.num_kv_heads + kvh) * p.head_chunks + hc) *
+          kDecodeHeadsPerWarp +
+      g;
+  // Rows of consecutive splits of this head are this far apart.
+  const size_t split_stride =
+      static_cast<size_t>(p.num_kv_heads) * p.head_chunks * kDecodeHeadsPerWarp;
+
   float mx = -__uint_as_float(kF32Inf);
-  for (int s = lane; s < nsplit; s += 32) mx = fmaxf(mx, p.part_ml[row_of(s)].x);
-  mx = warp_max(mx);
+  for (int s = tid; s < nsplit; s += kMergeThreads)
+    mx = fmaxf(mx, p.part_ml[row0 + s * split_stride].x);
+  mx = block_reduce(mx, true, scratch);
   float wsum = 0.0f;
-  for (int s = lane; s < nsplit; s += 32) {
-    const float2 ml = p.part_ml[row_of(s)];
-    wsum += ml.y * exp2f(ml.x - mx);
+  for (int s = tid; s < nsplit; s += kMergeThreads) {
+    const float2 ml = p.part_ml[row0 + s * split_stride];
+    const float w = ml.y * exp2f(ml.x - mx);
+    weight[s] = w;
+    wsum += w;
   }
-  wsum = warp_sum(wsum);
-  const float inv = 1.0f / wsum;
-  float acc[E];
+  wsum = block_reduce(wsum, false, scratch);  // its barriers also publish weight[]
+
+  const int d = tid % HD, grp = tid / HD;
+  float acc = 0.0f;
+  const float* src = p.part_o + row0 * HD + d;
+#pragma unroll 8
+  for (int s = grp; s < nsplit; s += kGroups)
+    acc = fmaf(weight[s], src[s * split_stride * HD], acc);
+  partial[tid] = acc;
+  __syncthreads();
+  if (tid < HD) {
+    float o = 0.0f;
 #pragma unroll
-  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
-  for (int s = 0; s < nsplit; ++s) {
-    const size_t row = row_of(s);
-    const float2 ml = p.part_ml[row];
-    const float w = ml.y * exp2f(ml.x - mx) * inv;
-    const float* src = p.part_o + row * HD + lane * E;
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] = fmaf(w, src[e], acc[e]);
+    for (int k = 0; k < kGroups; ++k) o += partial[k * HD + tid];
+    partial[tid] = o / wsum;
   }
-  if (p.unrotate) warp_hadamard_unrotate<E>(acc, lane, p.signs);
-  float* dst = p.out + (static_cast<size_t>(seq) * p.num_q_heads + qh) * HD + lane * E;
+  __syncthreads();
+  float* dst = p.out + (static_cast<size_t>(seq) * p.num_q_heads + qh) * HD;
+  if (p.unrotate) {
+    if (tid < 32) {
+      float x[E];
 #pragma unroll
-  for (int e = 0; e < E; ++e) dst[e] = acc[e];
+      for (int e = 0; e < E; ++e) x[e] = partial[tid * E + e];
+      warp_hadamard_unrotate<E>(x, tid, p.signs);
+#pragma unroll
+      for (int e = 0; e < E; ++e) dst[tid * E + e] = x[e];
+    }
+  } else if (tid < HD) {
+    dst[tid] = partial[tid];
+  }
 }
 
 template <int HD>
 void launch_prep_merge(bool merge, const PrepParams& pp, const MergeParams& mp, dim3 grid,
                        cudaStream_t stream) {
   if (merge)
-    decode_merge_kernel<HD><<<grid, 128, 0, stream>>>(mp);
+    decode_merge_kernel<HD><<<grid, kMergeThreads, 0, stream>>>(mp);
   else
     decode_prep_kernel<HD><<<grid, 32, 0, stream>>>(pp);
   KVQ_CUDA_CHECK_LAUNCH();

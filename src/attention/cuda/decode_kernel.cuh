@@ -99,8 +99,8 @@ struct Shape {
   static constexpr bool kTensorScale =
       D == KvDtype::kFp8E4M3 || D == KvDtype::kFp8E5M2 || D == KvDtype::kNvfp4;
   // Keep the next tile's raw bytes in flight while computing this one, when they are few.
-  // Off for now: a second tile in registers costs occupancy (not measured yet).
-  static constexpr bool kPrefetch = false;
+  // Only where the second tile fits the register budget of kMinBlocks (no spills).
+  static constexpr bool kPrefetch = kCodeBytes <= 64;
   static constexpr bool kQInRegs = HD <= 128;
   // head_dim 256: V is loaded after S = Q K^T, so K and V bytes are never live together.
   static constexpr bool kLateV = HD > 128;
@@ -141,8 +141,9 @@ struct TileCtx {
   int g, c;
 };
 
-// Loads the K (kParts & 1) and / or V (kParts & 2) bytes of a tile.
-template <KvDtype D, int HD, int kParts = 3>
+// Loads parts of a tile: K codes and metadata (kParts & 1), V codes and nvfp4 block scales
+// (kParts & 2), V per-token metadata (kParts & 4).
+template <KvDtype D, int HD, int kParts = 7>
 __device__ __forceinline__ void load_tile(TileRaw<D, HD>& r, const DecodeKernelParams& p,
                                           const TileCtx& x, int tile) {
   using S = Shape<D, HD>;
@@ -214,7 +215,7 @@ __device__ __forceinline__ void load_tile(TileRaw<D, HD>& r, const DecodeKernelP
         r.ks[2 * h] = v0 ? ka.x : 0u;
         r.ks[2 * h + 1] = v1 ? ka.y : 0u;
       }
-      if constexpr ((kParts & 2) != 0) {
+      if constexpr ((kParts & 4) != 0) {
         const uint2 va = __ldg(reinterpret_cast<const uint2*>(vh + p.v.values_bytes +
                                                               static_cast<uint64_t>(off + tt) * 4));
         r.vs[2 * h] = v0 ? va.x : 0u;
@@ -301,12 +302,14 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(kFullMask, v, 2);
 }
 
-// Blocks per SM the register budget is set for (HD 256 keeps twice the accumulators).
-template <int HD>
-constexpr int kMinBlocks = HD <= 128 ? 1 : 1;
+// Blocks (of 4 warps) per SM the register budget is set for: more resident warps hide more
+// load latency. 16/32-bit dtypes and head_dim 256 keep the compiler's natural allocation
+// (capping them spills).
+template <KvDtype D, int HD>
+constexpr int kMinBlocks = kv_value_bits(D) > 8 ? 1 : (HD == 64 ? 4 : (HD == 128 ? 3 : 1));
 
 template <KvDtype D, int HD>
-__global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<HD>)
+__global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
     decode_main_kernel(const __grid_constant__ DecodeKernelParams p) {
   using S = Shape<D, HD>;
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -382,9 +385,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<HD>)
                     k_pair<D, HD>(cur.k[1], cur.kb[1], 2 * s + 1));
     }
 
-    // head_dim 256: V (and its scales) only now, so K and V bytes are never live together.
-    if constexpr (S::kLateV) load_tile<D, HD, 2>(cur, p, x, tile);
-
     // ---- logits of tokens 2c, 2c + 1, 2c + 8, 2c + 9 (the lane's C-fragment entries) ----
     float xs[4], pr[4];
 #pragma unroll
@@ -434,6 +434,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<HD>)
     }
 
     // ---- O = O * corr + P V ----
+    // head_dim 256: V codes only now, so K and V codes are never live together.
+    if constexpr (S::kLateV) load_tile<D, HD, 2>(cur, p, x, tile);
     uint32_t pa0, pa2;
     if constexpr (S::kBf16) {
       pa0 = f32x2_to_bf16x2f(pr[0], pr[1]);
@@ -456,7 +458,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<HD>)
   if constexpr (S::kLateV) {
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
-      load_tile<D, HD, 1>(cur, p, x, tile);
+      load_tile<D, HD, 5>(cur, p, x, tile);
       process(cur, tile);
     }
   } else if constexpr (S::kPrefetch) {
