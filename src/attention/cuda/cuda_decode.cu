@@ -429,8 +429,8 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
               dim3(static_cast<unsigned>((items + kDecodeWarps - 1) / kDecodeWarps),
                    static_cast<unsigned>(spec.num_kv_heads), seqs),
               stream);
-  launch_by_dim(hd, true, pp, mp, dim3(static_cast<unsigned>((spec.num_q_heads + 3) / 4), seqs),
-                stream);
+  // The merge: one block per (query head, sequence).
+  launch_by_dim(hd, true, pp, mp, dim3(static_cast<unsigned>(spec.num_q_heads), seqs), stream);
 }
 
 }  // namespace kvq::cuda
