@@ -1,0 +1,69 @@
+// The OpenAI-compatible HTTP server behind `kvq serve` (cpp-httplib):
+//   POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream)
+//   GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text)
+// Errors are OpenAI-shaped JSON with 4xx statuses. A streaming client that goes away has its
+// engine requests cancelled (their KV blocks freed). One log line per request on stderr.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvq/engine/llm_engine.h"
+#include "kvq/server/metrics.h"
+#include "kvq/tokenizer/tokenizer.h"
+
+namespace kvq {
+
+// What the server needs from an engine: LlmEngine through serving_engine(), or a stand-in in
+// tests. Same contract as LlmEngine (callbacks on the engine thread, one final event each).
+class ServingEngine {
+ public:
+  virtual ~ServingEngine() = default;
+  virtual const Tokenizer& tokenizer() const = 0;
+  virtual int32_t context_length() const = 0;  // 0: unlimited
+  virtual std::vector<KvLayerGroup> kv_layer_groups() const = 0;
+  virtual RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
+                                OutputCallback on_output, bool want_logprobs) = 0;
+  virtual void cancel(RequestId id) = 0;
+  virtual EngineStats stats() const = 0;
+};
+
+// A view of `engine` (which must outlive it).
+std::unique_ptr<ServingEngine> serving_engine(LlmEngine& engine);
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;  // 0: a free port chosen by the system (HttpServer::bind() returns it)
+  std::string served_model_name = "kvq";
+  // Worker threads: each open connection (a streaming request for its whole length) holds one;
+  // connections beyond wait for a free worker.
+  int http_threads = 64;
+  bool log_requests = true;  // one line per generation request on stderr
+};
+
+class HttpServer {
+ public:
+  // The engine must outlive the server.
+  HttpServer(ServingEngine& engine, ServerOptions options);
+  ~HttpServer();  // stops, and waits until the engine has finished every request it was given
+
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Binds the listening socket; returns the port. Throws InputError naming host:port when the
+  // address cannot be bound (e.g. the port is in use).
+  int bind();
+  // Serves until stop(). Ignores SIGPIPE process-wide: a peer that disconnects must surface as a
+  // failed write (and a cancelled request), not kill the process.
+  void run();
+  // Thread-safe and idempotent: refuses new requests, cancels those in flight, ends run().
+  void stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvq

@@ -1,1 +1,0 @@
-// Area server: sources land here.
