@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "kvq/core/error.h"
+#include "text_stream.h"
 
 namespace kvq {
 
@@ -50,19 +51,6 @@ int32_t blocks_for_tokens(int64_t tokens, int32_t block_tokens) {
   return static_cast<int32_t>((tokens + block_tokens - 1) / block_tokens);
 }
 
-// Longest suffix of `text` that is a proper prefix of some stop string: text that must be held
-// back until the next token shows whether a stop string completes.
-size_t held_back(std::string_view text, const std::vector<std::string>& stops) {
-  size_t hold = 0;
-  for (const auto& s : stops)
-    for (size_t k = std::min(s.size() - 1, text.size()); k > hold; --k)
-      if (text.substr(text.size() - k) == std::string_view(s).substr(0, k)) {
-        hold = k;
-        break;
-      }
-  return hold;
-}
-
 }  // namespace
 
 int32_t model_context_length(const Model& model) {
@@ -73,7 +61,8 @@ int32_t model_context_length(const Model& model) {
 GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
                           std::span<const int32_t> prompt, const SamplingParams& params,
                           const GeneratorOptions& options, const TokenCallback& on_token) {
-  if (auto errors = sampling_param_errors(params); !errors.empty()) throw InputError(errors.front());
+  if (auto errors = sampling_param_errors(params); !errors.empty())
+    throw InputError(errors.front());
   if (prompt.empty()) throw InputError("the prompt is empty (no tokens to start from)");
   const int32_t context = model_context_length(model);
   const int32_t prompt_len = static_cast<int32_t>(prompt.size());
@@ -83,7 +72,8 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
                      " tokens (max_position_embeddings), and generation needs room for one more");
   for (int32_t id : prompt)
     if (id < 0 || id >= model.vocab_size())
-      throw InputError("prompt token id " + std::to_string(id) + " is out of range; the vocabulary has " +
+      throw InputError("prompt token id " + std::to_string(id) +
+                       " is out of range; the vocabulary has " +
                        std::to_string(model.vocab_size()) + " tokens (0-" +
                        std::to_string(model.vocab_size() - 1) + ")");
   const int32_t max_new = std::min(params.max_tokens, context - prompt_len);
@@ -109,46 +99,23 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
   const int32_t chunk = std::max<int32_t>(1, options.prefill_chunk);
   for (int32_t begin = 0; begin < prompt_len; begin += chunk) {
     const int32_t end = std::min(prompt_len, begin + chunk);
-    step(model, cache, seq, prompt.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)),
-         begin, false, logits);
+    step(model, cache, seq,
+         prompt.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)), begin, false,
+         logits);
   }
   result.prefill_seconds = seconds_since(t0);
 
-  std::vector<int32_t> stop_ids = params.stop_token_ids;
-  if (!params.ignore_eos)
-    for (int32_t id : tokenizer.eos_ids()) stop_ids.push_back(id);
   Sampler sampler(params);
-  StreamingDecoder decoder(tokenizer);
-  std::string text;    // all final text so far
-  size_t emitted = 0;  // bytes of `text` handed to on_token
-  const size_t max_stop = std::accumulate(params.stop.begin(), params.stop.end(), size_t{0},
-                                          [](size_t m, const std::string& s) { return std::max(m, s.size()); });
+  TextStream stream(tokenizer, params);
   result.finish_reason = "length";
   const auto t1 = Clock::now();
   bool cancelled = false;
   for (int32_t i = 0; i < max_new; ++i) {
     const int32_t id = sampler.sample(logits);
     result.output_ids.push_back(id);
-    const bool is_stop_token = std::find(stop_ids.begin(), stop_ids.end(), id) != stop_ids.end();
-    if (!is_stop_token) text += decoder.push(id);
-    // A stop string ends the text where it begins.
-    size_t cut = std::string::npos;
-    if (!params.stop.empty()) {
-      const size_t from = emitted > max_stop ? emitted - max_stop : 0;
-      for (const auto& s : params.stop) {
-        const size_t at = text.find(s, from);
-        if (at != std::string::npos) cut = std::min(cut, at);
-      }
-    }
-    const bool done = is_stop_token || cut != std::string::npos;
-    if (is_stop_token) text += decoder.finish();
-    if (cut != std::string::npos) text.resize(std::max(cut, emitted));
-    const size_t ready = done ? text.size() : text.size() - held_back(text, params.stop);
-    if (on_token && ready >= emitted) {
-      if (!on_token(std::string_view(text).substr(emitted, ready - emitted), id)) cancelled = true;
-      emitted = ready;
-    }
-    if (done) {
+    const TextStream::Step out = stream.push(id);
+    if (on_token && out.has_text && !on_token(out.text, id)) cancelled = true;
+    if (out.stop) {
       result.finish_reason = "stop";
       break;
     }
@@ -157,11 +124,11 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
          false, logits);
   }
   if (result.finish_reason == "length") {
-    text += decoder.finish();
-    if (on_token && text.size() > emitted) on_token(std::string_view(text).substr(emitted), -1);
+    const std::string_view rest = stream.finish();
+    if (on_token && !rest.empty()) on_token(rest, -1);
   }
   result.decode_seconds = seconds_since(t1);
-  result.text = std::move(text);
+  result.text = stream.take_text();
   result.kv_bytes_used = cache.blocks(seq).size() * bytes_per_block(plan);
   return result;
 }
@@ -179,10 +146,12 @@ void score_tokens(const Model& model, std::span<const int32_t> tokens, int32_t p
   const int32_t chunk = std::max<int32_t>(1, prefill_chunk);
   for (int32_t begin = 0; begin < n; begin += chunk) {
     const int32_t end = std::min(n, begin + chunk);
-    step(model, cache, seq, tokens.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)),
-         begin, true, logits);
+    step(model, cache, seq,
+         tokens.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)), begin, true,
+         logits);
     for (int32_t p = begin; p < end; ++p)
-      on_logits(p, std::span<const float>(logits).subspan(static_cast<size_t>(p - begin) * vocab, vocab));
+      on_logits(
+          p, std::span<const float>(logits).subspan(static_cast<size_t>(p - begin) * vocab, vocab));
   }
 }
 

@@ -1,0 +1,479 @@
+#include "kvq/engine/llm_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <limits>
+#include <mutex>
+#include <numeric>
+#include <thread>
+#include <utility>
+
+#include "kv_block_manager.h"
+#include "kvq/core/error.h"
+#include "kvq/engine/generator.h"
+#include "text_stream.h"
+
+namespace kvq {
+
+namespace {
+
+struct Request {
+  Request(RequestId rid, std::vector<int32_t> prompt, const SamplingParams& p,
+          int32_t max_new_tokens, const Tokenizer& tokenizer, OutputCallback cb, bool logprobs)
+      : id(rid),
+        tokens(std::move(prompt)),
+        prompt_len(static_cast<int32_t>(tokens.size())),
+        max_new(max_new_tokens),
+        sampler(p),
+        stream(tokenizer, p),
+        on_output(std::move(cb)),
+        want_logprobs(logprobs) {}
+
+  RequestId id;
+  std::vector<int32_t> tokens;  // the prompt, then every generated id
+  int32_t prompt_len;
+  int32_t max_new;  // max_tokens, capped by the context
+  Sampler sampler;  // kept across preemption, so a seeded request draws the same numbers
+  TextStream stream;
+  OutputCallback on_output;
+  bool want_logprobs;
+
+  int32_t computed = 0;  // tokens whose K/V are in the cache (while running)
+  bool admitted_before = false;
+  int32_t cached_prompt_tokens = 0;
+
+  int32_t len() const { return static_cast<int32_t>(tokens.size()); }
+  int32_t generated() const { return len() - prompt_len; }
+  SequenceId seq() const { return static_cast<SequenceId>(id); }
+};
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+float logprob_of(std::span<const float> logits, int32_t id) {
+  double max = -std::numeric_limits<double>::infinity();
+  for (float l : logits) max = std::max(max, static_cast<double>(l));
+  double sum = 0.0;
+  for (float l : logits) sum += std::exp(static_cast<double>(l) - max);
+  return static_cast<float>(static_cast<double>(logits[static_cast<size_t>(id)]) - max -
+                            std::log(sum));
+}
+
+}  // namespace
+
+struct LlmEngine::Impl {
+  Impl(std::unique_ptr<Model> m, std::unique_ptr<Tokenizer> t, EngineConfig c, int32_t num_blocks)
+      : model(std::move(m)),
+        tokenizer(std::move(t)),
+        config(c),
+        context(model_context_length(*model)),
+        blocks(model->plan(), num_blocks, c.enable_prefix_caching) {}
+
+  struct Event {
+    Request* request;
+    RequestOutput out;
+  };
+
+  void run();
+  void step();
+  void schedule_and_forward();
+  void preempt(Request& r);
+  void finish(Request& r, const std::string& reason);
+  void cancel_now(RequestId id);
+  void fail_running(const std::string& why);
+  void publish_stats();
+  void deliver_events();
+  RequestOutput base_output(const Request& r) const;
+
+  const std::unique_ptr<Model> model;
+  const std::unique_ptr<Tokenizer> tokenizer;
+  const EngineConfig config;
+  const int32_t context;
+
+  // Shared with callers, under mu.
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::unique_ptr<Request>> inbox;
+  std::vector<RequestId> cancels;
+  bool stopping = false;
+  RequestId next_id = 1;
+  EngineStats published;
+
+  // Engine thread only.
+  KvBlockManager blocks;
+  std::deque<std::unique_ptr<Request>> waiting;   // FCFS; preempted requests go to the front
+  std::vector<std::unique_ptr<Request>> running;  // by arrival (id), oldest first
+  std::vector<std::unique_ptr<Request>> done;     // finished this step, freed after delivery
+  std::vector<Event> events;
+  EngineStats counters;  // the cumulative fields
+  std::vector<float> logits;
+
+  std::thread thread;
+};
+
+RequestOutput LlmEngine::Impl::base_output(const Request& r) const {
+  RequestOutput o;
+  o.id = r.id;
+  o.prompt_tokens = r.prompt_len;
+  o.completion_tokens = r.generated();
+  o.cached_prompt_tokens = r.cached_prompt_tokens;
+  return o;
+}
+
+// Moves a running or waiting request to `done` with its final event.
+void LlmEngine::Impl::finish(Request& r, const std::string& reason) {
+  if (blocks.has_sequence(r.seq())) blocks.free_sequence(r.seq());
+  std::unique_ptr<Request> owned;
+  if (auto it = std::find_if(running.begin(), running.end(),
+                             [&](const auto& p) { return p.get() == &r; });
+      it != running.end()) {
+    owned = std::move(*it);
+    running.erase(it);
+  } else if (auto w = std::find_if(waiting.begin(), waiting.end(),
+                                   [&](const auto& p) { return p.get() == &r; });
+             w != waiting.end()) {
+    owned = std::move(*w);
+    waiting.erase(w);
+  }
+  KVQ_CHECK(owned != nullptr, "LlmEngine: finishing request " + std::to_string(r.id) +
+                                  " that is neither running nor waiting");
+  // The final event of an event-less end (cancellation, failure) flushes held-back text.
+  if (events.empty() || events.back().request != &r) {
+    RequestOutput o = base_output(r);
+    o.text = std::string(r.stream.finish());
+    events.push_back({&r, std::move(o)});
+  }
+  events.back().out.finished = true;
+  events.back().out.finish_reason = reason;
+  ++counters.requests_finished;
+  done.push_back(std::move(owned));
+}
+
+void LlmEngine::Impl::cancel_now(RequestId id) {
+  for (auto& r : running)
+    if (r->id == id) return finish(*r, "cancelled");
+  for (auto& r : waiting)
+    if (r->id == id) return finish(*r, "cancelled");
+}
+
+void LlmEngine::Impl::preempt(Request& r) {
+  blocks.free_sequence(r.seq());
+  r.computed = 0;
+  auto it =
+      std::find_if(running.begin(), running.end(), [&](const auto& p) { return p.get() == &r; });
+  KVQ_CHECK(it != running.end(), "LlmEngine: preempting a request that is not running");
+  waiting.push_front(std::move(*it));
+  running.erase(it);
+  ++counters.preemptions;
+}
+
+void LlmEngine::Impl::fail_running(const std::string& why) {
+  (void)why;  // the finish reason carries it; the engine has no logger of its own
+  while (!running.empty()) finish(*running.back(), "error");
+}
+
+void LlmEngine::Impl::schedule_and_forward() {
+  struct Scheduled {
+    Request* r;
+    int32_t n;
+    std::vector<int64_t> slots;  // reserved when scheduled, so later choices see the blocks taken
+  };
+  std::vector<Scheduled> batch;
+  int32_t budget = config.max_num_batched_tokens;
+  const int32_t bt = blocks.block_tokens();
+  bool preempted = false;
+  auto reserve = [&](Request& r, int32_t n) {
+    std::vector<int64_t> got = blocks.append(r.seq(), n);
+    KVQ_CHECK(static_cast<int32_t>(got.size()) == n,
+              "LlmEngine: no blocks for a scheduled chunk of request " + std::to_string(r.id));
+    return got;
+  };
+
+  // Running sequences, oldest first: decodes take one token each; a prefill chunk takes what
+  // the budget leaves after one token for every younger decode.
+  for (size_t i = 0; i < running.size() && budget > 0; ++i) {
+    Request& r = *running[i];
+    const int32_t remaining = r.len() - r.computed;
+    int32_t n = 1;
+    if (remaining > 1) {
+      int32_t younger_decodes = 0;
+      for (size_t j = i + 1; j < running.size(); ++j)
+        if (running[j]->len() - running[j]->computed == 1) ++younger_decodes;
+      n = std::min(remaining, budget - younger_decodes);
+      if (n <= 0) continue;
+      // A chunk shrinks to the blocks at hand before anyone is preempted for it.
+      const int64_t room =
+          (static_cast<int64_t>(blocks.cache().blocks(r.seq()).size()) + blocks.num_available()) *
+              bt -
+          r.computed;
+      if (room >= 1) n = static_cast<int32_t>(std::min<int64_t>(n, room));
+    }
+    // Out of blocks: the youngest running sequence gives its blocks up (maybe r itself).
+    bool self_preempted = false;
+    while (blocks.blocks_needed(r.seq(), n) > blocks.num_available()) {
+      Request& victim = *running.back();
+      self_preempted = &victim == &r;
+      preempt(victim);
+      preempted = true;
+      if (self_preempted) break;
+    }
+    if (self_preempted) break;
+    batch.push_back({&r, n, reserve(r, n)});
+    budget -= n;
+  }
+
+  // Waiting requests, FCFS, while the whole prompt's blocks fit (so a new sequence does not
+  // preempt itself in its next chunk). Not in a step that had to preempt: the cache is full.
+  while (!preempted && !waiting.empty() && budget > 0 &&
+         static_cast<int32_t>(running.size()) < config.max_num_seqs) {
+    Request& r = *waiting.front();
+    // At least the last token is computed: its logits give the next token.
+    const std::vector<int32_t> prefix = blocks.match_prefix(r.tokens, (r.len() - 1) / bt);
+    const int32_t cached = static_cast<int32_t>(prefix.size()) * bt;
+    const int64_t need = ceil_div(r.len(), bt) - static_cast<int64_t>(prefix.size());
+    if (need > blocks.num_available() - blocks.count_unowned(prefix)) break;
+    blocks.add_sequence(r.seq(), r.tokens, prefix);
+    r.computed = cached;
+    if (!r.admitted_before) {
+      r.admitted_before = true;
+      r.cached_prompt_tokens = cached;
+      counters.prompt_tokens_total += r.prompt_len;
+      if (config.enable_prefix_caching) {
+        counters.prefix_cache_queries += r.prompt_len;
+        counters.prefix_cache_hits += cached;
+      }
+    }
+    const int32_t n = std::min(r.len() - cached, budget);
+    std::unique_ptr<Request> owned = std::move(waiting.front());
+    waiting.pop_front();
+    const auto at = std::upper_bound(running.begin(), running.end(), owned->id,
+                                     [](RequestId id, const auto& p) { return id < p->id; });
+    running.insert(at, std::move(owned));
+    batch.push_back({&r, n, reserve(r, n)});
+    budget -= n;
+  }
+  if (batch.empty()) {
+    KVQ_CHECK(running.empty() && waiting.empty(),
+              "LlmEngine: a step scheduled nothing with " + std::to_string(running.size()) +
+                  " running and " + std::to_string(waiting.size()) + " waiting requests");
+    return;
+  }
+
+  // One forward pass over every scheduled chunk.
+  std::vector<int32_t> tokens, positions, q_indptr{0}, rows;
+  std::vector<int64_t> slots;
+  std::vector<SequenceId> ids;
+  std::vector<Request*> sampled;
+  for (const Scheduled& s : batch) {
+    Request& r = *s.r;
+    slots.insert(slots.end(), s.slots.begin(), s.slots.end());
+    tokens.insert(tokens.end(), r.tokens.begin() + r.computed, r.tokens.begin() + r.computed + s.n);
+    for (int32_t p = r.computed; p < r.computed + s.n; ++p) positions.push_back(p);
+    q_indptr.push_back(static_cast<int32_t>(tokens.size()));
+    ids.push_back(r.seq());
+    if (r.computed + s.n == r.len()) {
+      rows.push_back(static_cast<int32_t>(tokens.size()) - 1);
+      sampled.push_back(&r);
+    }
+  }
+  PagedKvCache::BlockTableStorage storage;
+  const BlockTableView table = blocks.cache().block_table(ids, storage);
+  const size_t vocab = static_cast<size_t>(model->vocab_size());
+  logits.resize(rows.size() * vocab);
+  model->forward(ForwardBatch{tokens, positions, q_indptr, slots, table, rows}, blocks.cache(),
+                 logits);
+
+  for (const Scheduled& s : batch) {
+    s.r->computed += s.n;
+    blocks.publish_full_blocks(s.r->seq(), s.r->tokens, s.r->computed);
+  }
+  for (size_t i = 0; i < sampled.size(); ++i) {
+    Request& r = *sampled[i];
+    const std::span<const float> row(logits.data() + i * vocab, vocab);
+    const int32_t id = r.sampler.sample(row);
+    r.tokens.push_back(id);
+    ++counters.generation_tokens_total;
+    const TextStream::Step out = r.stream.push(id);
+    RequestOutput o = base_output(r);
+    o.token_ids = {id};
+    if (out.has_text) o.text = std::string(out.text);
+    if (r.want_logprobs) o.logprobs = {{id, logprob_of(row, id)}};
+    events.push_back({&r, std::move(o)});
+    if (out.stop) {
+      finish(r, "stop");
+    } else if (r.generated() >= r.max_new) {
+      events.back().out.text += r.stream.finish();
+      finish(r, "length");
+    }
+  }
+}
+
+void LlmEngine::Impl::publish_stats() {
+  std::lock_guard lock(mu);
+  published = counters;
+  published.running = static_cast<int32_t>(running.size());
+  published.waiting = static_cast<int32_t>(waiting.size());
+  published.blocks_total = blocks.num_blocks();
+  published.blocks_used = blocks.num_used();
+  published.blocks_cached_free = blocks.num_cached_free();
+}
+
+void LlmEngine::Impl::deliver_events() {
+  // No lock is held: a callback may call add_request() or cancel().
+  for (Event& e : events) {
+    try {
+      if (e.request->on_output) e.request->on_output(e.out);
+    } catch (...) {
+      // A throwing callback cancels its request rather than killing the engine thread.
+      if (!e.out.finished) {
+        std::lock_guard lock(mu);
+        cancels.push_back(e.out.id);
+      }
+    }
+  }
+  events.clear();
+  done.clear();
+}
+
+void LlmEngine::Impl::step() {
+  std::vector<RequestId> to_cancel;
+  {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] {
+      return stopping || !inbox.empty() || !cancels.empty() || !waiting.empty() || !running.empty();
+    });
+    if (stopping) return;
+    for (auto& r : inbox) waiting.push_back(std::move(r));
+    inbox.clear();
+    to_cancel.swap(cancels);
+  }
+  for (RequestId id : to_cancel) cancel_now(id);
+  try {
+    schedule_and_forward();
+  } catch (const std::exception& e) {
+    // Whatever the running sequences held is freed; they end with "error".
+    fail_running(e.what());
+  }
+  publish_stats();
+  deliver_events();
+}
+
+void LlmEngine::Impl::run() {
+  for (;;) {
+    step();
+    std::lock_guard lock(mu);
+    if (stopping) break;
+  }
+  // Shutdown: everything unfinished is cancelled, also what callbacks add meanwhile.
+  for (;;) {
+    {
+      std::lock_guard lock(mu);
+      for (auto& r : inbox) waiting.push_back(std::move(r));
+      inbox.clear();
+      cancels.clear();
+    }
+    if (running.empty() && waiting.empty()) break;
+    while (!running.empty()) finish(*running.back(), "cancelled");
+    while (!waiting.empty()) finish(*waiting.back(), "cancelled");
+    publish_stats();
+    deliver_events();
+  }
+}
+
+LlmEngine::LlmEngine(std::unique_ptr<Model> model, std::unique_ptr<Tokenizer> tokenizer,
+                     EngineConfig config) {
+  KVQ_CHECK(model != nullptr && tokenizer != nullptr,
+            "LlmEngine: model and tokenizer are required");
+  if (config.num_blocks <= 0 || config.num_blocks > std::numeric_limits<int32_t>::max())
+    throw InputError("engine num_blocks must be in 1.." +
+                     std::to_string(std::numeric_limits<int32_t>::max()) + ", got " +
+                     std::to_string(config.num_blocks));
+  if (config.max_num_seqs < 1)
+    throw InputError("engine max_num_seqs must be >= 1, got " +
+                     std::to_string(config.max_num_seqs));
+  if (config.max_num_batched_tokens < 1)
+    throw InputError("engine max_num_batched_tokens must be >= 1, got " +
+                     std::to_string(config.max_num_batched_tokens));
+  const int32_t num_blocks = static_cast<int32_t>(config.num_blocks);
+  impl_ = std::make_unique<Impl>(std::move(model), std::move(tokenizer), config, num_blocks);
+  impl_->publish_stats();
+  impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
+}
+
+LlmEngine::~LlmEngine() {
+  {
+    std::lock_guard lock(impl_->mu);
+    impl_->stopping = true;
+  }
+  impl_->cv.notify_all();
+  impl_->thread.join();
+}
+
+const Model& LlmEngine::model() const {
+  return *impl_->model;
+}
+const Tokenizer& LlmEngine::tokenizer() const {
+  return *impl_->tokenizer;
+}
+int32_t LlmEngine::context_length() const {
+  return impl_->context;
+}
+
+RequestId LlmEngine::add_request(std::vector<int32_t> prompt, const SamplingParams& params,
+                                 OutputCallback on_output, bool want_logprobs) {
+  Impl& m = *impl_;
+  if (auto errors = sampling_param_errors(params); !errors.empty())
+    throw InputError(errors.front());
+  if (prompt.empty()) throw InputError("the prompt is empty (no tokens to start from)");
+  const int32_t vocab = m.model->vocab_size();
+  for (int32_t id : prompt)
+    if (id < 0 || id >= vocab)
+      throw InputError("prompt token id " + std::to_string(id) +
+                       " is out of range; the vocabulary has " + std::to_string(vocab) +
+                       " tokens (0-" + std::to_string(vocab - 1) + ")");
+  const int64_t prompt_len = static_cast<int64_t>(prompt.size());
+  if (prompt_len >= m.context)
+    throw InputError("the prompt has " + std::to_string(prompt_len) +
+                     " tokens; the model's context is " + std::to_string(m.context) +
+                     " tokens (max_position_embeddings), and generation needs room for one more");
+  const int32_t max_new =
+      static_cast<int32_t>(std::min<int64_t>(params.max_tokens, m.context - prompt_len));
+  const int32_t bt = m.blocks.block_tokens();
+  const int64_t need = ceil_div(prompt_len + max_new, bt);
+  if (need > m.config.num_blocks)
+    throw InputError("the prompt (" + std::to_string(prompt_len) + " tokens) plus max_tokens (" +
+                     std::to_string(max_new) + ") need " + std::to_string(need) +
+                     " KV cache blocks of " + std::to_string(bt) + " tokens; the whole cache has " +
+                     std::to_string(m.config.num_blocks) + " blocks (" +
+                     std::to_string(m.config.num_blocks * bt) + " tokens)");
+  RequestId id = 0;
+  {
+    std::lock_guard lock(m.mu);
+    id = m.next_id++;
+    m.inbox.push_back(std::make_unique<Request>(id, std::move(prompt), params, max_new,
+                                                *m.tokenizer, std::move(on_output), want_logprobs));
+  }
+  m.cv.notify_all();
+  return id;
+}
+
+void LlmEngine::cancel(RequestId id) {
+  {
+    std::lock_guard lock(impl_->mu);
+    if (id == 0 || id >= impl_->next_id) return;
+    impl_->cancels.push_back(id);
+  }
+  impl_->cv.notify_all();
+}
+
+EngineStats LlmEngine::stats() const {
+  std::lock_guard lock(impl_->mu);
+  EngineStats s = impl_->published;
+  s.waiting += static_cast<int32_t>(impl_->inbox.size());
+  return s;
+}
+
+}  // namespace kvq

@@ -1,0 +1,472 @@
+// LlmEngine against generate() run alone: continuous batching, chunked prefill, preemption,
+// prefix caching, cancellation, stop conditions, seeded sampling and input errors.
+#include "kvq/engine/llm_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <future>
+#include <thread>
+
+#include "engine_test_util.h"
+#include "kvq/core/error.h"
+#include "kvq/tokenizer/tokenizer.h"
+
+namespace kvq::test {
+namespace {
+
+SamplingParams greedy(int max_tokens) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = max_tokens;
+  return p;
+}
+
+struct Job {
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+  RequestId id = 0;
+  GenerationResult want;
+};
+
+// Submits every job from `threads` threads at once, waits for all, and checks each against its
+// solo run and the event protocol.
+void run_and_compare(LlmEngine& engine, std::vector<Job>& jobs, uint32_t seed, int threads,
+                     Collector& collector, int* near_ties) {
+  for (Job& j : jobs) j.want = solo(j.prompt, j.params);
+  const size_t finished_before = collector.num_finished();
+  std::vector<std::thread> submitters;
+  for (int t = 0; t < threads; ++t)
+    submitters.emplace_back([&, t] {
+      for (size_t i = static_cast<size_t>(t); i < jobs.size(); i += static_cast<size_t>(threads))
+        jobs[i].id = engine.add_request(jobs[i].prompt, jobs[i].params, collector.callback());
+    });
+  for (auto& s : submitters) s.join();
+  ASSERT_TRUE(collector.wait_finished(finished_before + jobs.size())) << "requests did not finish; seed " << seed;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const Collected got = collector.get(jobs[i].id);
+    SCOPED_TRACE("request " + std::to_string(i) + " (prompt " +
+                 std::to_string(jobs[i].prompt.size()) + " tokens, max_tokens " +
+                 std::to_string(jobs[i].params.max_tokens) + "), seed " + std::to_string(seed));
+    EXPECT_EQ(got.finished_events, 1);
+    EXPECT_EQ(got.events_after_final, 0);
+    EXPECT_TRUE(got.counts_consistent);
+    EXPECT_EQ(got.prompt_tokens, static_cast<int32_t>(jobs[i].prompt.size()));
+    EXPECT_EQ(got.completion_tokens, static_cast<int32_t>(got.ids.size()));
+    const std::string diff = compare_greedy(jobs[i].prompt, jobs[i].want, got, near_ties);
+    EXPECT_EQ(diff, "");
+  }
+}
+
+void expect_idle(LlmEngine& engine) {
+  const EngineStats s = engine.stats();
+  EXPECT_EQ(s.running, 0);
+  EXPECT_EQ(s.waiting, 0);
+  EXPECT_EQ(s.blocks_used, 0) << "blocks still held after every request ended";
+  EXPECT_LE(s.blocks_cached_free, s.blocks_total);
+}
+
+TEST(LlmEngine, ConcurrentGreedyRequestsMatchSoloRuns) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 256;
+  config.max_num_seqs = 12;            // some requests wait
+  config.max_num_batched_tokens = 48;  // long prompts are prefilled in chunks
+  auto engine = make_engine(config);
+  std::vector<Job> jobs(32);
+  for (Job& j : jobs) {
+    j.prompt = random_prompt(rng, std::uniform_int_distribution<int>(1, 70)(rng));
+    j.params = greedy(std::uniform_int_distribution<int>(1, 20)(rng));
+  }
+  Collector collector;
+  int near_ties = 0;
+  run_and_compare(*engine, jobs, seed, 4, collector, &near_ties);
+  EXPECT_LE(near_ties, 2) << "seed " << seed;
+  const EngineStats s = engine->stats();
+  EXPECT_EQ(s.requests_finished, 32);
+  int64_t prompt_total = 0, generated_total = 0;
+  for (const Job& j : jobs) {
+    prompt_total += static_cast<int64_t>(j.prompt.size());
+    generated_total += collector.get(j.id).completion_tokens;
+  }
+  EXPECT_EQ(s.prompt_tokens_total, prompt_total);
+  EXPECT_EQ(s.generation_tokens_total, generated_total);
+  EXPECT_EQ(s.preemptions, 0) << "a roomy cache needs no preemption";
+  expect_idle(*engine);
+}
+
+class Preemption : public ::testing::TestWithParam<bool> {};
+
+TEST_P(Preemption, TinyCacheStillGivesSoloOutputs) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 10;  // 160 tokens; each request alone needs up to 4 blocks
+  config.max_num_seqs = 8;
+  config.max_num_batched_tokens = 40;
+  config.enable_prefix_caching = GetParam();
+  auto engine = make_engine(config);
+  std::vector<Job> jobs(8);
+  for (Job& j : jobs) {
+    j.prompt = random_prompt(rng, std::uniform_int_distribution<int>(8, 30)(rng));
+    j.params = greedy(std::uniform_int_distribution<int>(20, 30)(rng));
+    j.params.ignore_eos = true;  // every sequence grows to its full length
+  }
+  Collector collector;
+  int near_ties = 0;
+  run_and_compare(*engine, jobs, seed, 1, collector, &near_ties);
+  EXPECT_LE(near_ties, 1) << "seed " << seed;
+  for (const Job& j : jobs) {
+    const Collected got = collector.get(j.id);
+    EXPECT_EQ(got.finish_reason, "length");
+    EXPECT_EQ(static_cast<int>(got.ids.size()), j.params.max_tokens) << "a request was truncated";
+  }
+  EXPECT_GT(engine->stats().preemptions, 0) << "the cache was meant to be too small; seed " << seed;
+  expect_idle(*engine);
+}
+
+INSTANTIATE_TEST_SUITE_P(PrefixCaching, Preemption, ::testing::Bool());
+
+TEST(LlmEngine, SharedPrefixIsServedFromCache) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 128;
+  auto engine = make_engine(config);
+  const int bt = engine->model().plan().layers.front().block_tokens;
+  const int full_blocks = 3;
+  const std::vector<int32_t> common = random_prompt(rng, full_blocks * bt + 5);
+  const int n = 6;
+  std::vector<Job> jobs(n);
+  for (int i = 0; i < n; ++i) {
+    jobs[static_cast<size_t>(i)].prompt = common;
+    // Distinct first suffix tokens: the requests share exactly the common full blocks.
+    jobs[static_cast<size_t>(i)].prompt.push_back(100 + i);
+    const auto tail = random_prompt(rng, std::uniform_int_distribution<int>(0, 20)(rng));
+    jobs[static_cast<size_t>(i)].prompt.insert(jobs[static_cast<size_t>(i)].prompt.end(),
+                                               tail.begin(), tail.end());
+    jobs[static_cast<size_t>(i)].params = greedy(std::uniform_int_distribution<int>(4, 12)(rng));
+  }
+  Collector collector;
+  int near_ties = 0;
+  std::vector<Job> first(jobs.begin(), jobs.begin() + 1), rest(jobs.begin() + 1, jobs.end());
+  run_and_compare(*engine, first, seed, 1, collector, &near_ties);
+  const EngineStats before = engine->stats();
+  EXPECT_EQ(collector.get(first[0].id).cached_prompt_tokens, 0);
+  EXPECT_EQ(before.prefix_cache_hits, 0);
+  EXPECT_EQ(before.prefix_cache_queries, static_cast<int64_t>(first[0].prompt.size()));
+  EXPECT_GE(before.blocks_cached_free, full_blocks) << "the finished request's blocks stay cached";
+
+  run_and_compare(*engine, rest, seed, 2, collector, &near_ties);
+  EXPECT_LE(near_ties, 1) << "seed " << seed;
+  const EngineStats after = engine->stats();
+  int64_t queried = 0;
+  for (const Job& j : rest) {
+    EXPECT_EQ(collector.get(j.id).cached_prompt_tokens, full_blocks * bt) << "seed " << seed;
+    queried += static_cast<int64_t>(j.prompt.size());
+  }
+  EXPECT_EQ(after.prefix_cache_hits - before.prefix_cache_hits,
+            static_cast<int64_t>(n - 1) * full_blocks * bt);
+  EXPECT_EQ(after.prefix_cache_queries - before.prefix_cache_queries, queried);
+  expect_idle(*engine);
+
+  // The same prompt again: every full block but the one holding the last token is reused
+  // (the last token is computed for its logits), and a follow-up that extends the first
+  // request's prompt with its output reuses the blocks filled while generating.
+  Job again;
+  again.prompt = std::vector<int32_t>(common.begin(), common.begin() + 2 * bt);
+  again.params = greedy(3);
+  Job follow;
+  const Collected first_out = collector.get(first[0].id);
+  follow.prompt = first[0].prompt;
+  follow.prompt.insert(follow.prompt.end(), first_out.ids.begin(), first_out.ids.end());
+  follow.params = greedy(3);
+  std::vector<Job> more = {again, follow};
+  run_and_compare(*engine, more, seed, 1, collector, &near_ties);
+  EXPECT_EQ(collector.get(more[0].id).cached_prompt_tokens, bt);
+  const int follow_len = static_cast<int>(follow.prompt.size());
+  // Blocks filled by the first request's K/V: its prompt and all but its last output token.
+  const int first_computed = static_cast<int>(first[0].prompt.size() + first_out.ids.size()) - 1;
+  EXPECT_EQ(collector.get(more[1].id).cached_prompt_tokens,
+            std::min(first_computed, follow_len - 1) / bt * bt);
+  expect_idle(*engine);
+}
+
+TEST(LlmEngine, CancelFromAnotherThreadAndFromTheCallback) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 64;
+  config.max_num_seqs = 2;
+  auto engine = make_engine(config);
+  Collector collector;
+  SamplingParams long_run = greedy(400);
+  long_run.ignore_eos = true;
+
+  // From another thread, mid-generation.
+  const RequestId a = engine->add_request(random_prompt(rng, 20), long_run, collector.callback());
+  // From inside its own callback, at the third token.
+  LlmEngine* e = engine.get();
+  const RequestId b = engine->add_request(random_prompt(rng, 12), long_run,
+                                          collector.callback([e](const RequestOutput& o) {
+                                            if (o.completion_tokens == 3 && !o.finished)
+                                              e->cancel(o.id);
+                                          }));
+  // Still waiting (max_num_seqs is 2) when cancelled.
+  const RequestId c = engine->add_request(random_prompt(rng, 5), long_run, collector.callback());
+  ASSERT_TRUE(collector.wait_tokens(a, 2)) << "seed " << seed;
+  engine->cancel(a);
+  engine->cancel(c);
+  ASSERT_TRUE(collector.wait_finished(3)) << "seed " << seed;
+  // A request finishing normally; cancelling it later (and an unknown id) changes nothing.
+  const RequestId d = engine->add_request(random_prompt(rng, 7), greedy(2), collector.callback());
+  ASSERT_TRUE(collector.wait_finished(4));
+  engine->cancel(d);
+  engine->cancel(d + 1000);
+  engine->cancel(a);
+
+  for (RequestId id : {a, b, c}) {
+    const Collected got = collector.get(id);
+    SCOPED_TRACE("request " + std::to_string(id) + ", seed " + std::to_string(seed));
+    EXPECT_EQ(got.finish_reason, "cancelled");
+    EXPECT_EQ(got.finished_events, 1);
+    EXPECT_EQ(got.events_after_final, 0);
+    EXPECT_LT(got.ids.size(), 400u);
+  }
+  EXPECT_GE(collector.get(a).ids.size(), 2u);
+  EXPECT_EQ(collector.get(b).ids.size(), 3u) << "the callback cancelled right after token 3";
+  EXPECT_TRUE(collector.get(c).ids.empty());
+  // A short round trip through the engine so late cancels would have been processed.
+  const RequestId f = engine->add_request(random_prompt(rng, 3), greedy(1), collector.callback());
+  ASSERT_TRUE(collector.wait_finished(5));
+  EXPECT_EQ(collector.get(d).finish_reason, "length");
+  EXPECT_EQ(collector.get(d).finished_events, 1);
+  EXPECT_EQ(collector.get(d).events_after_final, 0);
+  EXPECT_EQ(collector.get(f).finished_events, 1);
+  expect_idle(*engine);
+  EXPECT_EQ(engine->stats().requests_finished, 5);
+}
+
+TEST(LlmEngine, DestructorCancelsUnfinishedRequests) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  Collector collector;
+  std::vector<RequestId> ids;
+  {
+    EngineConfig config;
+    config.num_blocks = 64;
+    config.max_num_seqs = 2;
+    auto engine = make_engine(config);
+    SamplingParams p = greedy(500);
+    p.ignore_eos = true;
+    for (int i = 0; i < 4; ++i)
+      ids.push_back(engine->add_request(random_prompt(rng, 10), p, collector.callback()));
+    ASSERT_TRUE(collector.wait_tokens(ids[0], 1)) << "seed " << seed;
+  }
+  EXPECT_EQ(collector.num_finished(), 4u);
+  for (RequestId id : ids) {
+    const Collected got = collector.get(id);
+    EXPECT_EQ(got.finished_events, 1) << "request " << id;
+    EXPECT_EQ(got.finish_reason, "cancelled") << "request " << id;
+  }
+}
+
+TEST(LlmEngine, StopConditionsMatchGenerate) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 256;
+  auto engine = make_engine(config);
+  const Tokenizer& tok = engine->tokenizer();
+  std::vector<Job> jobs;
+  // Real code prompts give readable text for stop strings.
+  for (const char* text : {"def fibonacci(n):", "import os\n\ndef ",
+                           "class Stack:\n    def __init__(self):", "for i in range(10):\n    "}) {
+    const std::vector<int32_t> prompt = tok.encode(text, true);
+    SamplingParams base = greedy(40);
+    base.ignore_eos = true;
+    const GenerationResult free_run = solo(prompt, base);
+    ASSERT_GE(free_run.output_ids.size(), 10u);
+    // A stop string taken from the middle of the free-running text (1-3 characters).
+    if (free_run.text.size() > 8) {
+      const size_t at = std::uniform_int_distribution<size_t>(2, free_run.text.size() - 4)(rng);
+      Job j{prompt, base, 0, {}};
+      j.params.stop = {free_run.text.substr(at, std::uniform_int_distribution<size_t>(1, 3)(rng)),
+                       "@@never@@"};
+      jobs.push_back(j);
+    }
+    // A stop token: one of the generated ids.
+    Job t{prompt, base, 0, {}};
+    t.params.stop_token_ids = {
+        free_run.output_ids[std::uniform_int_distribution<size_t>(0, 9)(rng)]};
+    jobs.push_back(t);
+    // EOS honoured (not ignored) with a short max_tokens, and ignore_eos with a longer one.
+    Job eos{prompt, greedy(std::uniform_int_distribution<int>(1, 30)(rng)), 0, {}};
+    jobs.push_back(eos);
+    Job length{prompt, base, 0, {}};
+    length.params.max_tokens = std::uniform_int_distribution<int>(1, 15)(rng);
+    jobs.push_back(length);
+  }
+  Collector collector;
+  int near_ties = 0;
+  run_and_compare(*engine, jobs, seed, 2, collector, &near_ties);
+  EXPECT_EQ(near_ties, 0) << "seed " << seed;
+  int stops = 0;
+  for (const Job& j : jobs) stops += collector.get(j.id).finish_reason == "stop";
+  EXPECT_GT(stops, 0) << "no stop condition fired; seed " << seed;
+  expect_idle(*engine);
+}
+
+TEST(LlmEngine, ContextLimitEndsWithLength) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 160;
+  config.max_num_batched_tokens = 1024;
+  auto engine = make_engine(config);
+  const int context = engine->context_length();
+  SamplingParams p = greedy(50);
+  p.ignore_eos = true;
+  Collector collector;
+  const RequestId id =
+      engine->add_request(random_prompt(rng, context - 3), p, collector.callback());
+  ASSERT_TRUE(collector.wait_finished(1)) << "seed " << seed;
+  const Collected got = collector.get(id);
+  EXPECT_EQ(got.finish_reason, "length");
+  EXPECT_EQ(got.ids.size(), 3u) << "the sequence may not exceed the context";
+  expect_idle(*engine);
+}
+
+TEST(LlmEngine, SeededSamplingIsReproducibleInAnyBatch) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 256;
+  config.max_num_batched_tokens = 32;
+  auto engine = make_engine(config);
+  SamplingParams p;
+  p.temperature = 0.9f;
+  p.top_p = 0.95f;
+  p.top_k = 50;
+  p.seed = rng();
+  p.max_tokens = 16;
+  p.ignore_eos = true;
+  const std::vector<int32_t> prompt = random_prompt(rng, 21);
+  const GenerationResult want =
+      generate(*reference_model(), reference_tokenizer(), prompt, p, GeneratorOptions{});
+
+  Collector collector;
+  const RequestId alone = engine->add_request(prompt, p, collector.callback(), true);
+  ASSERT_TRUE(collector.wait_finished(1));
+  // The same request in the middle of a crowd of others (greedy and sampled).
+  std::vector<RequestId> crowd;
+  for (int i = 0; i < 6; ++i) {
+    SamplingParams q = p;
+    q.seed = rng();
+    if (i % 2) q.temperature = 0.0f;
+    crowd.push_back(engine->add_request(random_prompt(rng, 5 + 7 * i), q, collector.callback()));
+    if (i == 2) crowd.push_back(engine->add_request(prompt, p, collector.callback(), true));
+  }
+  ASSERT_TRUE(collector.wait_finished(8)) << "seed " << seed;
+  const Collected a = collector.get(alone), b = collector.get(crowd[3]);
+  EXPECT_EQ(a.ids, want.output_ids) << "seed " << seed;
+  EXPECT_EQ(b.ids, want.output_ids) << "seed " << seed;
+  EXPECT_EQ(b.text, want.text);
+  ASSERT_EQ(a.logprobs.size(), a.ids.size());
+  ASSERT_EQ(b.logprobs.size(), b.ids.size());
+  for (size_t i = 0; i < a.logprobs.size(); ++i) {
+    EXPECT_LE(a.logprobs[i], 0.0f);
+    EXPECT_NEAR(a.logprobs[i], b.logprobs[i], 1e-3f * (1.0f + std::abs(a.logprobs[i])))
+        << "token " << i;
+  }
+  EXPECT_TRUE(collector.get(crowd[0]).logprobs.empty()) << "logprobs only when asked";
+  expect_idle(*engine);
+}
+
+TEST(LlmEngine, LogprobsAreTheModelsLogSoftmax) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 32;
+  auto engine = make_engine(config);
+  const std::vector<int32_t> prompt = random_prompt(rng, 9);
+  Collector collector;
+  const RequestId id = engine->add_request(prompt, greedy(4), collector.callback(), true);
+  ASSERT_TRUE(collector.wait_finished(1));
+  const Collected got = collector.get(id);
+  ASSERT_EQ(got.logprobs.size(), got.ids.size());
+  std::vector<int32_t> tokens = prompt;
+  tokens.insert(tokens.end(), got.ids.begin(), got.ids.end());
+  score_tokens(*reference_model(), tokens, 64, [&](int32_t pos, std::span<const float> l) {
+    const int32_t k = pos - static_cast<int32_t>(prompt.size()) + 1;
+    if (k < 0 || k >= static_cast<int32_t>(got.ids.size())) return;
+    double max = l[0], sum = 0;
+    for (float x : l) max = std::max(max, static_cast<double>(x));
+    for (float x : l) sum += std::exp(x - max);
+    const double want =
+        l[static_cast<size_t>(got.ids[static_cast<size_t>(k)])] - max - std::log(sum);
+    EXPECT_NEAR(got.logprobs[static_cast<size_t>(k)], want, 1e-3 * (1 + std::abs(want)))
+        << "token " << k << ", seed " << seed;
+  });
+}
+
+TEST(LlmEngine, BadRequestsAreRefusedBeforeQueueing) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 8;  // 128 tokens
+  auto engine = make_engine(config);
+  const int context = engine->context_length();
+  Collector collector;
+  const auto expect_refused = [&](std::vector<int32_t> prompt, const SamplingParams& p,
+                                  const std::string& mention) {
+    try {
+      engine->add_request(std::move(prompt), p, collector.callback());
+      ADD_FAILURE() << "accepted; expected an InputError mentioning '" << mention << "'";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(mention), std::string::npos) << e.what();
+    }
+  };
+  expect_refused({}, greedy(4), "empty");
+  expect_refused(random_prompt(rng, context), greedy(4), "context");
+  expect_refused(random_prompt(rng, 100), greedy(29), "blocks");  // 129 tokens > 8 blocks of 16
+  expect_refused({1, 2, engine->model().vocab_size()}, greedy(4), "out of range");
+  SamplingParams bad = greedy(4);
+  bad.temperature = -1.0f;
+  expect_refused({1, 2}, bad, "temperature");
+  bad = greedy(4);
+  bad.top_p = 0.0f;
+  expect_refused({1, 2}, bad, "top_p");
+  expect_refused({1, 2}, greedy(0), "max_tokens");
+  bad = greedy(4);
+  bad.stop = {""};
+  expect_refused({1, 2}, bad, "stop");
+  // Exactly the whole cache is fine.
+  const RequestId ok =
+      engine->add_request(random_prompt(rng, 100), greedy(28), collector.callback());
+  ASSERT_TRUE(collector.wait_finished(1)) << "seed " << seed;
+  EXPECT_EQ(collector.get(ok).finished_events, 1);
+  EXPECT_EQ(engine->stats().requests_finished, 1) << "refused requests are never queued";
+
+  EngineConfig broken;
+  EXPECT_THROW(make_engine(broken), InputError);  // num_blocks 0
+  broken.num_blocks = 4;
+  broken.max_num_batched_tokens = 0;
+  EXPECT_THROW(make_engine(broken), InputError);
+}
+
+}  // namespace
+}  // namespace kvq::test
