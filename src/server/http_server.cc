@@ -118,6 +118,12 @@ struct HttpServer::Impl {
       return new httplib::ThreadPool(static_cast<size_t>(n));
     };
     http.set_tcp_nodelay(true);
+    // httplib's default also sets SO_REUSEPORT, which lets a second server bind a port in use
+    // and silently share it; keep only SO_REUSEADDR (quick restarts over TIME_WAIT).
+    http.set_socket_options([](socket_t sock) {
+      int yes = 1;
+      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    });
     http.set_payload_max_length(size_t{64} << 20);
 
     http.Post("/v1/completions", [this](const httplib::Request& q, httplib::Response& r) {

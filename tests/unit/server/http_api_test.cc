@@ -1,0 +1,317 @@
+// The HTTP layer over a stand-in engine (FakeEngine): routes, shapes, streaming, every error
+// path, client disconnects, shutdown. The real engine's behaviour is in http_model_test.cc.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "kvq/core/error.h"
+#include "kvq/server/chat_format.h"
+#include "server_test_util.h"
+
+namespace kvq::testing {
+namespace {
+
+using json = nlohmann::json;
+
+class HttpApi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(default_model_dir() + "/tokenizer.json"))
+      GTEST_SKIP() << "default model not found at " << default_model_dir();
+    Tokenizer tok = Tokenizer::load(default_model_dir());
+    const std::vector<int32_t> cycle =
+        tok.encode(" the quick brown fox jumps over the lazy dog", false);
+    engine_ = std::make_unique<FakeEngine>(std::move(tok), cycle, kContext);
+    ServerOptions o;
+    o.served_model_name = "tiny";
+    server_ = std::make_unique<RunningServer>(*engine_, o);
+  }
+  void TearDown() override {
+    server_.reset();
+    engine_.reset();
+  }
+  int port() const { return server_->port(); }
+  json post(const std::string& path, const json& body, int* status) {
+    return post_json(port(), path, body.dump(), status);
+  }
+  std::map<std::string, double> metrics() {
+    auto res = server_->client().Get("/metrics");
+    EXPECT_TRUE(res);
+    EXPECT_EQ(res->status, 200);
+    return parse_metrics(res->body);
+  }
+  void expect_error(const std::string& path, const std::string& body, int status, const json& param,
+                    const std::string& context) {
+    int got = 0;
+    json j = post_json(port(), path, body, &got);
+    EXPECT_EQ(got, status) << context << ": " << j.dump();
+    ASSERT_TRUE(j.is_object() && j.contains("error")) << context << ": " << j.dump();
+    const json& e = j["error"];
+    EXPECT_TRUE(e["message"].is_string() && !e["message"].get<std::string>().empty()) << context;
+    EXPECT_TRUE(e["type"].is_string()) << context;
+    EXPECT_TRUE(e.contains("code")) << context;
+    EXPECT_EQ(e["param"], param) << context << ": " << j.dump();
+  }
+
+  static constexpr int32_t kContext = 256;
+  std::unique_ptr<FakeEngine> engine_;
+  std::unique_ptr<RunningServer> server_;
+};
+
+TEST_F(HttpApi, InfoRoutes) {
+  auto c = server_->client();
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  EXPECT_EQ(json::parse(h->body)["status"], "ok");
+  auto m = c.Get("/v1/models");
+  ASSERT_TRUE(m);
+  json models = json::parse(m->body);
+  EXPECT_EQ(models["object"], "list");
+  ASSERT_EQ(models["data"].size(), 1u);
+  EXPECT_EQ(models["data"][0]["id"], "tiny");
+  EXPECT_EQ(models["data"][0]["object"], "model");
+  EXPECT_EQ(c.Get("/v1/models/tiny")->status, 200);
+  EXPECT_EQ(c.Get("/v1/models/other")->status, 404);
+  auto met = c.Get("/metrics");
+  ASSERT_TRUE(met);
+  EXPECT_EQ(met->status, 200);
+  EXPECT_NE(met->get_header_value("Content-Type").find("text/plain"), std::string::npos);
+  EXPECT_NE(met->body.find("# TYPE kvq_time_to_first_token_seconds histogram"), std::string::npos);
+}
+
+TEST_F(HttpApi, CompletionShapeAndUsage) {
+  std::random_device rd;
+  const unsigned seed = rd();
+  const int max_tokens = 3 + static_cast<int>(seed % 20);
+  int status = 0;
+  const std::string prompt = "def f(x):\n    return";
+  json r = post("/v1/completions",
+                {{"model", "tiny"},
+                 {"prompt", prompt},
+                 {"max_tokens", max_tokens},
+                 {"n", 2},
+                 {"logprobs", 1}},
+                &status);
+  ASSERT_EQ(status, 200) << r.dump();
+  EXPECT_EQ(r["object"], "text_completion");
+  EXPECT_EQ(r["model"], "tiny");
+  EXPECT_TRUE(r["id"].get<std::string>().starts_with("cmpl-"));
+  ASSERT_EQ(r["choices"].size(), 2u);
+  const auto prompt_ids = engine_->tokenizer().encode(prompt, true);
+  EXPECT_EQ(r["usage"]["prompt_tokens"], prompt_ids.size());
+  EXPECT_EQ(r["usage"]["completion_tokens"], 2 * max_tokens) << "seed " << seed;
+  EXPECT_EQ(r["usage"]["total_tokens"], prompt_ids.size() + 2 * max_tokens);
+  EXPECT_EQ(engine_->last_prompt(), prompt_ids);
+  for (int i = 0; i < 2; ++i) {
+    const json& c = r["choices"][i];
+    EXPECT_EQ(c["index"], i);
+    EXPECT_EQ(c["text"], engine_->expected_text(max_tokens));
+    EXPECT_EQ(c["finish_reason"], "length");
+    ASSERT_EQ(c["logprobs"]["token_logprobs"].size(), static_cast<size_t>(max_tokens));
+    for (int k = 0; k < max_tokens; ++k)
+      EXPECT_FLOAT_EQ(c["logprobs"]["token_logprobs"][k].get<float>(), FakeEngine::logprob_of(k));
+  }
+  // Token-id prompts reach the engine as they are.
+  json ids = post("/v1/completions", {{"prompt", {5, 6, 7}}, {"max_tokens", 2}}, &status);
+  ASSERT_EQ(status, 200) << ids.dump();
+  EXPECT_EQ(engine_->last_prompt(), (std::vector<int32_t>{5, 6, 7}));
+  EXPECT_EQ(ids["usage"]["prompt_tokens"], 3);
+  // Default max_tokens: 16, as OpenAI.
+  json def = post("/v1/completions", {{"prompt", "x"}}, &status);
+  EXPECT_EQ(def["usage"]["completion_tokens"], 16);
+}
+
+TEST_F(HttpApi, StreamedCompletionMatchesWhole) {
+  const int max_tokens = 12;
+  json body = {{"prompt", "import os"},
+               {"max_tokens", max_tokens},
+               {"stream", true},
+               {"stream_options", {{"include_usage", true}}}};
+  StreamResult s = post_stream(port(), "/v1/completions", body);
+  ASSERT_EQ(s.status, 200) << s.raw;
+  ASSERT_TRUE(s.done) << s.raw;
+  ASSERT_GE(s.chunks.size(), 2u);
+  std::string text;
+  for (size_t i = 0; i + 1 < s.chunks.size(); ++i) {
+    const json& c = s.chunks[i];
+    EXPECT_EQ(c["object"], "text_completion");
+    EXPECT_TRUE(c.contains("usage") && c["usage"].is_null());
+    ASSERT_EQ(c["choices"].size(), 1u);
+    text += c["choices"][0]["text"].get<std::string>();
+    const bool last_text_chunk = i + 2 == s.chunks.size();
+    EXPECT_EQ(c["choices"][0]["finish_reason"].is_null(), !last_text_chunk) << c.dump();
+  }
+  EXPECT_EQ(text, engine_->expected_text(max_tokens));
+  const json& u = s.chunks.back();
+  EXPECT_TRUE(u["choices"].empty());
+  EXPECT_EQ(u["usage"]["completion_tokens"], max_tokens);
+  EXPECT_EQ(u["usage"]["prompt_tokens"], engine_->tokenizer().encode("import os", true).size());
+  // Ends with exactly one [DONE].
+  EXPECT_TRUE(s.raw.ends_with("data: [DONE]\n\n"));
+}
+
+TEST_F(HttpApi, ChatWholeAndStreamed) {
+  json msgs = {{{"role", "system"}, {"content", "You write Python."}},
+               {{"role", "user"}, {"content", "def add"}}};
+  int status = 0;
+  json r = post("/v1/chat/completions",
+                {{"messages", msgs}, {"max_tokens", 6}, {"n", 2}, {"logprobs", true}}, &status);
+  ASSERT_EQ(status, 200) << r.dump();
+  EXPECT_EQ(r["object"], "chat.completion");
+  EXPECT_TRUE(r["id"].get<std::string>().starts_with("chatcmpl-"));
+  const Tokenizer& tok = engine_->tokenizer();
+  const auto fmt = detect_chat_format(tok.chat_template());
+  ASSERT_TRUE(fmt);
+  std::vector<ChatMessage> cm = {{"system", "You write Python."}, {"user", "def add"}};
+  EXPECT_EQ(engine_->last_prompt(), tok.encode(render_chat(*fmt, cm), false));
+  EXPECT_EQ(r["usage"]["prompt_tokens"], engine_->last_prompt().size());
+  // The turn ends at <|im_end|>.
+  const auto im_end = tok.token_to_id("<|im_end|>");
+  ASSERT_TRUE(im_end);
+  const auto stops = engine_->last_params().stop_token_ids;
+  EXPECT_NE(std::find(stops.begin(), stops.end(), *im_end), stops.end());
+  ASSERT_EQ(r["choices"].size(), 2u);
+  EXPECT_EQ(r["choices"][1]["message"]["role"], "assistant");
+  EXPECT_EQ(r["choices"][1]["message"]["content"], engine_->expected_text(6));
+  EXPECT_EQ(r["choices"][1]["logprobs"]["content"].size(), 6u);
+  // Without max_tokens, chat may use the rest of the context (vLLM's default).
+  json d = post("/v1/chat/completions", {{"messages", msgs}}, &status);
+  ASSERT_EQ(status, 200) << d.dump();
+  EXPECT_EQ(d["usage"]["completion_tokens"], kContext - d["usage"]["prompt_tokens"].get<int>());
+
+  StreamResult s = post_stream(port(), "/v1/chat/completions",
+                               {{"messages", msgs}, {"max_tokens", 6}, {"stream", true}});
+  ASSERT_EQ(s.status, 200);
+  ASSERT_TRUE(s.done);
+  ASSERT_GE(s.chunks.size(), 2u);
+  EXPECT_EQ(s.chunks.front()["choices"][0]["delta"]["role"], "assistant");
+  std::string text;
+  for (const auto& c : s.chunks) {
+    EXPECT_EQ(c["object"], "chat.completion.chunk");
+    if (c["choices"][0]["delta"].contains("content"))
+      text += c["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  EXPECT_EQ(s.chunks.back()["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(text, engine_->expected_text(6));
+}
+
+TEST_F(HttpApi, ErrorPaths) {
+  const std::string c = "/v1/completions", chat = "/v1/chat/completions";
+  expect_error(c, "{\"prompt\": ", 400, nullptr, "malformed JSON");
+  expect_error(c, "[1,2]", 400, nullptr, "not an object");
+  expect_error(c, R"({"max_tokens": 5})", 400, "prompt", "missing prompt");
+  expect_error(chat, R"({"max_tokens": 5})", 400, "messages", "missing messages");
+  expect_error(c, R"({"prompt": "x", "temperature": "hot"})", 400, "temperature", "wrong type");
+  expect_error(c, R"({"prompt": "x", "temperature": -1})", 400, "temperature", "temperature < 0");
+  expect_error(c, R"({"prompt": "x", "top_p": 0})", 400, "top_p", "top_p = 0");
+  expect_error(c, R"({"prompt": "x", "top_p": 1.01})", 400, "top_p", "top_p > 1");
+  expect_error(c, R"({"prompt": "x", "n": 0})", 400, "n", "n < 1");
+  expect_error(c, R"({"prompt": "x", "max_tokens": 0})", 400, "max_tokens", "max_tokens < 1");
+  expect_error(c, R"({"prompt": "x", "min_p": 2})", 400, "min_p", "min_p > 1");
+  expect_error(c, R"({"prompt": "x", "stop": ["a", 1]})", 400, "stop", "stop of wrong type");
+  expect_error(c, R"({"prompt": "x", "echo": true})", 400, "echo", "echo");
+  expect_error(c, R"({"prompt": [1, 99999999]})", 400, "prompt", "token id outside the vocabulary");
+  json long_prompt = {{"prompt", std::vector<int32_t>(kContext + 10, 5)}};
+  expect_error(c, long_prompt.dump(), 400, "prompt", "prompt longer than the context");
+  json long_chat = {
+      {"messages", {{{"role", "user"}, {"content", std::string(kContext * 8, 'x')}}}}};
+  expect_error(chat, long_chat.dump(), 400, "messages", "chat prompt longer than the context");
+  expect_error(c, R"({"prompt": "x", "max_tokens": 100000})", 400, "max_tokens",
+               "prompt + max_tokens > context");
+  expect_error(c, R"({"prompt": "x", "model": "gpt-4"})", 404, "model", "unknown model");
+  int status = 0;
+  json nf = post_json(port(), c, R"({"prompt": "x", "model": "gpt-4"})", &status);
+  EXPECT_EQ(nf["error"]["code"], "model_not_found");
+
+  // Unknown routes and wrong methods, with the same error shape.
+  auto cl = server_->client();
+  auto r404 = cl.Get("/v1/nothing");
+  ASSERT_TRUE(r404);
+  EXPECT_EQ(r404->status, 404);
+  EXPECT_TRUE(json::parse(r404->body)["error"]["message"].is_string());
+  auto r405 = cl.Get("/v1/completions");
+  ASSERT_TRUE(r405);
+  EXPECT_EQ(r405->status, 405);
+  EXPECT_EQ(r405->get_header_value("Allow"), "POST");
+  EXPECT_TRUE(json::parse(r405->body)["error"]["message"].is_string());
+  auto r405b = cl.Post("/health", "{}", "application/json");
+  ASSERT_TRUE(r405b);
+  EXPECT_EQ(r405b->status, 405);
+
+  // Every refusal is counted; none reached the engine.
+  auto m = metrics();
+  EXPECT_GE(metric_sum(m, "kvq_request_errors_total"), 20.0);
+  EXPECT_EQ(engine_->stats().requests_finished, 0);
+}
+
+TEST_F(HttpApi, ChatUnavailableWithoutKnownTemplate) {
+  // The same vocabulary without tokenizer_config.json has no chat template.
+  std::ifstream in(default_model_dir() + "/tokenizer.json");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  FakeEngine plain(Tokenizer::from_json(ss.str(), "tokenizer.json"), {5, 6});
+  RunningServer srv(plain, {});
+  int status = 0;
+  json r = post_json(srv.port(), "/v1/chat/completions",
+                     R"({"messages": [{"role": "user", "content": "hi"}]})", &status);
+  EXPECT_EQ(status, 400);
+  EXPECT_NE(r["error"]["message"].get<std::string>().find("chat is not available"),
+            std::string::npos)
+      << r.dump();
+  // Completions still work.
+  json ok =
+      post_json(srv.port(), "/v1/completions", R"({"prompt": "hi", "max_tokens": 2})", &status);
+  EXPECT_EQ(status, 200) << ok.dump();
+}
+
+TEST_F(HttpApi, ClientDisconnectCancels) {
+  int chunks_seen = 0;
+  // Far more tokens than will be read: the client hangs up after a few chunks.
+  StreamResult s = post_stream(
+      port(), "/v1/completions", {{"prompt", "x"}, {"max_tokens", 200}, {"stream", true}},
+      [&](const std::string& so_far) {
+        chunks_seen = static_cast<int>(std::count(so_far.begin(), so_far.end(), '\n')) / 2;
+        return chunks_seen < 3;
+      });
+  EXPECT_FALSE(s.done);
+  ASSERT_TRUE(eventually([&] { return engine_->cancelled_count() == 1; }))
+      << "the request was not cancelled";
+  EXPECT_TRUE(eventually([&] { return engine_->stats().running == 0; }));
+  EXPECT_EQ(metric_sum(metrics(), "kvq_request_finished_total"), 1.0);
+  EXPECT_EQ(metrics()["kvq_request_finished_total{finish_reason=\"cancelled\"}"], 1.0);
+}
+
+TEST_F(HttpApi, BindFailureNamesTheAddress) {
+  ServerOptions o;
+  o.host = "127.0.0.1";
+  o.port = port();  // taken by the running server
+  HttpServer second(*engine_, o);
+  try {
+    second.bind();
+    FAIL() << "bind succeeded on a port in use";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("127.0.0.1:" + std::to_string(port())), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_F(HttpApi, StopCancelsRequestsInFlight) {
+  int status = 0;
+  std::thread client([&] {
+    post_json(port(), "/v1/completions", R"({"prompt": "x", "max_tokens": 200})", &status);
+  });
+  ASSERT_TRUE(eventually([&] { return engine_->stats().running == 1; }));
+  const auto t0 = std::chrono::steady_clock::now();
+  server_->stop();
+  client.join();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+  EXPECT_EQ(engine_->cancelled_count(), 1);
+  EXPECT_TRUE(status == 503 || status == -1) << status;
+}
+
+}  // namespace
+}  // namespace kvq::testing
