@@ -128,6 +128,7 @@ struct MergeParams {
 };
 
 constexpr int kMergeThreads = 256;
+constexpr int kMergeWarpMaxSplits = 8;
 
 __device__ __forceinline__ float block_reduce(float v, bool is_max, float* scratch) {
   v = is_max ? warp_max(v) : warp_sum(v);
@@ -159,6 +160,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   int first_tile = 0, chunk = 0;
   const int tiles = decode_visible_tiles(p.seq_lens[seq], p.attention_kind, p.window, first_tile);
   const int nsplit = decode_num_splits(tiles, p.chunk_tiles, p.max_splits, chunk);
+  if (nsplit == 1 && !p.unrotate) return;  // the split-KV kernel wrote this head's output
   const size_t row0 =
       ((static_cast<size_t>(seq) * p.max_splits * p.num_kv_heads + kvh) * p.head_chunks + hc) *
           kDecodeHeadsPerWarp +
@@ -210,25 +212,84 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
 }
 
+// For few splits: one warp per (sequence, query head), four heads per block.
 template <int HD>
-void launch_prep_merge(bool merge, const PrepParams& pp, const MergeParams& mp, dim3 grid,
+__global__ void __launch_bounds__(128)
+    decode_merge_warp_kernel(const __grid_constant__ MergeParams p) {
+  constexpr int E = HD / 32;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int qh = static_cast<int>(blockIdx.x) * 4 + static_cast<int>(threadIdx.x >> 5);
+  const int seq = static_cast<int>(blockIdx.y);
+  if (qh >= p.num_q_heads) return;
+  const int kvh = qh / p.ratio, hin = qh % p.ratio;
+  const int hc = hin / kDecodeHeadsPerWarp, g = hin % kDecodeHeadsPerWarp;
+  int first_tile = 0, chunk = 0;
+  const int tiles = decode_visible_tiles(p.seq_lens[seq], p.attention_kind, p.window, first_tile);
+  const int nsplit = decode_num_splits(tiles, p.chunk_tiles, p.max_splits, chunk);
+  if (nsplit == 1 && !p.unrotate) return;  // the split-KV kernel wrote this head's output
+  const size_t row0 =
+      ((static_cast<size_t>(seq) * p.max_splits * p.num_kv_heads + kvh) * p.head_chunks + hc) *
+          kDecodeHeadsPerWarp +
+      g;
+  const size_t split_stride =
+      static_cast<size_t>(p.num_kv_heads) * p.head_chunks * kDecodeHeadsPerWarp;
+  float mx = -__uint_as_float(kF32Inf);
+  for (int s = lane; s < nsplit; s += 32) mx = fmaxf(mx, p.part_ml[row0 + s * split_stride].x);
+  mx = warp_max(mx);
+  float wsum = 0.0f;
+  for (int s = lane; s < nsplit; s += 32) {
+    const float2 ml = p.part_ml[row0 + s * split_stride];
+    wsum += ml.y * exp2f(ml.x - mx);
+  }
+  wsum = warp_sum(wsum);
+  const float inv = 1.0f / wsum;
+  float acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+#pragma unroll 4
+  for (int s = 0; s < nsplit; ++s) {
+    const size_t row = row0 + s * split_stride;
+    const float2 ml = p.part_ml[row];
+    const float w = ml.y * exp2f(ml.x - mx) * inv;
+    const float* src = p.part_o + row * HD + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = fmaf(w, src[e], acc[e]);
+  }
+  if (p.unrotate) warp_hadamard_unrotate<E>(acc, lane, p.signs);
+  float* dst = p.out + (static_cast<size_t>(seq) * p.num_q_heads + qh) * HD + lane * E;
+#pragma unroll
+  for (int e = 0; e < E; ++e) dst[e] = acc[e];
+}
+
+// Which kernel launch_prep_merge starts.
+enum class Aux { kPrep, kMergeWarp, kMergeBlock };
+
+template <int HD>
+void launch_prep_merge(Aux which, const PrepParams& pp, const MergeParams& mp, dim3 grid,
                        cudaStream_t stream) {
-  if (merge)
-    decode_merge_kernel<HD><<<grid, kMergeThreads, 0, stream>>>(mp);
-  else
-    decode_prep_kernel<HD><<<grid, 32, 0, stream>>>(pp);
+  switch (which) {
+    case Aux::kPrep:
+      decode_prep_kernel<HD><<<grid, 32, 0, stream>>>(pp);
+      break;
+    case Aux::kMergeWarp:
+      decode_merge_warp_kernel<HD><<<grid, 128, 0, stream>>>(mp);
+      break;
+    case Aux::kMergeBlock:
+      decode_merge_kernel<HD><<<grid, kMergeThreads, 0, stream>>>(mp);
+      break;
+  }
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
-void launch_by_dim(int hd, bool merge, const PrepParams& pp, const MergeParams& mp, dim3 grid,
+void launch_by_dim(int hd, Aux which, const PrepParams& pp, const MergeParams& mp, dim3 grid,
                    cudaStream_t stream) {
   switch (hd) {
     case 64:
-      return launch_prep_merge<64>(merge, pp, mp, grid, stream);
+      return launch_prep_merge<64>(which, pp, mp, grid, stream);
     case 128:
-      return launch_prep_merge<128>(merge, pp, mp, grid, stream);
+      return launch_prep_merge<128>(which, pp, mp, grid, stream);
     case 256:
-      return launch_prep_merge<256>(merge, pp, mp, grid, stream);
+      return launch_prep_merge<256>(which, pp, mp, grid, stream);
     default:
       KVQ_CHECK(false, "cuda decode: head_dim " + std::to_string(hd) + " unsupported");
   }
@@ -408,6 +469,8 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   kp.qmeta = qmeta;
   kp.part_o = part_o;
   kp.part_ml = part_ml;
+  kp.out = mp.unrotate ? nullptr : args.out;
+  kp.num_q_heads = spec.num_q_heads;
   kp.num_seqs = plan.num_seqs;
   kp.num_kv_heads = spec.num_kv_heads;
   kp.ratio = spec.gqa_ratio();
@@ -421,7 +484,7 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
 
   const auto seqs = static_cast<unsigned>(plan.num_seqs);
   launch_by_dim(
-      hd, false, pp, mp,
+      hd, Aux::kPrep, pp, mp,
       dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * kDecodeHeadsPerWarp), seqs),
       stream);
   const int items = plan.max_splits * plan.head_chunks;
@@ -429,8 +492,15 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
               dim3(static_cast<unsigned>((items + kDecodeWarps - 1) / kDecodeWarps),
                    static_cast<unsigned>(spec.num_kv_heads), seqs),
               stream);
-  // The merge: one block per (query head, sequence).
-  launch_by_dim(hd, true, pp, mp, dim3(static_cast<unsigned>(spec.num_q_heads), seqs), stream);
+  // Sequences with a single split were written by the split-KV kernel (unless V is rotated);
+  // the merge handles the rest: a warp per head for a few splits, a block for many.
+  if (plan.max_splits == 1 && !mp.unrotate) return;
+  if (plan.max_splits <= kMergeWarpMaxSplits)
+    launch_by_dim(hd, Aux::kMergeWarp, pp, mp,
+                  dim3(static_cast<unsigned>((spec.num_q_heads + 3) / 4), seqs), stream);
+  else
+    launch_by_dim(hd, Aux::kMergeBlock, pp, mp, dim3(static_cast<unsigned>(spec.num_q_heads), seqs),
+                  stream);
 }
 
 }  // namespace kvq::cuda

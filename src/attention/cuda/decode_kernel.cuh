@@ -487,19 +487,24 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
   const float inv_l = 1.0f / l_tot;
   const float zterm = S::kInt4 ? quad_sum(zacc) : 0.0f;
   const int rows = min(kDecodeHeadsPerWarp, p.ratio - hc * kDecodeHeadsPerWarp);
+  // A sequence with a single split is final here (when V is not rotated): write the output.
+  const bool direct = p.out != nullptr && nsplit == 1;
   if (x.g < rows) {
     const size_t row = (((static_cast<size_t>(seq) * p.max_splits + split) * p.num_kv_heads + kvh) *
                             p.head_chunks +
                         hc) *
                            kDecodeHeadsPerWarp +
                        x.g;
-    float* dst = p.part_o + row * HD;
+    float* dst = direct ? p.out + (static_cast<size_t>(seq) * p.num_q_heads + kvh * p.ratio +
+                                   hc * kDecodeHeadsPerWarp + x.g) *
+                                      HD
+                        : p.part_o + row * HD;
 #pragma unroll
     for (int j = 0; j < S::kNTiles; ++j) {
       dst[(2 * x.c) * (HD / 8) + j] = (o[j][0] * scale_o + zterm) * inv_l;
       dst[(2 * x.c + 1) * (HD / 8) + j] = (o[j][1] * scale_o + zterm) * inv_l;
     }
-    if (x.c == 0) p.part_ml[row] = make_float2(m, l_tot);
+    if (x.c == 0 && !direct) p.part_ml[row] = make_float2(m, l_tot);
   }
 }
 

@@ -108,7 +108,8 @@ struct DecodeKernelParams {
   const float2* qmeta;
   float* part_o;
   float2* part_ml;
-  int num_seqs, num_kv_heads, ratio, head_chunks, block_tokens;
+  float* out;  // non-null: a sequence with one split writes its output here directly
+  int num_seqs, num_q_heads, num_kv_heads, ratio, head_chunks, block_tokens;
   int chunk_tiles, max_splits, attention_kind, window;
   float soft_cap;  // 0: off
 };
