@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <ctime>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -243,7 +244,8 @@ struct HttpServer::Impl {
   }
 
   // max_tokens: explicit values must fit the context (as OpenAI and vLLM answer); defaults are
-  // 16 for completions and the rest of the context for chat, as vLLM does.
+  // 16 for completions and the rest of the context for chat, as vLLM does, kept within what the
+  // KV cache can hold for one sequence (the engine refuses more).
   int resolve_max_tokens(const GenerationRequest& g, size_t prompt_len) {
     const int64_t ctx = engine.context_length();
     const int64_t p = static_cast<int64_t>(prompt_len);
@@ -266,7 +268,8 @@ struct HttpServer::Impl {
             "context_length_exceeded");
       return *g.max_tokens;
     }
-    const int64_t def = g.endpoint == Endpoint::kCompletions ? std::min<int64_t>(16, room) : room;
+    const int64_t fits = std::max<int64_t>(1, std::min(room, engine.cache_capacity_tokens() - p));
+    const int64_t def = g.endpoint == Endpoint::kCompletions ? std::min<int64_t>(16, fits) : fits;
     return static_cast<int>(std::min<int64_t>(def, std::numeric_limits<int32_t>::max()));
   }
 

@@ -12,6 +12,10 @@ class LlmServingEngine final : public ServingEngine {
       : e_(e), groups_(::kvq::kv_layer_groups(e.model().plan().layers)) {}
   const Tokenizer& tokenizer() const override { return e_.tokenizer(); }
   int32_t context_length() const override { return e_.context_length(); }
+  int64_t cache_capacity_tokens() const override {
+    const auto& layers = e_.model().plan().layers;
+    return layers.empty() ? 0 : e_.stats().blocks_total * layers.front().block_tokens;
+  }
   std::vector<KvLayerGroup> kv_layer_groups() const override { return groups_; }
   RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
                         OutputCallback on_output, bool want_logprobs) override {

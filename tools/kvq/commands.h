@@ -12,5 +12,6 @@ Action add_plan_command(CLI::App& app);
 Action add_backends_command(CLI::App& app);
 Action add_generate_command(CLI::App& app);
 Action add_eval_command(CLI::App& app);
+Action add_serve_command(CLI::App& app);
 
 }  // namespace kvq::cli

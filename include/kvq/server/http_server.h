@@ -23,6 +23,8 @@ class ServingEngine {
   virtual ~ServingEngine() = default;
   virtual const Tokenizer& tokenizer() const = 0;
   virtual int32_t context_length() const = 0;  // 0: unlimited
+  // Tokens the whole KV cache holds: no sequence can be longer (default max_tokens stay below).
+  virtual int64_t cache_capacity_tokens() const = 0;
   virtual std::vector<KvLayerGroup> kv_layer_groups() const = 0;
   virtual RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
                                 OutputCallback on_output, bool want_logprobs) = 0;

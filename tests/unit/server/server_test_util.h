@@ -171,6 +171,7 @@ class FakeEngine final : public ServingEngine {
 
   const Tokenizer& tokenizer() const override { return tok_; }
   int32_t context_length() const override { return context_; }
+  int64_t cache_capacity_tokens() const override { return int64_t{1} << 40; }
   std::vector<KvLayerGroup> kv_layer_groups() const override { return {}; }
   RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
                         OutputCallback cb, bool want_logprobs) override {

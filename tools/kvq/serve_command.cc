@@ -1,0 +1,142 @@
+// kvq serve: the OpenAI-compatible HTTP server over LlmEngine.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <thread>
+
+#include "commands.h"
+#include "kvq/cache/paged_kv_cache.h"
+#include "kvq/core/error.h"
+#include "kvq/engine/generator.h"
+#include "kvq/engine/llm_engine.h"
+#include "kvq/server/http_server.h"
+#include "model_flags.h"
+
+namespace kvq::cli {
+
+namespace {
+
+// The served name when none is given: the model folder's name.
+std::string folder_name(const std::string& dir) {
+  std::filesystem::path p(dir);
+  while (!p.empty() && p.filename().empty()) p = p.parent_path();
+  const std::string name = p.filename().string();
+  return name.empty() ? "kvq" : name;
+}
+
+// SIGINT/SIGTERM: the handler only writes the signal number to a pipe (async-signal-safe);
+// a watcher thread reads it and stops the server. A second signal exits at once.
+int g_signal_pipe[2] = {-1, -1};
+std::atomic<int> g_signals{0};
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_signals.fetch_add(1) > 0) _exit(128 + sig);
+  const unsigned char b = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t r = write(g_signal_pipe[1], &b, 1);
+}
+
+}  // namespace
+
+Action add_serve_command(CLI::App& app) {
+  auto* sub = app.add_subcommand(
+      "serve", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)");
+  struct State {
+    ModelFlags model;
+    std::string host = "127.0.0.1";
+    int port = 8000;
+    int max_num_seqs = 64;
+    int max_num_batched_tokens = 512;
+    std::string served_model_name;
+    bool no_prefix_caching = false;
+  };
+  auto st = std::make_shared<State>();
+  st->model.add_to(*sub);
+  sub->add_option("--host", st->host, "address to listen on (default 127.0.0.1)");
+  sub->add_option("--port", st->port, "port to listen on (default 8000; 0 = any free port)")
+      ->check(CLI::Range(0, 65535));
+  sub->add_option("--max-num-seqs", st->max_num_seqs, "sequences computed at once (default 64)")
+      ->check(CLI::Range(1, 4096));
+  sub->add_option("--max-num-batched-tokens", st->max_num_batched_tokens,
+                  "tokens per engine step, prefill chunks and decodes together (default 512)")
+      ->check(CLI::Range(1, 1 << 20));
+  sub->add_option("--served-model-name", st->served_model_name,
+                  "the model name clients send (default: the model folder's name)");
+  sub->add_flag("--no-prefix-caching", st->no_prefix_caching,
+                "do not share cached prompt prefixes between requests");
+
+  return [st]() {
+    LoadedModel lm = st->model.load();
+    const KvPlan& plan = lm.model->plan();
+    const int32_t context = model_context_length(*lm.model);
+    size_t block_bytes = 0;
+    for (const auto& l : plan.layers) block_bytes += l.block_bytes();
+    const int block_tokens = plan.layers.empty() ? 16 : plan.layers.front().block_tokens;
+    size_t budget = 0;
+    if (!st->model.plan.kv_cache_memory.empty()) {
+      budget = parse_byte_size(st->model.plan.kv_cache_memory, "--kv-cache-memory");
+    } else {
+      // Default: room for --max-num-seqs full-context sequences, at most 4 GiB (the CPU default
+      // of vLLM's VLLM_CPU_KVCACHE_SPACE).
+      const size_t blocks_per_seq =
+          (static_cast<size_t>(std::max(context, 1)) + block_tokens - 1) / block_tokens;
+      budget = std::min<size_t>(
+          size_t{4} << 30, blocks_per_seq * static_cast<size_t>(st->max_num_seqs) * block_bytes);
+    }
+    EngineConfig config;
+    config.num_blocks = blocks_for_budget(plan.layers, budget);
+    config.max_num_seqs = st->max_num_seqs;
+    config.max_num_batched_tokens = st->max_num_batched_tokens;
+    config.enable_prefix_caching = !st->no_prefix_caching;
+    const std::string summary = summarize_kv_plan(plan);
+    LlmEngine engine(std::move(lm.model), std::move(lm.tokenizer), config);
+    auto serving = serving_engine(engine);
+
+    ServerOptions options;
+    options.host = st->host;
+    options.port = st->port;
+    options.served_model_name =
+        st->served_model_name.empty() ? folder_name(st->model.plan.model) : st->served_model_name;
+    options.http_threads = std::min(1024, 2 * st->max_num_seqs + 16);
+    HttpServer server(*serving, options);
+    const int port = server.bind();
+    std::fprintf(stderr,
+                 "kvq serve: model '%s' (%s), context %d tokens | KV cache %lld blocks x %d tokens "
+                 "(%.1f MiB) | "
+                 "plan: %s\nkvq serve: listening on http://%s:%d (Ctrl-C to stop)\n",
+                 options.served_model_name.c_str(), st->model.plan.model.c_str(), context,
+                 static_cast<long long>(config.num_blocks), block_tokens,
+                 static_cast<double>(config.num_blocks) * static_cast<double>(block_bytes) /
+                     (1024.0 * 1024.0),
+                 summary.c_str(), st->host.c_str(), port);
+
+    if (pipe(g_signal_pipe) != 0) throw InternalError("kvq serve: pipe() failed");
+    struct sigaction sa = {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, nullptr);
+    sigaction(SIGTERM, &sa, nullptr);
+    std::thread signal_thread([&] {
+      unsigned char sig = 0;
+      while (read(g_signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+      }
+      if (sig == 0) return;  // the server ended on its own
+      std::fprintf(stderr, "kvq serve: %s received, shutting down\n",
+                   sig == SIGINT ? "SIGINT" : "SIGTERM");
+      server.stop();
+    });
+    server.run();
+    const unsigned char quit = 0;
+    [[maybe_unused]] ssize_t w = write(g_signal_pipe[1], &quit, 1);
+    signal_thread.join();
+    std::fprintf(stderr, "kvq serve: stopped\n");
+    return 0;
+  };
+}
+
+}  // namespace kvq::cli
