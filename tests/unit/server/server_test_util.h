@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvq/core/error.h"
 #include "kvq/server/http_server.h"
 #include "kvq/tokenizer/tokenizer.h"
 
