@@ -14,8 +14,9 @@
 // Scales are applied in fp32: per-tensor K scales fold into the logit factor, per-token K
 // scales multiply the logits, per-token V scales multiply P (normalized by the running
 // maximum scale of the warp's range so fp16 P cannot underflow), int4 zero points add
-// sum(q) * z / sum(p) * z terms. Each warp writes an (o, m, l) partial; the merge kernel
-// combines the splits of a query head and un-rotates rotated V.
+// z * sum(q) to a logit and sum(p * z) to an output. Each warp writes an (o, m, l) partial
+// (or, for a sequence with a single split and unrotated V, its final output); the merge
+// kernel combines the splits of a query head and un-rotates rotated V.
 #pragma once
 
 #include <cuda_runtime.h>
