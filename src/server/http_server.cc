@@ -70,12 +70,20 @@ struct Exchange {
   bool logged = false;
 };
 
+// httplib listens with a backlog of 5 (compiled into the library): a burst of clients then
+// overflows the accept queue and their connects stall for a second-long SYN retry. The
+// listening socket is reachable from a subclass, so widen the backlog after binding.
+class Server : public httplib::Server {
+ public:
+  void widen_backlog() { ::listen(svr_sock_, SOMAXCONN); }
+};
+
 }  // namespace
 
 struct HttpServer::Impl {
   ServingEngine& engine;
   ServerOptions opt;
-  httplib::Server http;
+  Server http;
   ServerMetrics metrics;
   std::vector<KvLayerGroup> groups;
   std::optional<ChatFormat> chat;
@@ -588,6 +596,7 @@ int HttpServer::bind() {
                        ": the port is in use or the host address cannot be bound");
     s.bound_port = s.opt.port;
   }
+  s.http.widen_backlog();
   return s.bound_port;
 }
 
