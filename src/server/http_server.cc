@@ -469,11 +469,17 @@ struct HttpServer::Impl {
       }
     }
     release(ex);
-    bool cancelled = false;
+    bool cancelled = false, failed = false;
     std::vector<ChoiceOutput> outs;
     for (const auto& c : ex->choices) {
       cancelled = cancelled || c.out.finish_reason == "abort";
+      failed = failed || c.out.finish_reason == "error";
       outs.push_back(c.out);
+    }
+    if (failed) {
+      log_request(*ex, "500 engine error");
+      return send_error(res, ApiError(500, "internal error while generating (see the server log)",
+                                      "", "", "server_error"));
     }
     if (cancelled) {
       log_request(*ex, "503 cancelled");
@@ -530,6 +536,13 @@ struct HttpServer::Impl {
                 out += sse_data(make_stream_chunk(ex->meta, static_cast<int>(i), o.text, false,
                                                   finishing ? c.out.finish_reason : "", lp,
                                                   g.include_usage));
+                // The engine failed this choice: say so in the stream too (as vLLM does).
+                if (finishing && c.out.finish_reason == "error")
+                  out +=
+                      sse_data(error_json(ApiError(500,
+                                                   "internal error while generating choice " +
+                                                       std::to_string(i) + " (see the server log)",
+                                                   "", "", "server_error")));
               }
             }
             all_done = ex->finished == static_cast<int>(ex->choices.size());

@@ -268,6 +268,22 @@ TEST_F(HttpApi, ChatUnavailableWithoutKnownTemplate) {
   EXPECT_EQ(status, 200) << ok.dump();
 }
 
+TEST_F(HttpApi, EngineErrorsAre500) {
+  const json body = {{"prompt", {5, FakeEngine::kFailToken}}, {"max_tokens", 10}};
+  int status = 0;
+  json r = post("/v1/completions", body, &status);
+  EXPECT_EQ(status, 500) << r.dump();
+  EXPECT_EQ(r["error"]["type"], "server_error");
+  json sb = body;
+  sb["stream"] = true;
+  StreamResult s = post_stream(port(), "/v1/completions", sb);
+  ASSERT_EQ(s.status, 200);  // the stream had started
+  ASSERT_TRUE(s.done);
+  ASSERT_GE(s.chunks.size(), 2u);
+  EXPECT_EQ(s.chunks[s.chunks.size() - 2]["choices"][0]["finish_reason"], "error");
+  EXPECT_EQ(s.chunks.back()["error"]["type"], "server_error");
+}
+
 TEST_F(HttpApi, ClientDisconnectCancels) {
   int chunks_seen = 0;
   // Far more tokens than will be read: the client hangs up after a few chunks.

@@ -4,6 +4,7 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -185,7 +186,8 @@ class FakeEngine final : public ServingEngine {
           static_cast<int32_t>(prompt.size()),
           0,
           false,
-          std::make_unique<StreamingDecoder>(tok_)};
+          std::make_unique<StreamingDecoder>(tok_),
+          std::find(prompt.begin(), prompt.end(), kFailToken) != prompt.end()};
     last_params_ = params;
     last_prompt_ = prompt;
     reqs_.emplace(id, std::move(r));
@@ -224,6 +226,8 @@ class FakeEngine final : public ServingEngine {
     return tok_.decode(ids, true);
   }
   static float logprob_of(int k) { return -0.125f * static_cast<float>(k % 8 + 1); }
+  // A prompt holding this id fails after two tokens with finish_reason "error".
+  static constexpr int32_t kFailToken = 4095;
   std::chrono::microseconds tick{500};
 
  private:
@@ -235,6 +239,7 @@ class FakeEngine final : public ServingEngine {
     int32_t generated = 0;
     bool cancelled = false;
     std::unique_ptr<StreamingDecoder> decoder;
+    bool fail = false;
   };
 
   void loop() {
@@ -250,6 +255,9 @@ class FakeEngine final : public ServingEngine {
           o.finished = true;
           o.finish_reason = "cancelled";
           ++cancelled_;
+        } else if (r.fail && r.generated == 2) {
+          o.finished = true;
+          o.finish_reason = "error";
         } else {
           const int32_t tok = cycle_[static_cast<size_t>(r.generated) % cycle_.size()];
           if (r.want_logprobs) o.logprobs.push_back({tok, logprob_of(r.generated)});
