@@ -350,11 +350,11 @@ void LlmEngine::Impl::step() {
     inbox.clear();
     to_cancel.swap(cancels);
   }
-  for (RequestId id : to_cancel) cancel_now(id);
   try {
+    for (RequestId id : to_cancel) cancel_now(id);
     schedule_and_forward();
   } catch (const std::exception& e) {
-    // Whatever the running sequences held is freed; they end with "error".
+    // Whatever the running sequences held is freed; they end with "error". The engine goes on.
     fail_running(e.what());
   }
   publish_stats();

@@ -43,7 +43,8 @@ struct RequestOutput {
   std::vector<int32_t> token_ids;    // new token ids since the previous event
   std::vector<TokenLogprob> logprobs;  // per new token: the sampled token's logprob (when asked)
   bool finished = false;
-  std::string finish_reason;         // "stop", "length", "cancelled" (when finished)
+  std::string finish_reason;         // "stop", "length", "cancelled", or "error" (an internal
+                                     // failure in the request's step; its blocks were freed)
   int32_t prompt_tokens = 0;
   int32_t completion_tokens = 0;     // so far
   int32_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
@@ -55,20 +56,23 @@ struct EngineStats {
   int32_t running = 0;
   int32_t waiting = 0;
   int64_t preemptions = 0;
-  int64_t prefix_cache_queries = 0;  // prompt tokens looked up
+  int64_t prefix_cache_queries = 0;  // prompt tokens looked up (once per request, when first
+                                     // admitted; re-admission after preemption is not counted)
   int64_t prefix_cache_hits = 0;     // prompt tokens found
   int64_t blocks_total = 0;
-  int64_t blocks_used = 0;           // held by running sequences or cached prefixes in use
+  int64_t blocks_used = 0;           // owned by running sequences (a shared block counts once)
   int64_t blocks_cached_free = 0;    // cached prefix blocks with no owner (evictable)
-  int64_t prompt_tokens_total = 0;
+  int64_t prompt_tokens_total = 0;   // prompts of admitted requests (once per request)
   int64_t generation_tokens_total = 0;
-  int64_t requests_finished = 0;
+  int64_t requests_finished = 0;     // every final event, whatever its reason
 };
 
 class LlmEngine {
  public:
   LlmEngine(std::unique_ptr<Model> model, std::unique_ptr<Tokenizer> tokenizer, EngineConfig config);
-  ~LlmEngine();  // stops the engine thread; unfinished requests get a "cancelled" final event
+  // Stops the engine thread; unfinished requests get a "cancelled" final event. Not from a
+  // callback (it joins the engine thread).
+  ~LlmEngine();
 
   LlmEngine(const LlmEngine&) = delete;
   LlmEngine& operator=(const LlmEngine&) = delete;
@@ -77,12 +81,16 @@ class LlmEngine {
   const Tokenizer& tokenizer() const;
   int32_t context_length() const;
 
-  // Queues a request. Throws InputError (before queueing) for an empty prompt, a prompt that
-  // does not fit the model's context, a prompt that could never fit the whole cache, or invalid
-  // sampling parameters. `want_logprobs`: report each sampled token's logprob.
+  // Queues a request. Throws InputError (before queueing) for an empty prompt, a token id
+  // outside the vocabulary, a prompt that does not fit the model's context, a prompt plus
+  // max_tokens (capped by the context) that could not fit the whole cache even alone, or invalid
+  // sampling parameters. `want_logprobs`: report each sampled token's logprob (log-softmax of
+  // the model's logits, before temperature and truncation). May be called from a callback.
   RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
                         OutputCallback on_output, bool want_logprobs = false);
-  // Cancels a request (no-op when it has finished): frees everything it holds.
+  // Cancels a request (no-op when it has finished or is unknown): frees everything it holds.
+  // Takes effect at the engine's next step, before any further token of that request; the
+  // final "cancelled" event follows on the engine thread. May be called from a callback.
   void cancel(RequestId id);
   EngineStats stats() const;
 

@@ -44,7 +44,8 @@ void run_and_compare(LlmEngine& engine, std::vector<Job>& jobs, uint32_t seed, i
         jobs[i].id = engine.add_request(jobs[i].prompt, jobs[i].params, collector.callback());
     });
   for (auto& s : submitters) s.join();
-  ASSERT_TRUE(collector.wait_finished(finished_before + jobs.size())) << "requests did not finish; seed " << seed;
+  ASSERT_TRUE(collector.wait_finished(finished_before + jobs.size()))
+      << "requests did not finish; seed " << seed;
   for (size_t i = 0; i < jobs.size(); ++i) {
     const Collected got = collector.get(jobs[i].id);
     SCOPED_TRACE("request " + std::to_string(i) + " (prompt " +
@@ -210,21 +211,30 @@ TEST(LlmEngine, CancelFromAnotherThreadAndFromTheCallback) {
   SamplingParams long_run = greedy(400);
   long_run.ignore_eos = true;
 
-  // From another thread, mid-generation.
+  // a: cancelled from this thread mid-generation. b: cancels itself from its callback once
+  // told to, and records at how many tokens it did.
   const RequestId a = engine->add_request(random_prompt(rng, 20), long_run, collector.callback());
-  // From inside its own callback, at the third token.
   LlmEngine* e = engine.get();
-  const RequestId b = engine->add_request(random_prompt(rng, 12), long_run,
-                                          collector.callback([e](const RequestOutput& o) {
-                                            if (o.completion_tokens == 3 && !o.finished)
-                                              e->cancel(o.id);
-                                          }));
-  // Still waiting (max_num_seqs is 2) when cancelled.
+  std::atomic<bool> b_should_cancel{false};
+  std::atomic<int32_t> b_cancelled_at{-1};
+  const RequestId b = engine->add_request(
+      random_prompt(rng, 12), long_run, collector.callback([&, e](const RequestOutput& o) {
+        if (!o.finished && b_should_cancel && b_cancelled_at < 0) {
+          b_cancelled_at = o.completion_tokens;
+          e->cancel(o.id);
+        }
+      }));
+  ASSERT_TRUE(collector.wait_tokens(a, 2) && collector.wait_tokens(b, 1)) << "seed " << seed;
+  // c: waits (a and b fill max_num_seqs) and is cancelled before it ever runs.
   const RequestId c = engine->add_request(random_prompt(rng, 5), long_run, collector.callback());
-  ASSERT_TRUE(collector.wait_tokens(a, 2)) << "seed " << seed;
-  engine->cancel(a);
   engine->cancel(c);
+  ASSERT_TRUE(collector.wait_finished(1)) << "seed " << seed;
+  EXPECT_EQ(collector.get(c).finish_reason, "cancelled");
+  EXPECT_TRUE(collector.get(c).ids.empty());
+  engine->cancel(a);
+  b_should_cancel = true;
   ASSERT_TRUE(collector.wait_finished(3)) << "seed " << seed;
+
   // A request finishing normally; cancelling it later (and an unknown id) changes nothing.
   const RequestId d = engine->add_request(random_prompt(rng, 7), greedy(2), collector.callback());
   ASSERT_TRUE(collector.wait_finished(4));
@@ -241,8 +251,8 @@ TEST(LlmEngine, CancelFromAnotherThreadAndFromTheCallback) {
     EXPECT_LT(got.ids.size(), 400u);
   }
   EXPECT_GE(collector.get(a).ids.size(), 2u);
-  EXPECT_EQ(collector.get(b).ids.size(), 3u) << "the callback cancelled right after token 3";
-  EXPECT_TRUE(collector.get(c).ids.empty());
+  EXPECT_EQ(static_cast<int32_t>(collector.get(b).ids.size()), b_cancelled_at.load())
+      << "a cancel from the callback takes effect before the next token";
   // A short round trip through the engine so late cancels would have been processed.
   const RequestId f = engine->add_request(random_prompt(rng, 3), greedy(1), collector.callback());
   ASSERT_TRUE(collector.wait_finished(5));
@@ -252,6 +262,51 @@ TEST(LlmEngine, CancelFromAnotherThreadAndFromTheCallback) {
   EXPECT_EQ(collector.get(f).finished_events, 1);
   expect_idle(*engine);
   EXPECT_EQ(engine->stats().requests_finished, 5);
+}
+
+// A callback may queue the next request (a chain, as a multi-turn client would), and a callback
+// that throws gets its request cancelled instead of killing the engine thread.
+TEST(LlmEngine, CallbacksMaySubmitAndThrow) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 64;
+  auto engine = make_engine(config);
+  LlmEngine* e = engine.get();
+  Collector collector;
+  std::mutex mu;
+  std::vector<RequestId> chain;
+  SamplingParams three = greedy(3);
+  three.ignore_eos = true;
+  std::function<void(const RequestOutput&)> follow = [&](const RequestOutput& o) {
+    if (!o.finished) return;
+    std::lock_guard lock(mu);
+    if (chain.size() < 5)
+      chain.push_back(e->add_request({o.token_ids.empty() ? 1 : o.token_ids.back(), 7, 9}, three,
+                                     collector.callback(follow)));
+  };
+  {
+    std::lock_guard lock(mu);
+    chain.push_back(engine->add_request(random_prompt(rng, 6), three, collector.callback(follow)));
+  }
+  SamplingParams long_run = greedy(300);
+  long_run.ignore_eos = true;
+  const RequestId thrower = engine->add_request(random_prompt(rng, 6), long_run,
+                                                collector.callback([](const RequestOutput& o) {
+                                                  if (o.completion_tokens == 2)
+                                                    throw std::runtime_error("client went away");
+                                                }));
+  ASSERT_TRUE(collector.wait_finished(6)) << "seed " << seed;
+  std::lock_guard lock(mu);
+  ASSERT_EQ(chain.size(), 5u);
+  for (RequestId id : chain) {
+    EXPECT_EQ(collector.get(id).finished_events, 1);
+    EXPECT_EQ(collector.get(id).ids.size(), 3u);
+  }
+  EXPECT_EQ(collector.get(thrower).finish_reason, "cancelled");
+  EXPECT_EQ(collector.get(thrower).ids.size(), 2u);
+  expect_idle(*engine);
 }
 
 TEST(LlmEngine, DestructorCancelsUnfinishedRequests) {
@@ -387,7 +442,9 @@ TEST(LlmEngine, SeededSamplingIsReproducibleInAnyBatch) {
   ASSERT_EQ(b.logprobs.size(), b.ids.size());
   for (size_t i = 0; i < a.logprobs.size(); ++i) {
     EXPECT_LE(a.logprobs[i], 0.0f);
-    EXPECT_NEAR(a.logprobs[i], b.logprobs[i], 1e-3f * (1.0f + std::abs(a.logprobs[i])))
+    // A bfloat16 cache can round a K/V element differently after a last-bit difference in a
+    // batched matrix product: a few 1e-3 in a logprob.
+    EXPECT_NEAR(a.logprobs[i], b.logprobs[i], 5e-3f * (1.0f + std::abs(a.logprobs[i])))
         << "token " << i;
   }
   EXPECT_TRUE(collector.get(crowd[0]).logprobs.empty()) << "logprobs only when asked";
@@ -400,7 +457,10 @@ TEST(LlmEngine, LogprobsAreTheModelsLogSoftmax) {
   std::mt19937 rng(seed);
   EngineConfig config;
   config.num_blocks = 32;
-  auto engine = make_engine(config);
+  // A float32 cache: only summation order differs from the reference pass.
+  const KvPlan f32 = default_plan(KvDtype::kFloat32);
+  auto engine = make_engine(config, f32);
+  const std::unique_ptr<Model> reference = reference_model()->with_plan(f32);
   const std::vector<int32_t> prompt = random_prompt(rng, 9);
   Collector collector;
   const RequestId id = engine->add_request(prompt, greedy(4), collector.callback(), true);
@@ -409,7 +469,7 @@ TEST(LlmEngine, LogprobsAreTheModelsLogSoftmax) {
   ASSERT_EQ(got.logprobs.size(), got.ids.size());
   std::vector<int32_t> tokens = prompt;
   tokens.insert(tokens.end(), got.ids.begin(), got.ids.end());
-  score_tokens(*reference_model(), tokens, 64, [&](int32_t pos, std::span<const float> l) {
+  score_tokens(*reference, tokens, 64, [&](int32_t pos, std::span<const float> l) {
     const int32_t k = pos - static_cast<int32_t>(prompt.size()) + 1;
     if (k < 0 || k >= static_cast<int32_t>(got.ids.size())) return;
     double max = l[0], sum = 0;
