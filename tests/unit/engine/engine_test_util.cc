@@ -1,6 +1,7 @@
 #include "engine_test_util.h"
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <sstream>
 
@@ -114,12 +115,14 @@ size_t Collector::num_finished() {
   return finished_;
 }
 
-GenerationResult solo(const std::vector<int32_t>& prompt, const SamplingParams& params) {
-  return generate(*reference_model(), reference_tokenizer(), prompt, params, GeneratorOptions{});
+GenerationResult solo(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                      const Model* model) {
+  return generate(model ? *model : *reference_model(), reference_tokenizer(), prompt, params,
+                  GeneratorOptions{});
 }
 
 std::string compare_greedy(const std::vector<int32_t>& prompt, const GenerationResult& want,
-                           const Collected& got, int* near_ties) {
+                           const Collected& got, int* near_ties, const Model* model) {
   if (got.ids == want.output_ids) {
     if (got.text != want.text)
       return "same ids, different text: '" + got.text + "' vs '" + want.text + "'";
@@ -138,13 +141,17 @@ std::string compare_greedy(const std::vector<int32_t>& prompt, const GenerationR
   tokens.insert(tokens.end(), want.output_ids.begin(),
                 want.output_ids.begin() + static_cast<std::ptrdiff_t>(k));
   std::vector<float> last;
-  score_tokens(*reference_model(), tokens, 512, [&](int32_t pos, std::span<const float> l) {
-    if (pos + 1 == static_cast<int32_t>(tokens.size())) last.assign(l.begin(), l.end());
-  });
+  score_tokens(model ? *model : *reference_model(), tokens, 512,
+               [&](int32_t pos, std::span<const float> l) {
+                 if (pos + 1 == static_cast<int32_t>(tokens.size()))
+                   last.assign(l.begin(), l.end());
+               });
   const float a = last[static_cast<size_t>(want.output_ids[k])];
   const float b = last[static_cast<size_t>(got.ids[k])];
   if (std::abs(a - b) <= 1e-3f * (1.0f + std::abs(a))) {
     ++*near_ties;
+    std::fprintf(stderr, "note: greedy outputs part at a near tie (token %zu, logits %g vs %g)\n",
+                 k, a, b);
     return "";
   }
   return "outputs part at token " + std::to_string(k) + " (logits " + std::to_string(a) + " vs " +

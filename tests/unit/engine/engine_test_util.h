@@ -77,14 +77,15 @@ class Collector {
   size_t finished_ = 0;
 };
 
-// The output generate() gives for the prompt alone.
-GenerationResult solo(const std::vector<int32_t>& prompt, const SamplingParams& params);
+// The output generate() gives for the prompt alone (with `model`, default the reference).
+GenerationResult solo(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                      const Model* model = nullptr);
 
 // Greedy outputs agree when the ids are equal, or when they part at a near tie: the model's
 // logits are not bit-identical across batch shapes (summation order), so two tokens whose
 // logits differ by less than the model's consistency tolerance may swap. Returns a
 // description of the first real difference ("" when none); `near_ties` counts accepted ties.
 std::string compare_greedy(const std::vector<int32_t>& prompt, const GenerationResult& want,
-                           const Collected& got, int* near_ties);
+                           const Collected& got, int* near_ties, const Model* model = nullptr);
 
 }  // namespace kvq::test

@@ -34,8 +34,8 @@ struct Job {
 // Submits every job from `threads` threads at once, waits for all, and checks each against its
 // solo run and the event protocol.
 void run_and_compare(LlmEngine& engine, std::vector<Job>& jobs, uint32_t seed, int threads,
-                     Collector& collector, int* near_ties) {
-  for (Job& j : jobs) j.want = solo(j.prompt, j.params);
+                     Collector& collector, int* near_ties, const Model* solo_model = nullptr) {
+  for (Job& j : jobs) j.want = solo(j.prompt, j.params, solo_model);
   const size_t finished_before = collector.num_finished();
   std::vector<std::thread> submitters;
   for (int t = 0; t < threads; ++t)
@@ -56,7 +56,8 @@ void run_and_compare(LlmEngine& engine, std::vector<Job>& jobs, uint32_t seed, i
     EXPECT_TRUE(got.counts_consistent);
     EXPECT_EQ(got.prompt_tokens, static_cast<int32_t>(jobs[i].prompt.size()));
     EXPECT_EQ(got.completion_tokens, static_cast<int32_t>(got.ids.size()));
-    const std::string diff = compare_greedy(jobs[i].prompt, jobs[i].want, got, near_ties);
+    const std::string diff =
+        compare_greedy(jobs[i].prompt, jobs[i].want, got, near_ties, solo_model);
     EXPECT_EQ(diff, "");
   }
 }
@@ -133,13 +134,18 @@ TEST_P(Preemption, TinyCacheStillGivesSoloOutputs) {
 
 INSTANTIATE_TEST_SUITE_P(PrefixCaching, Preemption, ::testing::Bool());
 
-TEST(LlmEngine, SharedPrefixIsServedFromCache) {
+// Under a bfloat16 and a quantized (fp8, per-tensor scale) cache.
+class SharedPrefix : public ::testing::TestWithParam<KvDtype> {};
+
+TEST_P(SharedPrefix, IsServedFromCacheWithSoloOutputs) {
   KVQ_REQUIRE_MODEL();
   const uint32_t seed = fresh_seed();
   std::mt19937 rng(seed);
   EngineConfig config;
   config.num_blocks = 128;
-  auto engine = make_engine(config);
+  const KvPlan plan = default_plan(GetParam());
+  auto engine = make_engine(config, plan);
+  const std::unique_ptr<Model> solo_model = engine_model(plan);
   const int bt = engine->model().plan().layers.front().block_tokens;
   const int full_blocks = 3;
   const std::vector<int32_t> common = random_prompt(rng, full_blocks * bt + 5);
@@ -157,14 +163,14 @@ TEST(LlmEngine, SharedPrefixIsServedFromCache) {
   Collector collector;
   int near_ties = 0;
   std::vector<Job> first(jobs.begin(), jobs.begin() + 1), rest(jobs.begin() + 1, jobs.end());
-  run_and_compare(*engine, first, seed, 1, collector, &near_ties);
+  run_and_compare(*engine, first, seed, 1, collector, &near_ties, solo_model.get());
   const EngineStats before = engine->stats();
   EXPECT_EQ(collector.get(first[0].id).cached_prompt_tokens, 0);
   EXPECT_EQ(before.prefix_cache_hits, 0);
   EXPECT_EQ(before.prefix_cache_queries, static_cast<int64_t>(first[0].prompt.size()));
   EXPECT_GE(before.blocks_cached_free, full_blocks) << "the finished request's blocks stay cached";
 
-  run_and_compare(*engine, rest, seed, 2, collector, &near_ties);
+  run_and_compare(*engine, rest, seed, 2, collector, &near_ties, solo_model.get());
   EXPECT_LE(near_ties, 1) << "seed " << seed;
   const EngineStats after = engine->stats();
   int64_t queried = 0;
@@ -189,7 +195,7 @@ TEST(LlmEngine, SharedPrefixIsServedFromCache) {
   follow.prompt.insert(follow.prompt.end(), first_out.ids.begin(), first_out.ids.end());
   follow.params = greedy(3);
   std::vector<Job> more = {again, follow};
-  run_and_compare(*engine, more, seed, 1, collector, &near_ties);
+  run_and_compare(*engine, more, seed, 1, collector, &near_ties, solo_model.get());
   EXPECT_EQ(collector.get(more[0].id).cached_prompt_tokens, bt);
   const int follow_len = static_cast<int>(follow.prompt.size());
   // Blocks filled by the first request's K/V: its prompt and all but its last output token.
@@ -198,6 +204,10 @@ TEST(LlmEngine, SharedPrefixIsServedFromCache) {
             std::min(first_computed, follow_len - 1) / bt * bt);
   expect_idle(*engine);
 }
+
+INSTANTIATE_TEST_SUITE_P(KvDtypes, SharedPrefix,
+                         ::testing::Values(KvDtype::kBFloat16, KvDtype::kFp8E4M3),
+                         [](const auto& p) { return std::string(to_string(p.param)); });
 
 TEST(LlmEngine, CancelFromAnotherThreadAndFromTheCallback) {
   KVQ_REQUIRE_MODEL();
