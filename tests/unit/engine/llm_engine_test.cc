@@ -209,6 +209,73 @@ INSTANTIATE_TEST_SUITE_P(KvDtypes, SharedPrefix,
                          ::testing::Values(KvDtype::kBFloat16, KvDtype::kFp8E4M3),
                          [](const auto& p) { return std::string(to_string(p.param)); });
 
+// Everything at once on a tiny cache: shared prefixes, preemption, chunked prefill with a random
+// token budget, and cancellations from callbacks at random points. Every request ends exactly
+// once, the ones not cancelled give their solo outputs, and no block stays owned.
+TEST(LlmEngine, MixedLoadOnTinyCache) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 12;
+  config.max_num_seqs = std::uniform_int_distribution<int>(2, 8)(rng);
+  config.max_num_batched_tokens = std::uniform_int_distribution<int>(8, 64)(rng);
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", max_num_seqs " +
+               std::to_string(config.max_num_seqs) + ", max_num_batched_tokens " +
+               std::to_string(config.max_num_batched_tokens));
+  auto engine = make_engine(config);
+  LlmEngine* e = engine.get();
+  const std::vector<std::vector<int32_t>> prefixes = {random_prompt(rng, 35),
+                                                      random_prompt(rng, 20)};
+  const int n = 14;
+  std::vector<Job> jobs(static_cast<size_t>(n));
+  std::vector<int> cancel_at(static_cast<size_t>(n), -1);
+  for (int i = 0; i < n; ++i) {
+    Job& j = jobs[static_cast<size_t>(i)];
+    j.prompt = prefixes[static_cast<size_t>(i % 2)];
+    j.prompt.resize(static_cast<size_t>(
+        std::uniform_int_distribution<int>(1, static_cast<int>(j.prompt.size()))(rng)));
+    const auto tail = random_prompt(rng, std::uniform_int_distribution<int>(0, 15)(rng));
+    j.prompt.insert(j.prompt.end(), tail.begin(), tail.end());
+    j.params = greedy(std::uniform_int_distribution<int>(5, 30)(rng));
+    j.params.ignore_eos = true;
+    if (i % 3 == 1)
+      cancel_at[static_cast<size_t>(i)] = std::uniform_int_distribution<int>(1, 4)(rng);
+  }
+  Collector collector;
+  std::vector<RequestId> ids;
+  for (int i = 0; i < n; ++i) {
+    const int at = cancel_at[static_cast<size_t>(i)];
+    ids.push_back(engine->add_request(jobs[static_cast<size_t>(i)].prompt,
+                                      jobs[static_cast<size_t>(i)].params,
+                                      collector.callback([e, at](const RequestOutput& o) {
+                                        if (!o.finished && o.completion_tokens == at)
+                                          e->cancel(o.id);
+                                      })));
+  }
+  ASSERT_TRUE(collector.wait_finished(static_cast<size_t>(n)));
+  int near_ties = 0;
+  for (int i = 0; i < n; ++i) {
+    const Collected got = collector.get(ids[static_cast<size_t>(i)]);
+    SCOPED_TRACE("request " + std::to_string(i));
+    EXPECT_EQ(got.finished_events, 1);
+    EXPECT_EQ(got.events_after_final, 0);
+    EXPECT_TRUE(got.counts_consistent);
+    const int at = cancel_at[static_cast<size_t>(i)];
+    if (at >= 0) {
+      EXPECT_EQ(got.finish_reason, "cancelled");
+      EXPECT_EQ(static_cast<int>(got.ids.size()), at);
+    } else {
+      const Job& j = jobs[static_cast<size_t>(i)];
+      EXPECT_EQ(compare_greedy(j.prompt, solo(j.prompt, j.params), got, &near_ties), "");
+    }
+  }
+  EXPECT_LE(near_ties, 1);
+  const EngineStats s = engine->stats();
+  EXPECT_EQ(s.requests_finished, n);
+  expect_idle(*engine);
+}
+
 TEST(LlmEngine, CancelFromAnotherThreadAndFromTheCallback) {
   KVQ_REQUIRE_MODEL();
   const uint32_t seed = fresh_seed();
