@@ -194,3 +194,18 @@ TEST(CliEvalBadInput, MissingTextFile) {
 
 }  // namespace
 }  // namespace kvq::test
+
+namespace kvq::test {
+namespace {
+
+TEST(CliServeBadInput, StartUpErrorsAreOneLineAndExitTwo) {
+  SKIP_WITHOUT(kCode);
+  expect_error(run_kvq({"serve", "--model", kCode, "--kv-cache-dtype", "fp8_inc"}), "kvq does not support");
+  expect_error(run_kvq({"serve", "--model", kCode, "--device", "cuda"}), "--device cuda");
+  expect_error(run_kvq({"serve", "--model", "/nonexistent/model"}), "not a directory");
+  expect_error(run_kvq({"serve", "--model", kCode, "--kv-cache-dtype-skip-layers", "6"}),
+               "layer 6 is out of range");
+}
+
+}  // namespace
+}  // namespace kvq::test
