@@ -411,6 +411,37 @@ TEST(LlmEngine, DestructorCancelsUnfinishedRequests) {
   }
 }
 
+// What a request must give, worked out from a free run (ignore_eos, no stops) independently of
+// the shared stop logic: the ids up to the stop, the decoded text before it, the reason.
+struct Expected {
+  std::vector<int32_t> ids;
+  std::string text;
+  std::string reason;
+};
+
+Expected expect_from_free_run(const Tokenizer& tok, const std::vector<int32_t>& free_ids,
+                              const SamplingParams& p) {
+  std::vector<int32_t> stop_ids = p.stop_token_ids;
+  if (!p.ignore_eos)
+    for (int32_t id : tok.eos_ids()) stop_ids.push_back(id);
+  const auto decode = [&](size_t n) {
+    return tok.decode(std::span<const int32_t>(free_ids.data(), n), true);
+  };
+  for (size_t k = 0; k < free_ids.size() && k < static_cast<size_t>(p.max_tokens); ++k) {
+    const std::vector<int32_t> ids(free_ids.begin(),
+                                   free_ids.begin() + static_cast<std::ptrdiff_t>(k + 1));
+    if (std::find(stop_ids.begin(), stop_ids.end(), free_ids[k]) != stop_ids.end())
+      return {ids, decode(k), "stop"};
+    const std::string text = decode(k + 1);
+    size_t cut = std::string::npos;
+    for (const auto& stop : p.stop) cut = std::min(cut, text.find(stop));
+    if (cut != std::string::npos) return {ids, text.substr(0, cut), "stop"};
+  }
+  const size_t n = std::min(free_ids.size(), static_cast<size_t>(p.max_tokens));
+  return {std::vector<int32_t>(free_ids.begin(), free_ids.begin() + static_cast<std::ptrdiff_t>(n)),
+          decode(n), "length"};
+}
+
 TEST(LlmEngine, StopConditionsMatchGenerate) {
   KVQ_REQUIRE_MODEL();
   const uint32_t seed = fresh_seed();
@@ -420,40 +451,52 @@ TEST(LlmEngine, StopConditionsMatchGenerate) {
   auto engine = make_engine(config);
   const Tokenizer& tok = engine->tokenizer();
   std::vector<Job> jobs;
-  // Real code prompts give readable text for stop strings.
+  std::vector<Expected> expected;
+  // Real code prompts give readable (ASCII) text for stop strings.
   for (const char* text : {"def fibonacci(n):", "import os\n\ndef ",
                            "class Stack:\n    def __init__(self):", "for i in range(10):\n    "}) {
     const std::vector<int32_t> prompt = tok.encode(text, true);
     SamplingParams base = greedy(40);
     base.ignore_eos = true;
     const GenerationResult free_run = solo(prompt, base);
-    ASSERT_GE(free_run.output_ids.size(), 10u);
-    // A stop string taken from the middle of the free-running text (1-3 characters).
+    ASSERT_EQ(free_run.output_ids.size(), 40u);
+    std::vector<Job> more;
+    // A stop string taken from the free-running text (1-3 characters), and one that never occurs.
     if (free_run.text.size() > 8) {
       const size_t at = std::uniform_int_distribution<size_t>(2, free_run.text.size() - 4)(rng);
       Job j{prompt, base, 0, {}};
       j.params.stop = {free_run.text.substr(at, std::uniform_int_distribution<size_t>(1, 3)(rng)),
                        "@@never@@"};
-      jobs.push_back(j);
+      more.push_back(j);
     }
     // A stop token: one of the generated ids.
     Job t{prompt, base, 0, {}};
     t.params.stop_token_ids = {
         free_run.output_ids[std::uniform_int_distribution<size_t>(0, 9)(rng)]};
-    jobs.push_back(t);
-    // EOS honoured (not ignored) with a short max_tokens, and ignore_eos with a longer one.
-    Job eos{prompt, greedy(std::uniform_int_distribution<int>(1, 30)(rng)), 0, {}};
-    jobs.push_back(eos);
+    more.push_back(t);
+    // EOS honoured (not ignored), and ignore_eos with a short max_tokens.
+    more.push_back(Job{prompt, greedy(std::uniform_int_distribution<int>(1, 40)(rng)), 0, {}});
     Job length{prompt, base, 0, {}};
     length.params.max_tokens = std::uniform_int_distribution<int>(1, 15)(rng);
-    jobs.push_back(length);
+    more.push_back(length);
+    for (Job& j : more) {
+      expected.push_back(expect_from_free_run(tok, free_run.output_ids, j.params));
+      jobs.push_back(std::move(j));
+    }
   }
   Collector collector;
   int near_ties = 0;
   run_and_compare(*engine, jobs, seed, 2, collector, &near_ties);
-  EXPECT_EQ(near_ties, 0) << "seed " << seed;
   int stops = 0;
-  for (const Job& j : jobs) stops += collector.get(j.id).finish_reason == "stop";
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const Collected got = collector.get(jobs[i].id);
+    stops += got.finish_reason == "stop";
+    if (near_ties > 0) continue;  // the free run no longer predicts the output
+    SCOPED_TRACE("job " + std::to_string(i) + ", seed " + std::to_string(seed));
+    EXPECT_EQ(got.ids, expected[i].ids);
+    EXPECT_EQ(got.text, expected[i].text);
+    EXPECT_EQ(got.finish_reason, expected[i].reason);
+  }
   EXPECT_GT(stops, 0) << "no stop condition fired; seed " << seed;
   expect_idle(*engine);
 }
