@@ -6,7 +6,6 @@
 #include <deque>
 #include <limits>
 #include <mutex>
-#include <numeric>
 #include <thread>
 #include <utility>
 

@@ -85,8 +85,9 @@ OutputCallback Collector::callback(std::function<void(const RequestOutput&)> als
         c.finish_reason = o.finish_reason;
         ++finished_;
       }
+      // Under the lock: a waiter that wakes may destroy the collector right after.
+      cv_.notify_all();
     }
-    cv_.notify_all();
     if (also) also(o);
   };
 }
