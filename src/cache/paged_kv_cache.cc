@@ -69,10 +69,38 @@ PagedKvCache::PagedKvCache(std::vector<LayerKvSpec> layers, int32_t num_blocks)
   }
 }
 
+PagedKvCache PagedKvCache::with_external_storage(std::vector<LayerKvSpec> layers,
+                                                 int32_t num_blocks,
+                                                 std::vector<LayerCacheView> views,
+                                                 std::shared_ptr<void> owner) {
+  KVQ_CHECK(owner != nullptr, "PagedKvCache::with_external_storage: no storage owner");
+  KVQ_CHECK(views.size() == layers.size(),
+            "PagedKvCache::with_external_storage: " + std::to_string(views.size()) + " views for " +
+                std::to_string(layers.size()) + " layers");
+  // Bookkeeping only: a zero-block host cache of the same specs, then the external views.
+  PagedKvCache cache(std::move(layers), 0);
+  cache.allocator_ = BlockAllocator(num_blocks);
+  for (size_t i = 0; i < views.size(); ++i) {
+    const LayerKvSpec& spec = cache.layers_[i];
+    const LayerCacheView& v = views[i];
+    KVQ_CHECK(v.num_blocks == num_blocks && v.k_base != nullptr && v.v_base != nullptr &&
+                  v.k_layout.block_bytes == spec.layout(KvSide::kK).block_bytes &&
+                  v.v_layout.block_bytes == spec.layout(KvSide::kV).block_bytes,
+              "PagedKvCache::with_external_storage: view " + std::to_string(i) +
+                  " does not match its layer spec or the block count");
+    cache.k_bytes_[i] = side_bytes(spec.layout(KvSide::kK), num_blocks);
+    cache.v_bytes_[i] = side_bytes(spec.layout(KvSide::kV), num_blocks);
+  }
+  cache.external_views_ = std::move(views);
+  cache.owner_ = std::move(owner);
+  return cache;
+}
+
 LayerCacheView PagedKvCache::layer_view(size_t layer_slot) {
   KVQ_CHECK(layer_slot < layers_.size(), "PagedKvCache::layer_view: layer slot " +
                                              std::to_string(layer_slot) + " out of range (" +
                                              std::to_string(layers_.size()) + " layers)");
+  if (owner_) return external_views_[layer_slot];
   const LayerKvSpec& spec = layers_[layer_slot];
   LayerCacheView view;
   view.k_base = k_storage_[layer_slot].get();

@@ -65,6 +65,16 @@ class PagedKvCache {
   // or its scales are NaN), so a read of a slot nobody wrote cannot pass for real data.
   PagedKvCache(std::vector<LayerKvSpec> layers, int32_t num_blocks);
 
+  // A cache whose storage lives elsewhere (a CUDA model's device memory): this object does
+  // the bookkeeping (blocks, sequences, tables, slots) and layer_view() returns `views`, one
+  // per layer, whose bases it never dereferences. `owner` keeps the storage alive as long as
+  // the cache. Each view must match its spec's layouts and hold num_blocks blocks.
+  static PagedKvCache with_external_storage(std::vector<LayerKvSpec> layers, int32_t num_blocks,
+                                            std::vector<LayerCacheView> views,
+                                            std::shared_ptr<void> owner);
+  // True when the storage is not host memory owned by this object (see above).
+  bool external_storage() const { return owner_ != nullptr; }
+
   int32_t block_tokens() const { return block_tokens_; }
   size_t num_layers() const { return layers_.size(); }
   const LayerKvSpec& spec(size_t layer_slot) const { return layers_[layer_slot]; }
@@ -118,7 +128,9 @@ class PagedKvCache {
   };
   using Storage = std::unique_ptr<std::byte[], AlignedDelete>;
   std::vector<Storage> k_storage_, v_storage_;
-  std::vector<size_t> k_bytes_, v_bytes_;  // what was allocated, per layer
+  std::vector<size_t> k_bytes_, v_bytes_;       // what was allocated, per layer
+  std::vector<LayerCacheView> external_views_;  // with_external_storage only
+  std::shared_ptr<void> owner_;
   std::unordered_map<SequenceId, Sequence> seqs_;
 };
 

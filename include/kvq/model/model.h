@@ -25,8 +25,8 @@ enum class ModelFamily : uint8_t { kLlama, kMistral, kQwen2, kQwen3 };
 struct RopeScaling {
   enum class Kind : uint8_t { kNone, kLinear, kLlama3 } kind = Kind::kNone;
   float factor = 1.0f;
-  float low_freq_factor = 1.0f;   // llama3
-  float high_freq_factor = 4.0f;  // llama3
+  float low_freq_factor = 1.0f;                 // llama3
+  float high_freq_factor = 4.0f;                // llama3
   int original_max_position_embeddings = 8192;  // llama3
 };
 
@@ -57,10 +57,11 @@ ArchitectureConfig parse_architecture(const ModelConfig& config);
 struct ForwardBatch {
   std::span<const int32_t> tokens;     // new tokens, sequences concatenated
   std::span<const int32_t> positions;  // position of each new token in its sequence
-  std::span<const int32_t> q_indptr;   // num_seqs + 1: sequence i owns tokens [q_indptr[i], q_indptr[i+1])
-  std::span<const int64_t> slots;      // cache slot of each new token
-  BlockTableView block_table;          // the sequences' block tables, seq_lens including the new tokens
-  std::span<const int32_t> logit_rows; // indices into `tokens` whose logits are wanted, in order
+  std::span<const int32_t>
+      q_indptr;  // num_seqs + 1: sequence i owns tokens [q_indptr[i], q_indptr[i+1])
+  std::span<const int64_t> slots;  // cache slot of each new token
+  BlockTableView block_table;      // the sequences' block tables, seq_lens including the new tokens
+  std::span<const int32_t> logit_rows;  // indices into `tokens` whose logits are wanted, in order
 };
 
 class Model {
@@ -86,9 +87,20 @@ class Model {
   // The backend each layer runs, parallel to plan().layers.
   virtual std::vector<const AttentionBackend*> layer_backends() const = 0;
 
-  // Runs the batch; writes logits [logit_rows.size()][vocab_size] (fp32) to `logits`.
+  // Runs the batch; writes logits [logit_rows.size()][vocab_size] (fp32, host memory) to
+  // `logits`. `cache` must come from create_cache() of this model (or, for a CPU model, any
+  // PagedKvCache over plan().layers).
   virtual void forward(const ForwardBatch& batch, PagedKvCache& cache,
                        std::span<float> logits) const = 0;
+
+  // Where the forward pass runs. A kCuda model keeps its KV cache in device memory.
+  virtual Device device() const { return Device::kCpu; }
+  // A cache of num_blocks blocks for this model's plan: host storage for a CPU model; for a
+  // CUDA model, device storage behind a bookkeeping PagedKvCache (with_external_storage).
+  // Throws InputError when num_blocks exceeds max_cache_blocks().
+  virtual std::unique_ptr<PagedKvCache> create_cache(int32_t num_blocks) const;
+  // The most blocks create_cache() can give now; -1 when only host memory limits it.
+  virtual int64_t max_cache_blocks() const { return -1; }
 };
 
 }  // namespace kvq

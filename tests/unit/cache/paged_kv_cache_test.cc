@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 #include <vector>
@@ -243,6 +244,46 @@ TEST(PagedKvCache, PerLayerStorageIsNotPaddedToTheLargest) {
   EXPECT_NE(cache.storage_bytes(2, KvSide::kK), cache.storage_bytes(2, KvSide::kV));
   EXPECT_EQ(cache.bytes_allocated(), sum);
   EXPECT_LT(cache.bytes_allocated(), specs.size() * num_blocks * specs[0].block_bytes());
+}
+
+// A cache over storage it does not own (a CUDA model's device memory): bookkeeping works the
+// same, layer_view returns exactly the given views, and a view that does not match is refused.
+TEST(PagedKvCache, ExternalStorageReturnsTheGivenViews) {
+  const int32_t blocks = 12;
+  std::vector<LayerKvSpec> specs = {
+      test::make_spec(0, KvDtype::kBFloat16, KvDtype::kBFloat16, 2, 64, 64, 16),
+      test::make_spec(1, KvDtype::kFp8E4M3, KvDtype::kInt4PerTokenHead, 2, 64, 64, 16)};
+  auto owner = std::make_shared<std::vector<std::vector<std::byte>>>();
+  std::vector<LayerCacheView> views;
+  for (const auto& s : specs) {
+    LayerCacheView v;
+    v.k_layout = s.layout(KvSide::kK);
+    v.v_layout = s.layout(KvSide::kV);
+    v.num_blocks = blocks;
+    owner->emplace_back(v.k_layout.block_bytes * blocks);
+    v.k_base = owner->back().data();
+    owner->emplace_back(v.v_layout.block_bytes * blocks);
+    v.v_base = owner->back().data();
+    views.push_back(v);
+  }
+  PagedKvCache cache = PagedKvCache::with_external_storage(specs, blocks, views, owner);
+  EXPECT_TRUE(cache.external_storage());
+  EXPECT_EQ(cache.allocator().num_blocks(), blocks);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    EXPECT_EQ(cache.layer_view(i).k_base, views[i].k_base);
+    EXPECT_EQ(cache.layer_view(i).v_base, views[i].v_base);
+    EXPECT_EQ(cache.storage_bytes(i, KvSide::kK), views[i].k_layout.block_bytes * blocks);
+  }
+  cache.add_sequence(7);
+  const auto slots = cache.append(7, 40);
+  ASSERT_EQ(slots.size(), 40u);
+  EXPECT_EQ(cache.blocks(7).size(), 3u);
+  EXPECT_TRUE(cache.append(7, 16 * 10).empty());  // only 9 blocks left
+
+  views[1].num_blocks = blocks + 1;
+  EXPECT_THROW(PagedKvCache::with_external_storage(specs, blocks, views, owner), InternalError);
+  views[1].num_blocks = blocks;
+  EXPECT_THROW(PagedKvCache::with_external_storage(specs, blocks, views, nullptr), InternalError);
 }
 
 }  // namespace

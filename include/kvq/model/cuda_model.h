@@ -1,0 +1,96 @@
+// The whole decoder on one CUDA device (KVQ_CUDA builds): weights uploaded once, cuBLAS GEMMs,
+// fused elementwise kernels, the per-layer CUDA attention over a device-resident paged cache,
+// logits and sampling on the device, decode steps replayed from CUDA graphs.
+//
+// Synthetic models (`kvq bench --synthetic NAME`): random weights built on the device in the
+// exact shape of a real model, so an 8B-class model can be benchmarked without a checkpoint.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvq/model/model.h"
+#include "kvq/plan/model_config.h"
+
+namespace kvq {
+
+// Precision the weights are held in on the device. kAuto: float32 for a float32 checkpoint
+// (so the GPU path matches the CPU path), bfloat16 otherwise.
+enum class WeightPrecision : uint8_t { kAuto, kBFloat16, kFloat32 };
+// "auto", "bfloat16" / "bf16", "float32" / "fp32"; InputError naming `flag` otherwise.
+WeightPrecision parse_weight_precision(std::string_view text, std::string_view flag);
+std::string_view to_string(WeightPrecision p);
+
+struct CudaModelOptions {
+  WeightPrecision weights = WeightPrecision::kAuto;
+  // Share of the device's total memory this process may hold: weights, activations,
+  // workspaces and the KV cache (max_cache_blocks() is what is left of it). In (0, 1].
+  float gpu_memory_utilization = 0.9f;
+  int max_num_seqs = 256;             // largest batch of one step
+  int max_num_batched_tokens = 8192;  // most new tokens in one step
+  bool cuda_graphs = true;            // decode steps replayed from graphs per batch bucket
+  std::string forced_backend;         // --attention-backend (empty: choose)
+};
+
+// Device memory as the model sees it (bytes).
+struct CudaMemoryReport {
+  size_t device_total = 0;
+  size_t free_at_load = 0;  // free before kvq allocated anything
+  size_t weights = 0;
+  size_t activations = 0;  // activation buffers, attention workspaces, logits, graphs
+  size_t kv_budget = 0;    // utilization * total - everything above - other processes
+};
+
+// Names accepted by synthetic_model_config (at least "llama3-8b" and "qwen3-8b").
+const std::vector<std::string>& synthetic_model_names();
+// The config.json of a known model shape, parsed (dir is empty; torch_dtype bfloat16).
+// InputError naming `flag` and listing the names for an unknown name.
+ModelConfig synthetic_model_config(std::string_view name, std::string_view flag = "--synthetic");
+
+// Sampling of one logit row on the device. temperature 0: greedy (argmax, lowest id on ties).
+struct DeviceSampling {
+  float temperature = 0.0f;
+  int top_k = 0;       // 0: off
+  float top_p = 1.0f;  // 1: off
+  float min_p = 0.0f;  // 0: off
+  uint64_t seed = 0;   // with `step`, makes the draw reproducible
+  uint64_t step = 0;
+};
+
+class CudaModel : public Model {
+ public:
+  // Loads a checkpoint (plan.model.dir) onto the current CUDA device. InputError when no
+  // device is usable, when the weights + buffers do not fit under gpu_memory_utilization
+  // (naming what was needed and what is available), or when a layer has no CUDA backend
+  // (naming the layer and the reasons).
+  static std::unique_ptr<CudaModel> load(const KvPlan& plan, const CudaModelOptions& options);
+  // Random bfloat16 weights of plan.model's shape (plan.model from synthetic_model_config),
+  // generated on the device from `seed`; scaled so activations stay finite through every layer.
+  static std::unique_ptr<CudaModel> synthetic(const KvPlan& plan, const CudaModelOptions& options,
+                                              uint64_t seed = 1);
+
+  Device device() const override { return Device::kCuda; }
+  virtual const CudaModelOptions& options() const = 0;
+  virtual WeightPrecision weight_precision() const = 0;
+  virtual CudaMemoryReport memory() const = 0;
+
+  // Like forward(), but samples the next token of each logit row on the device: next_tokens
+  // gets one id per logit row; only the ids cross to the host. per_row has one entry per
+  // logit row (or exactly one, applied to every row).
+  virtual void forward_sample(const ForwardBatch& batch, PagedKvCache& cache,
+                              std::span<const DeviceSampling> per_row,
+                              std::span<int32_t> next_tokens) const = 0;
+
+  // Copies whole blocks (every layer, K and V) inside a cache made by create_cache(): block
+  // pairs (src, dst). Lets a benchmark fill many sequences from one real prefill.
+  virtual void copy_blocks(PagedKvCache& cache,
+                           std::span<const std::pair<int32_t, int32_t>> src_dst) const = 0;
+};
+
+}  // namespace kvq
