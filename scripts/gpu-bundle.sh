@@ -9,11 +9,15 @@
 #           LD_LIBRARY_PATH; the binaries keep their relative paths (build-x/kvq -> bundle/build-x/kvq),
 #           so CMD names them as bundle/<path>. The repo (models/, tests/fixtures/) is the working dir.
 # cuBLAS and the CUDA runtime come from the GPU machine's toolkit (same major version, 13).
+# Several engineers share the working tree: set KVQ_BUNDLE_FILE=.carry/bundle-<you>.tar.xz on
+# BOTH sides (packing here, and in the device command) so you do not overwrite each other's
+# bundle; carry that file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+BUNDLE_FILE=${KVQ_BUNDLE_FILE:-.carry/bundle.tar.xz}
 if [ "${1:-}" = "--run" ]; then
   shift
-  rm -rf bundle && mkdir -p bundle && tar -xJf .carry/bundle.tar.xz -C bundle
+  rm -rf bundle && mkdir -p bundle && tar -xJf "$BUNDLE_FILE" -C bundle
   export LD_LIBRARY_PATH="$PWD/bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
   export KVQ_BUNDLE=1
   exec bash -c "$1"
@@ -32,7 +36,7 @@ for bin in "$@"; do
     while read -r lib; do cp -Lu "$lib" "$stage/lib/"; done
 done
 mkdir -p .carry
-tar -cf - -C "$stage" . | xz -T2 -6 > .carry/bundle.tar.xz
+tar -cf - -C "$stage" . | xz -T2 -6 > "$BUNDLE_FILE"
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
 grep -qx '/bundle/' .git/info/exclude 2>/dev/null || echo '/bundle/' >> .git/info/exclude
-echo "gpu-bundle: .carry/bundle.tar.xz $(du -h .carry/bundle.tar.xz | cut -f1) ($*)"
+echo "gpu-bundle: $BUNDLE_FILE $(du -h "$BUNDLE_FILE" | cut -f1) ($*)"
