@@ -7,6 +7,15 @@
       flash backend each forced. CUDA events around each call, median after warm-up; when the
       K/V of a point would fit in L2 the calls rotate over several copies.
 
+  sdpa_bench.py --prefill --json sdpa_prefill.json
+      Prefill shapes of cuda_prefill_bench (batch 1, 32 / 8 heads, head_dim 128, bf16):
+      8192-token causal prefill (is_causal) and the last 2048-token chunk of 8192 (causal
+      aligned bottom-right through causal_lower_right), cuDNN and flash forced.
+
+  sdpa_bench.py --prefill-report kvq_prefill.json sdpa_prefill.json [--markdown tables.md]
+      Time and TFLOP/s (causal FLOPs) per shape, and each kvq dtype's speed relative to the
+      best SDPA (best SDPA time / kvq time; the issue's target is >= 0.8 for fp8).
+
   sdpa_bench.py --report kvq.json sdpa.json [--csv merged.csv] [--markdown tables.md]
       Joins both: per point and dtype the time, effective TB/s of bytes read, % of the measured
       device-to-device copy bandwidth and the ratio to the best SDPA time; prints a compact table.
@@ -223,6 +232,124 @@ def report(args):
             print(line)
 
 
+PREFILL_SHAPES = (("prefill8192", 8192, 8192), ("chunk2048", 2048, 8192))
+
+
+def prefill_flops(q_len, kv_len, hq=32, hd=HEAD_DIM):
+    visible = sum(kv_len - q_len + j + 1 for j in range(q_len))
+    return 4.0 * hd * visible * hq
+
+
+def run_sdpa_prefill(args):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    hq, hkv = 32, 8
+    results = []
+    torch.manual_seed(0)
+    for name_shape, q_len, kv_len in PREFILL_SHAPES:
+        q = torch.randn(1, hq, q_len, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(1, hkv, kv_len, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(1, hkv, kv_len, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        flops = prefill_flops(q_len, kv_len)
+        for name, backend in backends.items():
+            row = {"impl": "sdpa", "dtype": name, "shape": name_shape, "q_len": q_len,
+                   "kv_len": kv_len, "flops": flops, "note": ""}
+            variants = [("is_causal", lambda: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True))]
+            if q_len != kv_len:
+                bias = causal_lower_right(q_len, kv_len)
+                variants = [("causal_lower_right", lambda: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=bias, enable_gqa=True)),
+                    # A backend that refuses the bottom-right mask: the same chunk with the
+                    # keys repeated per head (no enable_gqa).
+                    ("causal_lower_right, K/V repeated", lambda: F.scaled_dot_product_attention(
+                        q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1),
+                        attn_mask=bias))]
+            for vname, call in variants:
+                try:
+                    with sdpa_kernel([backend]):
+                        for _ in range(3):
+                            out = call()
+                        torch.cuda.synchronize()
+                        if not torch.isfinite(out).all():
+                            raise RuntimeError("non-finite output")
+                        ms = []
+                        for _ in range(20):
+                            e0 = torch.cuda.Event(enable_timing=True)
+                            e1 = torch.cuda.Event(enable_timing=True)
+                            e0.record()
+                            call()
+                            e1.record()
+                            torch.cuda.synchronize()
+                            ms.append(e0.elapsed_time(e1))
+                    row["time_us"] = statistics.median(ms) * 1e3
+                    row["tflops"] = flops / (row["time_us"] * 1e-6) / 1e12
+                    row["note"] = vname
+                    break
+                except Exception as e:  # a backend that refuses the shape is a result too
+                    row["time_us"] = 0.0
+                    row["tflops"] = 0.0
+                    row["note"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            print(f"sdpa {name:6s} {name_shape:12s}: {row['time_us']:9.1f} us "
+                  f"{row['tflops']:6.1f} TFLOP/s  {row['note']}", flush=True)
+            results.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+    doc = {"device": props.name, "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version(), "results": results}
+    with open(args.json, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def prefill_report(args):
+    kvq_path, sdpa_path = args.prefill_report
+    kvq = json.load(open(kvq_path))
+    try:
+        sdpa = json.load(open(sdpa_path))
+    except (OSError, ValueError):
+        sdpa = {"results": []}
+    best = {}
+    for r in sdpa["results"]:
+        if r.get("time_us", 0) > 0 and (r["shape"] not in best or
+                                         r["time_us"] < best[r["shape"]]["time_us"]):
+            best[r["shape"]] = r
+    dtypes = [d for d in SHORT if any(r["dtype"] == d for r in kvq["results"])]
+    md = [f"Device: {kvq['device']}. SDPA: torch {sdpa.get('torch', '?')}, cuDNN "
+          f"{sdpa.get('cudnn', '?')}, bf16, enable_gqa. Entries: time in us (TFLOP/s, causal "
+          "FLOPs) [speed relative to the best SDPA: best SDPA time / time].", ""]
+    head = ["shape", "SDPA cuDNN", "SDPA flash"] + [SHORT[d] for d in dtypes]
+    md.append("| " + " | ".join(head) + " |")
+    md.append("|" + "---|" * len(head))
+    for name_shape, q_len, kv_len in PREFILL_SHAPES:
+        cells = [f"{name_shape} (q {q_len}, kv {kv_len})"]
+        b = best.get(name_shape)
+        for name in ("cudnn", "flash"):
+            r = next((x for x in sdpa["results"] if x["shape"] == name_shape and
+                      x["dtype"] == name), None)
+            cells.append(f"{r['time_us']:.0f} ({r['tflops']:.0f})" if r and r["time_us"] > 0
+                         else "-")
+        for d in dtypes:
+            r = next((x for x in kvq["results"] if x["shape"] == name_shape and
+                      x["dtype"] == d), None)
+            if r and r["time_us"] > 0:
+                rel = f" [{b['time_us'] / r['time_us']:.2f}]" if b else ""
+                cells.append(f"{r['time_us']:.0f} ({r['tflops']:.0f}){rel}")
+            else:
+                cells.append("-")
+        md.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(md)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json")
@@ -230,8 +357,14 @@ def main():
     ap.add_argument("--markdown")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--report", nargs=2, metavar=("KVQ_JSON", "SDPA_JSON"))
+    ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--prefill-report", nargs=2, metavar=("KVQ_JSON", "SDPA_JSON"))
     args = ap.parse_args()
-    if args.report:
+    if args.prefill_report:
+        prefill_report(args)
+    elif args.prefill and args.json:
+        run_sdpa_prefill(args)
+    elif args.report:
         report(args)
     elif args.json:
         run_sdpa(args)

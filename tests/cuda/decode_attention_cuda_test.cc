@@ -1,4 +1,5 @@
-// cuda_decode against the cpu_reference backend (float64 softmax over the same cached bytes):
+// The "cuda" backend's decode path against the cpu_reference backend (float64 softmax over
+// the same cached bytes):
 // every KV dtype x head_dim x block size x GQA ratio, ragged batches (1, block - 1, block + 1,
 // several thousand tokens), causal / sliding window / non-causal, with and without a logit
 // soft-cap; outputs poisoned with NaN before each run, every element checked.
@@ -249,7 +250,7 @@ std::vector<float> run_backend(const DecodeProblem& p, float soft_cap) {
   a.cache = dev.layer_view(0);
   a.softmax_scale = p.softmax_scale();
   a.logit_soft_cap = soft_cap;
-  find_attention_backend("cuda_decode")->run(p.spec(), a);
+  find_attention_backend("cuda")->run(p.spec(), a);
   return out.download();
 }
 
@@ -359,7 +360,7 @@ TEST(CudaDecode, SplitCountsAndHeadChunksAgree) {
 }
 
 TEST(CudaDecodeBackend, RegisteredWithHonestWhitelists) {
-  const AttentionBackend* b = find_attention_backend("cuda_decode");
+  const AttentionBackend* b = find_attention_backend("cuda");
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(b->capabilities().device, Device::kCuda);
   DecodeCase c;
@@ -382,23 +383,7 @@ TEST(CudaDecodeBackend, RegisteredWithHonestWhitelists) {
   EXPECT_FALSE(b->reasons_unsupported(small_blocks).empty());
 }
 
-TEST(CudaDecodeBackend, RefusesPrefill) {
-  KVQ_REQUIRE_GPU();
-  DecodeCase c;
-  c.dtype = KvDtype::kFp8E4M3;
-  c.lens = {40, 20};
-  const DecodeProblem problem(c, test::fresh_seed());
-  DeviceKvCache dev({problem.spec()}, problem.num_blocks());
-  DeviceBuffer<float> q(problem.q().size() * 2), out(problem.q().size() * 2);
-  const std::vector<int32_t> q_indptr = {0, 2, 3};  // the first sequence has two queries
-  AttentionArgs a;
-  a.q = q.get();
-  a.out = out.get();
-  a.q_indptr = q_indptr.data();
-  a.block_table = problem.host_table();
-  a.cache = dev.layer_view(0);
-  EXPECT_THROW(find_attention_backend("cuda_decode")->run(problem.spec(), a), InternalError);
-}
+// Batches with q_len > 1 run the prefill kernel: tests/cuda/prefill_attention_cuda_test.cc.
 
 }  // namespace
 }  // namespace kvq

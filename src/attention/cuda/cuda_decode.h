@@ -1,7 +1,7 @@
 // CUDA decode attention over the paged cache (split-KV flash-decoding on tensor cores).
 //
-// The device-level entry points behind the "cuda_decode" backend, for callers that keep the
-// block table on the device (benchmarks, a future graph-captured engine step):
+// The device-level entry points behind the "cuda" backend (decode batches), for callers that
+// keep the block table on the device (benchmarks, a future graph-captured engine step):
 //   plan_decode  host-side scheduling from the host copy of the sequence lengths;
 //   run_decode   three launches on `stream`: Q preparation, the split-KV kernel, the merge.
 //

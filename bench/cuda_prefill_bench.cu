@@ -1,0 +1,245 @@
+// kvq CUDA prefill attention timings per KV dtype (run_prefill, device-resident tables).
+//
+// Shapes: batch 1, 32 query heads over 8 kv heads, head_dim 128, block 16 (blocks in random
+// order), causal:
+//   prefill8192  8192 new queries over their own 8192 tokens;
+//   chunk2048    the last 2048-token chunk of 8192 (6144 cached before it).
+// The cache is filled through write_kv_cuda from random rows (never zeros). Q is fp32 (kvq's
+// contract), the output fp32.
+//
+// Timing: CUDA events around each call after warm-up; the median is reported. FLOPs count
+// the causal work only: 4 * head_dim * (sum over queries of visible keys) * query heads.
+//
+// Usage: cuda_prefill_bench [--json FILE] [--dtypes a,b,...] [--quick]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attention/cuda/cuda_prefill.h"
+#include "cache/cuda/cuda_check.h"
+#include "kvq/cache/device_kv_cache.h"
+
+namespace {
+
+using namespace kvq;
+
+constexpr int kHq = 32, kHkv = 8, kHd = 128, kBlock = 16, kCtx = 8192;
+
+__global__ void fill_random(float* x, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    float s = 0.0f;
+    for (int k = 0; k < 4; ++k) s += static_cast<float>((z >> (16 * k)) & 0xFFFF) / 65536.0f;
+    float v = (s - 2.0f) * 1.7f;
+    if ((z & 63) == 0) v *= 8.0f;
+    x[i] = v;
+  }
+}
+
+std::vector<std::string> split_csv(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+LayerKvSpec bench_spec(KvDtype d) {
+  LayerKvSpec s;
+  s.k_dtype = s.v_dtype = d;
+  s.num_q_heads = kHq;
+  s.num_kv_heads = kHkv;
+  s.head_dim_k = s.head_dim_v = kHd;
+  s.block_tokens = kBlock;
+  s.attention = AttentionKind::kCausal;
+  for (KvSide side : {KvSide::kK, KvSide::kV}) {
+    ScaleSource& sc = side == KvSide::kK ? s.k_scale : s.v_scale;
+    if (traits(d).uses_tensor_scale) {
+      sc.kind = ScaleSourceKind::kCheckpoint;
+      sc.values = {d == KvDtype::kNvfp4 ? 0.01f : 0.03f};
+    } else if (traits(d).scale_kind == ScaleKind::kPerTokenHead) {
+      sc.kind = ScaleSourceKind::kDynamic;
+    }
+  }
+  return s;
+}
+
+template <typename T>
+T* device_copy(const std::vector<T>& h) {
+  T* d = nullptr;
+  KVQ_CUDA_CHECK(cudaMalloc(&d, sizeof(T) * std::max<size_t>(h.size(), 1)));
+  KVQ_CUDA_CHECK(cudaMemcpy(d, h.data(), sizeof(T) * h.size(), cudaMemcpyHostToDevice));
+  return d;
+}
+
+struct Shape {
+  const char* name;
+  int q_len, kv_len;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  std::vector<std::string> dtype_names;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json" && i + 1 < argc) {
+      json_path = argv[++i];
+    } else if (a == "--dtypes" && i + 1 < argc) {
+      dtype_names = split_csv(argv[++i]);
+    } else if (a == "--quick") {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--json FILE] [--dtypes a,b] [--quick]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    if (cuda_device_count() == 0) {
+      std::fprintf(stderr, "cuda_prefill_bench: no CUDA device\n");
+      return 1;
+    }
+    std::vector<KvDtype> dtypes;
+    if (dtype_names.empty()) {
+      for (const auto& t : kKvDtypeTraits)
+        if (t.concrete) dtypes.push_back(t.dtype);
+    } else {
+      for (const auto& n : dtype_names) dtypes.push_back(parse_kv_dtype_or_throw(n, "--dtypes"));
+    }
+    cudaDeviceProp prop{};
+    KVQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+    const Shape shapes[] = {{"prefill8192", kCtx, kCtx}, {"chunk2048", 2048, kCtx}};
+    const int iters = quick ? 5 : 20;
+
+    nlohmann::json results = nlohmann::json::array();
+    std::mt19937 rng(12345);
+    cudaStream_t stream = nullptr;
+    const size_t qn = static_cast<size_t>(kCtx) * kHq * kHd;
+    float *q = nullptr, *out = nullptr;
+    KVQ_CUDA_CHECK(cudaMalloc(&q, qn * sizeof(float)));
+    KVQ_CUDA_CHECK(cudaMalloc(&out, qn * sizeof(float)));
+    fill_random<<<1024, 256>>>(q, static_cast<int64_t>(qn), 7);
+    KVQ_CUDA_CHECK_LAUNCH();
+    const int32_t num_blocks = kCtx / kBlock;
+    std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    int32_t* d_indices = device_copy(ids);
+    int32_t* d_indptr = device_copy(std::vector<int32_t>{0, num_blocks});
+    int32_t* d_lens = device_copy(std::vector<int32_t>{kCtx});
+    cudaEvent_t e0, e1;
+    KVQ_CUDA_CHECK(cudaEventCreate(&e0));
+    KVQ_CUDA_CHECK(cudaEventCreate(&e1));
+
+    for (KvDtype dtype : dtypes) {
+      const LayerKvSpec spec = bench_spec(dtype);
+      DeviceKvCache cache({spec}, num_blocks);
+      {
+        const size_t elems = static_cast<size_t>(kCtx) * kHkv * kHd;
+        float *k = nullptr, *v = nullptr;
+        KVQ_CUDA_CHECK(cudaMalloc(&k, elems * sizeof(float)));
+        KVQ_CUDA_CHECK(cudaMalloc(&v, elems * sizeof(float)));
+        fill_random<<<1024, 256>>>(k, static_cast<int64_t>(elems), 1);
+        KVQ_CUDA_CHECK_LAUNCH();
+        fill_random<<<1024, 256>>>(v, static_cast<int64_t>(elems), 2);
+        KVQ_CUDA_CHECK_LAUNCH();
+        std::vector<int64_t> slots(static_cast<size_t>(kCtx));
+        for (int t = 0; t < kCtx; ++t)
+          slots[static_cast<size_t>(t)] =
+              static_cast<int64_t>(ids[t / kBlock]) * kBlock + t % kBlock;
+        int64_t* d_slots = device_copy(slots);
+        write_kv_cuda(spec, cache.layer_view(0), d_slots, kCtx, k, v);
+        KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+        KVQ_CUDA_CHECK(cudaFree(k));
+        KVQ_CUDA_CHECK(cudaFree(v));
+        KVQ_CUDA_CHECK(cudaFree(d_slots));
+      }
+      for (const Shape& sh : shapes) {
+        const std::vector<int32_t> q_indptr = {0, sh.q_len};
+        const std::vector<int32_t> lens = {sh.kv_len};
+        int32_t* d_q_indptr = device_copy(q_indptr);
+        const cuda::PrefillPlan plan = cuda::plan_prefill(spec, q_indptr, lens);
+        cuda::PrefillArgs a;
+        a.q = q;
+        a.out = out;
+        a.q_indptr = d_q_indptr;
+        a.block_table.indptr = d_indptr;
+        a.block_table.indices = d_indices;
+        a.block_table.seq_lens = d_lens;
+        a.block_table.num_seqs = 1;
+        a.block_table.block_tokens = kBlock;
+        a.cache = cache.layer_view(0);
+        a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHd));
+        for (int w = 0; w < 3; ++w) cuda::run_prefill(spec, plan, a, stream);
+        KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<float> ms;
+        for (int it = 0; it < iters; ++it) {
+          KVQ_CUDA_CHECK(cudaEventRecord(e0, stream));
+          cuda::run_prefill(spec, plan, a, stream);
+          KVQ_CUDA_CHECK(cudaEventRecord(e1, stream));
+          KVQ_CUDA_CHECK(cudaEventSynchronize(e1));
+          float t = 0;
+          KVQ_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+          ms.push_back(t);
+        }
+        std::sort(ms.begin(), ms.end());
+        const double med_ms = ms[ms.size() / 2];
+        double visible = 0;  // sum over queries of visible keys
+        for (int j = 0; j < sh.q_len; ++j) visible += sh.kv_len - sh.q_len + j + 1;
+        const double flops = 4.0 * kHd * visible * kHq;
+        const double tflops = flops / (med_ms * 1e-3) / 1e12;
+        std::printf("kvq %-20s %-12s q %5d kv %5d: %9.1f us  %6.1f TFLOP/s\n",
+                    std::string(to_string(dtype)).c_str(), sh.name, sh.q_len, sh.kv_len,
+                    med_ms * 1e3, tflops);
+        std::fflush(stdout);
+        results.push_back({{"impl", "kvq"},
+                           {"dtype", std::string(to_string(dtype))},
+                           {"shape", sh.name},
+                           {"q_len", sh.q_len},
+                           {"kv_len", sh.kv_len},
+                           {"hq", kHq},
+                           {"hkv", kHkv},
+                           {"head_dim", kHd},
+                           {"time_us", med_ms * 1e3},
+                           {"min_us", ms.front() * 1e3},
+                           {"flops", flops},
+                           {"tflops", tflops},
+                           {"iters", iters}});
+        KVQ_CUDA_CHECK(cudaFree(d_q_indptr));
+      }
+    }
+    KVQ_CUDA_CHECK(cudaEventDestroy(e0));
+    KVQ_CUDA_CHECK(cudaEventDestroy(e1));
+    KVQ_CUDA_CHECK(cudaFree(q));
+    KVQ_CUDA_CHECK(cudaFree(out));
+    KVQ_CUDA_CHECK(cudaFree(d_indices));
+    KVQ_CUDA_CHECK(cudaFree(d_indptr));
+    KVQ_CUDA_CHECK(cudaFree(d_lens));
+    nlohmann::json j;
+    j["device"] = prop.name;
+    j["sms"] = prop.multiProcessorCount;
+    j["results"] = results;
+    if (!json_path.empty()) std::ofstream(json_path) << j.dump(1) << "\n";
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cuda_prefill_bench: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,150 @@
+// Host side of the CUDA prefill: support checks, plan, and the launch (dispatch over the
+// (K, V) pairs of kv_pairs.h, each instantiated in its own prefill_*.cu file).
+#include <algorithm>
+#include <array>
+#include <string>
+#include <utility>
+
+#include "attention/cuda/cuda_prefill.h"
+#include "attention/cuda/kv_pairs.h"
+#include "attention/cuda/prefill_params.h"
+#include "cache/cuda/cuda_check.h"
+#include "kvq/core/error.h"
+
+namespace kvq::cuda {
+
+namespace {
+
+// Every pair the kernels are built for: K == V for each concrete dtype, then the mixed pairs.
+constexpr size_t kNumSame = [] {
+  size_t n = 0;
+  for (const auto& t : kKvDtypeTraits)
+    if (t.concrete) ++n;
+  return n;
+}();
+constexpr size_t kNumMixed = std::size(kCudaMixedKvPairs);
+constexpr std::array<std::pair<KvDtype, KvDtype>, kNumSame + kNumMixed> kPairs = [] {
+  std::array<std::pair<KvDtype, KvDtype>, kNumSame + kNumMixed> a{};
+  size_t n = 0;
+  for (const auto& t : kKvDtypeTraits)
+    if (t.concrete) a[n++] = {t.dtype, t.dtype};
+  for (const auto& pr : kCudaMixedKvPairs) a[n++] = pr;
+  return a;
+}();
+
+template <size_t... I>
+bool dispatch(KvDtype k, KvDtype v, const PrefillKernelParams& p, int hd, dim3 grid, cudaStream_t s,
+              std::index_sequence<I...>) {
+  return ((k == kPairs[I].first && v == kPairs[I].second
+               ? (launch_prefill<kPairs[I].first, kPairs[I].second>(p, hd, grid, s), true)
+               : false) ||
+          ...);
+}
+
+PrefillSide make_side(const LayerKvSpec& spec, const LayerCacheView& cache, KvSide s) {
+  const KvSideLayout& l = cache.layout(s);
+  PrefillSide d{};
+  d.base = reinterpret_cast<const uint8_t*>(cache.base(s));
+  d.block_bytes = l.block_bytes;
+  d.head_stride = l.head_stride;
+  d.values_bytes = l.values_bytes;
+  const bool tensor_scaled = traits(l.dtype).uses_tensor_scale;
+  for (int h = 0; h < spec.num_kv_heads; ++h)
+    d.tensor_scale[h] = tensor_scaled ? spec.scale(s).for_head(h) : 1.0f;
+  return d;
+}
+
+}  // namespace
+
+std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec) {
+  std::vector<std::string> r;
+  if (!traits(spec.k_dtype).concrete || !traits(spec.v_dtype).concrete)
+    r.push_back("K / V dtype is unresolved (auto)");
+  else if (!cuda_kv_pair_supported(spec.k_dtype, spec.v_dtype))
+    r.push_back("the CUDA prefill kernels are not built for K " +
+                std::string(to_string(spec.k_dtype)) + " with V " +
+                std::string(to_string(spec.v_dtype)) +
+                " (built: K == V, and the mixed pairs of kv_pairs.h)");
+  if (spec.head_dim_k != spec.head_dim_v)
+    r.push_back("K head_dim " + std::to_string(spec.head_dim_k) + " differs from V head_dim " +
+                std::to_string(spec.head_dim_v));
+  if (spec.head_dim_k != 64 && spec.head_dim_k != 128 && spec.head_dim_k != 256)
+    r.push_back("head_dim " + std::to_string(spec.head_dim_k) + " not in {64, 128, 256}");
+  if (spec.block_tokens <= 0 || spec.block_tokens % 16 != 0)
+    r.push_back("block_tokens " + std::to_string(spec.block_tokens) + " is not a multiple of 16");
+  if (spec.num_kv_heads > kPrefillMaxKvHeads)
+    r.push_back("num_kv_heads " + std::to_string(spec.num_kv_heads) + " exceeds " +
+                std::to_string(kPrefillMaxKvHeads));
+  return r;
+}
+
+PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_indptr,
+                         std::span<const int32_t> seq_lens) {
+  const auto reasons = prefill_unsupported_reasons(spec);
+  KVQ_CHECK(reasons.empty(), "plan_prefill: unsupported layer: " + reasons.front());
+  KVQ_CHECK(spec.num_kv_heads > 0 && spec.num_q_heads % spec.num_kv_heads == 0,
+            "plan_prefill: bad head counts");
+  if (q_indptr.size() != seq_lens.size() + 1)
+    throw InputError("plan_prefill: q_indptr has " + std::to_string(q_indptr.size()) +
+                     " entries for " + std::to_string(seq_lens.size()) +
+                     " sequences; expected num_seqs + 1");
+  PrefillPlan plan;
+  plan.num_seqs = static_cast<int32_t>(seq_lens.size());
+  const int64_t ratio = spec.gqa_ratio();
+  int64_t max_tiles = 0;
+  for (size_t i = 0; i < seq_lens.size(); ++i) {
+    const int64_t q_len = static_cast<int64_t>(q_indptr[i + 1]) - q_indptr[i];
+    if (q_len < 0 || q_len > seq_lens[i])
+      throw InputError("plan_prefill: sequence " + std::to_string(i) + " has " +
+                       std::to_string(q_len) + " queries for " + std::to_string(seq_lens[i]) +
+                       " cached tokens; expected 0 <= q_len <= kv_len");
+    max_tiles =
+        std::max(max_tiles, (q_len * ratio + kPrefillRowsPerBlock - 1) / kPrefillRowsPerBlock);
+  }
+  KVQ_CHECK(max_tiles < (int64_t{1} << 31), "plan_prefill: too many queries in one sequence");
+  plan.max_q_tiles = static_cast<int32_t>(max_tiles);
+  plan.workspace_bytes = 0;
+  return plan;
+}
+
+void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const PrefillArgs& args,
+                 cudaStream_t stream) {
+  const auto reasons = prefill_unsupported_reasons(spec);
+  KVQ_CHECK(reasons.empty(), "run_prefill: unsupported layer: " + reasons.front());
+  const BlockTableView& bt = args.block_table;
+  KVQ_CHECK(bt.num_seqs == plan.num_seqs, "run_prefill: the plan was made for " +
+                                              std::to_string(plan.num_seqs) + " sequences, got " +
+                                              std::to_string(bt.num_seqs));
+  KVQ_CHECK(bt.block_tokens == spec.block_tokens, "run_prefill: block table block_tokens differs");
+  if (plan.num_seqs == 0 || plan.max_q_tiles == 0) return;
+  KVQ_CHECK(plan.num_seqs <= 65535, "run_prefill: at most 65535 sequences per call");
+  KVQ_CHECK(args.q && args.out && args.q_indptr && bt.indptr && bt.indices && bt.seq_lens &&
+                args.cache.k_base && args.cache.v_base,
+            "run_prefill: null pointer");
+
+  PrefillKernelParams kp{};
+  kp.k = make_side(spec, args.cache, KvSide::kK);
+  kp.v = make_side(spec, args.cache, KvSide::kV);
+  kp.q = args.q;
+  kp.out = args.out;
+  kp.q_indptr = args.q_indptr;
+  kp.indptr = bt.indptr;
+  kp.indices = bt.indices;
+  kp.seq_lens = bt.seq_lens;
+  kp.num_q_heads = spec.num_q_heads;
+  kp.num_kv_heads = spec.num_kv_heads;
+  kp.ratio = spec.gqa_ratio();
+  kp.block_tokens = spec.block_tokens;
+  kp.attention_kind = static_cast<int>(spec.attention);
+  kp.window = spec.sliding_window;
+  kp.softmax_scale = args.softmax_scale;
+  kp.soft_cap = args.logit_soft_cap;
+  kp.signs = make_hadamard_signs();
+  const dim3 grid(static_cast<unsigned>(plan.max_q_tiles), static_cast<unsigned>(spec.num_kv_heads),
+                  static_cast<unsigned>(plan.num_seqs));
+  const bool launched = dispatch(spec.k_dtype, spec.v_dtype, kp, spec.head_dim_k, grid, stream,
+                                 std::make_index_sequence<kPairs.size()>{});
+  KVQ_CHECK(launched, "run_prefill: no kernel for this (K, V) pair");
+}
+
+}  // namespace kvq::cuda

@@ -1,0 +1,82 @@
+// CUDA prefill / chunked-prefill attention over the paged, quantized cache (tensor cores).
+//
+// The device-level entry points behind the "cuda" backend for sequences with more than one
+// new query, for callers that keep the block table on the device (the CUDA model runner,
+// benchmarks):
+//   prefill_unsupported_reasons  what the kernels cannot run (empty: supported);
+//   plan_prefill                 host-side sizing from the host copies of q_indptr / seq_lens;
+//   run_prefill                  one launch on `stream`: asynchronous, no host sync, no
+//                                allocation (graph-capturable).
+//
+// Work split (flash-attention-2 style): a block of 4 warps owns (sequence, kv head, 64 query
+// rows), where the rows are (query token x query heads of the GQA group), row-major, so one
+// K/V tile serves the whole group. Each warp owns 16 rows. Per tile of 64 kv tokens (32 for
+// head_dim 256 or wide rows) the block stages the raw cache bytes of K and V (and their
+// per-token scales) in shared memory with cp.async, double-buffered, dequantizes them there
+// into fp16 (bf16 for bfloat16 / float32 sides) rows, and runs S = Q K^T and O += P V as
+// m16n8k16 MMAs from ldmatrix fragments with fp32 accumulation and an fp32 online softmax.
+// Tiles wholly outside every row's visible range are skipped (causal / sliding window); only
+// the boundary tiles are masked per element.
+//
+// Scales as in the decode kernels: per-tensor K scales fold into the per-row logit factor,
+// per-token K scales multiply the logits, per-token V scales multiply P (normalized by the
+// running maximum V scale of the block so fp16 P cannot underflow), int4 zero points add
+// z * sum(q) to a logit and sum(p * z) to an output, nvfp4 block scales are applied while
+// dequantizing (e2m1 x e4m3 is exact in fp16), a rotated K gets a rotated Q (in the kernel),
+// and a rotated V's output is un-rotated before it is written. Q and P are fp16 (Q with a
+// per-row power-of-two scale) or bf16, never fp8.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvq/cache/paged_kv_cache.h"
+#include "kvq/plan/layer_kv_spec.h"
+
+namespace kvq::cuda {
+
+inline constexpr int kPrefillRowsPerBlock = 64;  // query rows (token x group head) per block
+inline constexpr int kPrefillMaxKvHeads = 128;
+
+// Empty when the kernels can run `spec`: a (K, V) pair of kv_pairs.h, head_dim 64 / 128 / 256
+// (K and V equal), block_tokens a multiple of 16, at most 128 kv heads.
+std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec);
+
+struct PrefillPlan {
+  int32_t num_seqs = 0;
+  int32_t max_q_tiles = 0;     // blocks per (sequence, kv head) in the grid, at most
+  size_t workspace_bytes = 0;  // 0 today; callers still pass a buffer of this size
+};
+
+// Host-side sizing. q_indptr (num_seqs + 1) and seq_lens (num_seqs) are the host copies of
+// what run_prefill gets on the device; every sequence needs 0 <= q_len <= kv_len. Throws
+// InputError on a bad batch, InternalError on an unsupported spec.
+PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_indptr,
+                         std::span<const int32_t> seq_lens);
+
+// Everything in device memory. q: [total_q][num_q_heads][head_dim] fp32, model space (not
+// rotated); out: the same shape. Sequence i's queries are rows q_indptr[i] .. q_indptr[i+1]
+// and sit at the last q_len_i of its seq_lens[i] cached positions (AttentionArgs semantics).
+struct PrefillArgs {
+  const float* q = nullptr;
+  float* out = nullptr;
+  const int32_t* q_indptr = nullptr;  // device, num_seqs + 1
+  BlockTableView block_table;         // device arrays
+  LayerCacheView cache;               // device bases
+  float softmax_scale = 1.0f;
+  float logit_soft_cap = 0.0f;  // 0: off
+  void* workspace = nullptr;    // plan.workspace_bytes (may be null while that is 0)
+};
+
+// Launches the prefill on `stream` (asynchronous). The spec must pass
+// prefill_unsupported_reasons; the plan must come from plan_prefill for the same spec and
+// batch (a plan for a batch whose q_len are all at least as large also works).
+void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const PrefillArgs& args,
+                 cudaStream_t stream);
+
+}  // namespace kvq::cuda

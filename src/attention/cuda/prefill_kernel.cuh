@@ -1,0 +1,670 @@
+// The prefill kernel (one instantiation per (K, V) pair x head_dim; included only by the
+// prefill_<k>[__<v>].cu files). See cuda_prefill.h for the algorithm.
+//
+// The small unpacking helpers below (fp8 / int8 / 4-bit codes -> 16-bit operand pairs, the
+// MMA wrapper, quad reductions) mirror decode_kernel.cuh's; they are copied rather than
+// shared while that file is being reworked, to be folded into one header later.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "attention/cuda/prefill_params.h"
+#include "cache/cuda/cuda_check.h"
+#include "kvq/core/error.h"
+
+namespace kvq::cuda {
+namespace prefill_detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kWarps = kPrefillRowsPerBlock / 16;  // each warp owns one 16-row MMA tile
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = kPrefillRowsPerBlock;
+
+__host__ __device__ constexpr int value_bits(KvDtype d) {
+  switch (d) {
+    case KvDtype::kFloat32:
+      return 32;
+    case KvDtype::kFloat16:
+    case KvDtype::kBFloat16:
+      return 16;
+    case KvDtype::kFp8E4M3:
+    case KvDtype::kFp8E5M2:
+    case KvDtype::kInt8PerTokenHead:
+    case KvDtype::kFp8PerTokenHead:
+      return 8;
+    case KvDtype::kInt4PerTokenHead:
+    case KvDtype::kNvfp4:
+      return 4;
+    default:
+      return 0;
+  }
+}
+// Bytes of one (token, kv head) row as stored (nvfp4's block scales follow its codes).
+__host__ __device__ constexpr int row_bytes(KvDtype d, int hd) {
+  return d == KvDtype::kNvfp4 ? hd / 16 * 9 : hd * value_bits(d) / 8;
+}
+// MMA operands in bf16 where fp16 could not hold the values; every quantized code is exact
+// in fp16.
+__host__ __device__ constexpr bool bf16_operands(KvDtype d) {
+  return d == KvDtype::kBFloat16 || d == KvDtype::kFloat32;
+}
+__host__ __device__ constexpr bool row_scaled(KvDtype d) {
+  return d == KvDtype::kInt8PerTokenHead || d == KvDtype::kFp8PerTokenHead ||
+         d == KvDtype::kInt4PerTokenHead;
+}
+__host__ __device__ constexpr bool tensor_scaled(KvDtype d) {
+  return d == KvDtype::kFp8E4M3 || d == KvDtype::kFp8E5M2 || d == KvDtype::kNvfp4;
+}
+__host__ __device__ constexpr int cmax(int a, int b) {
+  return a > b ? a : b;
+}
+
+// Shared-memory plan of one block (byte offsets).
+template <KvDtype DK, KvDtype DV, int HD>
+struct Cfg {
+  static constexpr int kRowK = row_bytes(DK, HD);
+  static constexpr int kRowV = row_bytes(DV, HD);
+  // kv tokens per tile: 64, or 32 where the registers (head_dim 256) or the raw staging
+  // buffers (wide rows) would not fit.
+  static constexpr int kBc = (HD <= 128 && (kRowK + kRowV) * 64 * 2 <= 65536) ? 64 : 32;
+  static constexpr int kStride = HD + 8;  // 16-bit elements per smem row: +16 B breaks bank
+                                          // conflicts of ldmatrix
+  static constexpr bool kMetaK = row_scaled(DK);
+  static constexpr bool kMetaV = row_scaled(DV);
+  static constexpr bool kInt4K = DK == KvDtype::kInt4PerTokenHead;
+  static constexpr bool kInt4V = DV == KvDtype::kInt4PerTokenHead;
+  static constexpr bool kRotK = traits(DK).rotated;
+  static constexpr bool kRotV = traits(DV).rotated;
+  static constexpr bool kBf16K = bf16_operands(DK);
+  static constexpr bool kBf16V = bf16_operands(DV);
+
+  static constexpr int kQs = 0;                           // [kRows][kStride] Q operands
+  static constexpr int kKs = kQs + kRows * kStride * 2;   // [kBc][kStride] K operands
+  static constexpr int kVs = kKs + kBc * kStride * 2;     // [kBc][kStride] V operands
+  static constexpr int kScale = kVs + kBc * kStride * 2;  // ksc, kzp, vsc, vzp [kBc] fp32
+  static constexpr int kRowMeta = kScale + 4 * kBc * 4;   // factor, qsum [kRows] fp32
+  static constexpr int kRaw = kRowMeta + 2 * kRows * 4;   // two raw staging buffers
+  static constexpr int kRawK = kBc * kRowK;               // within a raw buffer
+  static constexpr int kRawV = kRawK + kBc * kRowV;       // offset of V's metadata..
+  static constexpr int kRawMetaK = kRawV;                 // K metadata (per-token scales)
+  static constexpr int kRawMetaV = kRawMetaK + (kMetaK ? kBc * 4 : 0);
+  static constexpr int kRawBuf = kRawMetaV + (kMetaV ? kBc * 4 : 0);
+  static constexpr int kMain = kRaw + 2 * kRawBuf;
+  static constexpr int kEpiStride = HD + 4;  // fp32 per row of the un-rotation staging
+  static constexpr int kEpi = kRotV ? kWarps * 16 * kEpiStride * 4 : 0;
+  static constexpr int kSmem = cmax(kMain, kEpi);
+  static_assert(kRowMeta % 16 == 0 && kRaw % 16 == 0 && kRawBuf % 16 == 0 && kRawK % 16 == 0);
+};
+
+// ---- PTX wrappers -----------------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                        uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1,
+                                              uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// D += A * B, m16n8k16, fp32 accumulators.
+template <bool kBf16>
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                    uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// ---- unpacking into 16-bit operand pairs (low half = lower dim) -----------------------------
+
+__device__ __forceinline__ uint32_t hsub2_bits(uint32_t a, float b) {
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), __float2half2_rn(b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t b) {
+  const __half2 r =
+      __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t f32x2_to_bf16x2(uint32_t lo, uint32_t hi) {
+  const __nv_bfloat162 r = __floats2bfloat162_rn(__uint_as_float(lo), __uint_as_float(hi));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+template <bool kBf16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (kBf16) {
+    const __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  } else {
+    const __half2 r = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+}
+// int8 codes in bytes 0 and 2 of x -> half2 (exact: 1024 + (q + 128) - 1152).
+__device__ __forceinline__ uint32_t int8_pair(uint32_t x) {
+  return hsub2_bits((x & 0x00FF00FFu) ^ 0x64806480u, 1152.0f);
+}
+// 4-bit codes in bits 0-3 and 16-19 of t -> half2 of the unsigned codes (exact).
+__device__ __forceinline__ uint32_t uint4_pair(uint32_t t) {
+  return hsub2_bits((t & 0x000F000Fu) | 0x64006400u, 1024.0f);
+}
+// E2M1 codes in bits 0-3 and 16-19 of t -> half2 of their values (exact).
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t t) {
+  const uint32_t bits = ((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u);
+  return hmul2_bits(bits, 0x74007400u);  // 0x7400 = 16384.0 in half
+}
+// Two fp8 codes (bits 0-15 of w) -> half2 (exact).
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w) {
+  uint32_t r;
+  if constexpr (kE5M2)
+    asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e5m2x2 %0, t;}\n" : "=r"(r) : "r"(w));
+  else
+    asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;}\n" : "=r"(r) : "r"(w));
+  return r;
+}
+// Nibbles of byte k of w (dims 2k, 2k + 1 of a 4-bit word) into bits 0-3 and 16-19.
+__device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int k) {
+  return __byte_perm(w, w >> 4, static_cast<unsigned>(k | ((4 + k) << 8)));
+}
+
+// Dims [8u, 8u + 8) of one stored row -> eight 16-bit operands in dim order (per-token and
+// per-tensor scales are applied elsewhere; nvfp4's block scales here, exactly).
+template <KvDtype D, int HD>
+__device__ __forceinline__ uint4 dequant8(const uint8_t* row, int u) {
+  uint4 r;
+  if constexpr (D == KvDtype::kFloat16 || D == KvDtype::kBFloat16) {
+    r = *reinterpret_cast<const uint4*>(row + 16 * u);
+  } else if constexpr (D == KvDtype::kFloat32) {
+    const uint4 a = *reinterpret_cast<const uint4*>(row + 32 * u);
+    const uint4 b = *reinterpret_cast<const uint4*>(row + 32 * u + 16);
+    r.x = f32x2_to_bf16x2(a.x, a.y);
+    r.y = f32x2_to_bf16x2(a.z, a.w);
+    r.z = f32x2_to_bf16x2(b.x, b.y);
+    r.w = f32x2_to_bf16x2(b.z, b.w);
+  } else if constexpr (D == KvDtype::kInt8PerTokenHead) {
+    const uint2 w = *reinterpret_cast<const uint2*>(row + 8 * u);
+    r.x = int8_pair(__byte_perm(w.x, 0u, 0x0100));
+    r.y = int8_pair(__byte_perm(w.x, 0u, 0x0302));
+    r.z = int8_pair(__byte_perm(w.y, 0u, 0x0100));
+    r.w = int8_pair(__byte_perm(w.y, 0u, 0x0302));
+  } else if constexpr (value_bits(D) == 8) {
+    constexpr bool kE5M2 = D == KvDtype::kFp8E5M2;
+    const uint2 w = *reinterpret_cast<const uint2*>(row + 8 * u);
+    r.x = fp8x2_to_f16x2<kE5M2>(w.x);
+    r.y = fp8x2_to_f16x2<kE5M2>(w.x >> 16);
+    r.z = fp8x2_to_f16x2<kE5M2>(w.y);
+    r.w = fp8x2_to_f16x2<kE5M2>(w.y >> 16);
+  } else if constexpr (D == KvDtype::kInt4PerTokenHead) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + 4 * u);
+    r.x = uint4_pair(nibble_pair(w, 0));
+    r.y = uint4_pair(nibble_pair(w, 1));
+    r.z = uint4_pair(nibble_pair(w, 2));
+    r.w = uint4_pair(nibble_pair(w, 3));
+  } else {
+    static_assert(D == KvDtype::kNvfp4);
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + 4 * u);
+    const uint32_t code = row[HD / 2 + u / 2];
+    const uint32_t scale2 = fp8x2_to_f16x2<false>(code | (code << 8));
+    r.x = hmul2_bits(e2m1_pair(nibble_pair(w, 0)), scale2);
+    r.y = hmul2_bits(e2m1_pair(nibble_pair(w, 1)), scale2);
+    r.z = hmul2_bits(e2m1_pair(nibble_pair(w, 2)), scale2);
+    r.w = hmul2_bits(e2m1_pair(nibble_pair(w, 3)), scale2);
+  }
+  return r;
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 1));
+  return fmaxf(v, __shfl_xor_sync(kFullMask, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(kFullMask, v, 1);
+  return v + __shfl_xor_sync(kFullMask, v, 2);
+}
+
+// Starts the cp.async copies of one side's bytes for kv tokens [t0, t0 + kBc): UNIT bytes per
+// token (a row, or a row's metadata), 16-token segments (never split across cache blocks,
+// since block_tokens is a multiple of 16). Segments outside [lo, hi) are not read: their
+// blocks may not exist.
+template <int UNIT, int kBc>
+__device__ __forceinline__ void issue_side(uint32_t dst, const uint8_t* head, uint64_t block_bytes,
+                                           const int32_t* blocks, int block_tokens, int t0, int lo,
+                                           int hi, int tid) {
+  constexpr int kChunks = (kBc / 16) * UNIT;  // 16-byte chunks; UNIT per segment
+#pragma unroll 4
+  for (int ch = tid; ch < kChunks; ch += kThreads) {
+    const int seg = ch / UNIT, w = ch - seg * UNIT;
+    const int tok = t0 + 16 * seg;
+    if (tok >= hi || tok + 16 <= lo) continue;
+    const int32_t block = __ldg(blocks + tok / block_tokens);
+    const uint8_t* src = head + static_cast<uint64_t>(block) * block_bytes +
+                         static_cast<uint64_t>(tok % block_tokens) * UNIT + 16 * w;
+    cp_async16(dst + 16 * ch, src);
+  }
+}
+
+template <KvDtype DK, KvDtype DV, int HD>
+constexpr int kMinBlocks = HD == 256 ? 1 : 2;
+
+template <KvDtype DK, KvDtype DV, int HD>
+__global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
+    prefill_kernel(const __grid_constant__ PrefillKernelParams p) {
+  using C = Cfg<DK, DV, HD>;
+  constexpr int kBc = C::kBc;
+  constexpr int kRowStride = C::kStride * 2;  // bytes
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int seq = static_cast<int>(blockIdx.z);
+  const int kvh = static_cast<int>(blockIdx.y);
+  // Highest row tiles first: under a causal mask they carry the most kv tiles.
+  const int qtile = static_cast<int>(gridDim.x - 1 - blockIdx.x);
+
+  const int q_start = p.q_indptr[seq];
+  const int q_len = p.q_indptr[seq + 1] - q_start;
+  const int kv_len = p.seq_lens[seq];
+  const int rows_total = q_len * p.ratio;
+  const int r0 = qtile * kRows;
+  if (r0 >= rows_total) return;  // whole block
+  const int first_pos = kv_len - q_len;
+  const int p_lo = first_pos + r0 / p.ratio;
+  const int p_hi = first_pos + min(rows_total - 1, r0 + kRows - 1) / p.ratio;
+  const bool sliding = p.attention_kind == static_cast<int>(AttentionKind::kSlidingWindow);
+  const bool noncausal = p.attention_kind == static_cast<int>(AttentionKind::kNonCausal);
+  // kv positions any row of the block sees, and the range every row sees.
+  const int lo = sliding ? max(0, p_lo - p.window + 1) : 0;
+  const int hi = noncausal ? kv_len : p_hi + 1;
+  const int all_lo = sliding ? p_hi - p.window + 1 : 0;
+  const int all_hi = noncausal ? kv_len : p_lo + 1;
+  const int tile_b = lo / kBc, tile_e = (hi + kBc - 1) / kBc;
+
+  const int32_t* blocks = p.indices + p.indptr[seq];
+  const uint8_t* k_head = p.k.base + static_cast<uint64_t>(kvh) * p.k.head_stride;
+  const uint8_t* v_head = p.v.base + static_cast<uint64_t>(kvh) * p.v.head_stride;
+  const uint32_t s_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  float* ksc = reinterpret_cast<float*>(smem + C::kScale);
+  float* kzp = ksc + kBc;
+  float* vsc = kzp + kBc;
+  float* vzp = vsc + kBc;
+  float* rfac = reinterpret_cast<float*>(smem + C::kRowMeta);
+  float* rqsum = rfac + kRows;
+
+  auto issue = [&](int tile, int buf) {
+    const int t0 = tile * kBc;
+    const uint32_t raw = s_base + C::kRaw + buf * C::kRawBuf;
+    issue_side<C::kRowK, kBc>(raw, k_head, p.k.block_bytes, blocks, p.block_tokens, t0, lo, hi,
+                              tid);
+    issue_side<C::kRowV, kBc>(raw + C::kRawK, v_head, p.v.block_bytes, blocks, p.block_tokens, t0,
+                              lo, hi, tid);
+    if constexpr (C::kMetaK)
+      issue_side<4, kBc>(raw + C::kRawMetaK, k_head + p.k.values_bytes, p.k.block_bytes, blocks,
+                         p.block_tokens, t0, lo, hi, tid);
+    if constexpr (C::kMetaV)
+      issue_side<4, kBc>(raw + C::kRawMetaV, v_head + p.v.values_bytes, p.v.block_bytes, blocks,
+                         p.block_tokens, t0, lo, hi, tid);
+    cp_async_commit();
+  };
+  issue(tile_b, 0);
+
+  // ---- Q: each warp its 16 rows (rotated for a rotated K), as 16-bit operands in smem ----
+  {
+    constexpr int E = HD / 32;
+    uint16_t* qs = reinterpret_cast<uint16_t*>(smem + C::kQs);
+    const float kscale = p.k.tensor_scale[kvh];
+    for (int i = 0; i < 16; ++i) {
+      const int lr = warp * 16 + i;
+      const int r = r0 + lr;
+      const bool valid = r < rows_total;
+      float x[E];
+      if (valid) {
+        const int t = r / p.ratio, h = r - (r / p.ratio) * p.ratio;
+        const float* src =
+            p.q + (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
+            lane * E;
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = src[e];
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = 0.0f;
+      }
+      if constexpr (C::kRotK) warp_hadamard_rotate<E>(x, lane, p.signs);
+      float amax = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float a = fabsf(x[e]);
+        if (is_finite_f32(a) && a > amax) amax = a;
+      }
+      amax = warp_max(amax);
+      // fp16: a power-of-two scale a with |q a| < 2 keeps Q's precision whatever its range.
+      const float a = (!C::kBf16K && amax > 0.0f) ? ldexpf(1.0f, -ilogbf(amax)) : 1.0f;
+      float qsum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; e += 2) {
+        const uint32_t pr = pack2<C::kBf16K>(x[e] * a, x[e + 1] * a);
+        if constexpr (C::kBf16K) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pr));
+          qsum += f.x + f.y;
+        } else {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pr));
+          qsum += f.x + f.y;
+        }
+        *reinterpret_cast<uint32_t*>(qs + lr * C::kStride + lane * E + e) = pr;
+      }
+      qsum = warp_sum(qsum);
+      if (lane == 0) {
+        rfac[lr] = valid ? p.softmax_scale * kscale / a : 0.0f;
+        rqsum[lr] = qsum;
+      }
+    }
+    __syncwarp();
+  }
+
+  // Per-lane rows g and g + 8 of the warp's tile.
+  const bool capped = p.soft_cap != 0.0f;
+  const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
+  int rlo[2], rhi[2];
+  float fac[2], qsm[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int lr = warp * 16 + g + 8 * i;
+    const int pos = first_pos + min(r0 + lr, rows_total - 1) / p.ratio;
+    rlo[i] = sliding ? pos - p.window + 1 : 0;
+    rhi[i] = noncausal ? kv_len : pos + 1;
+    fac[i] = rfac[lr] * (capped ? 1.0f : kLog2e);
+    qsm[i] = rqsum[lr];
+  }
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m[2] = {-__uint_as_float(kF32Inf), -__uint_as_float(kF32Inf)};
+  float l[2] = {0.0f, 0.0f};
+  float zacc[2] = {0.0f, 0.0f};
+  float s_run = 0.0f;
+
+  // ldmatrix lane addresses (bytes): Q rows of this warp, K rows (tokens), V rows (tokens).
+  const uint32_t q_addr = s_base + C::kQs +
+                          (warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kRowStride +
+                          16 * (lane >> 4);
+  const uint32_t k_addr =
+      s_base + C::kKs + ((lane & 7) + 8 * (lane >> 4)) * kRowStride + 16 * ((lane >> 3) & 1);
+  const uint32_t v_addr =
+      s_base + C::kVs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kRowStride + 16 * (lane >> 4);
+
+#pragma unroll 1
+  for (int tile = tile_b; tile < tile_e; ++tile) {
+    const int buf = (tile - tile_b) & 1;
+    if (tile + 1 < tile_e) {
+      issue(tile + 1, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // this tile's bytes landed; everyone is done with the last tile's operands
+
+    // ---- dequantize the staged bytes into 16-bit operand rows (zeros outside [lo, hi)) ----
+    const int t0 = tile * kBc;
+    {
+      const uint8_t* raw = smem + C::kRaw + buf * C::kRawBuf;
+#pragma unroll 2
+      for (int idx = tid; idx < kBc * HD / 8; idx += kThreads) {
+        const int t = idx / (HD / 8), u = idx - t * (HD / 8);
+        const bool vis = t0 + t >= lo && t0 + t < hi;
+        uint4 kq = make_uint4(0, 0, 0, 0), vq = make_uint4(0, 0, 0, 0);
+        if (vis) {
+          kq = dequant8<DK, HD>(raw + t * C::kRowK, u);
+          vq = dequant8<DV, HD>(raw + C::kRawK + t * C::kRowV, u);
+        }
+        *reinterpret_cast<uint4*>(smem + C::kKs + t * kRowStride + 16 * u) = kq;
+        *reinterpret_cast<uint4*>(smem + C::kVs + t * kRowStride + 16 * u) = vq;
+      }
+      if constexpr (C::kMetaK || C::kMetaV) {
+        for (int t = tid; t < kBc; t += kThreads) {
+          const bool vis = t0 + t >= lo && t0 + t < hi;
+          if constexpr (C::kMetaK) {
+            const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + C::kRawMetaK + 4 * t);
+            if constexpr (C::kInt4K) {
+              const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&w));
+              ksc[t] = vis ? sz.x : 0.0f;
+              kzp[t] = vis ? sz.y : 0.0f;
+            } else {
+              ksc[t] = vis ? __uint_as_float(w) : 0.0f;
+            }
+          }
+          if constexpr (C::kMetaV) {
+            const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + C::kRawMetaV + 4 * t);
+            if constexpr (C::kInt4V) {
+              const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&w));
+              vsc[t] = vis ? sz.x : 0.0f;
+              vzp[t] = vis ? sz.y : 0.0f;
+            } else {
+              vsc[t] = vis ? __uint_as_float(w) : 0.0f;
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+
+    // ---- S = Q K^T: 16 rows x kBc tokens per warp ----
+    float s[kBc / 8][4];
+#pragma unroll
+    for (int j = 0; j < kBc / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+      uint32_t a0, a1, a2, a3;
+      ldsm_x4(q_addr + 32 * ks, a0, a1, a2, a3);
+#pragma unroll
+      for (int np = 0; np < kBc / 16; ++np) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(k_addr + np * 16 * kRowStride + 32 * ks, b0, b1, b2, b3);
+        mma<C::kBf16K>(s[2 * np], a0, a1, a2, a3, b0, b1);
+        mma<C::kBf16K>(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+
+    // ---- logits (log2 units), mask, online softmax ----
+    const bool need_mask = !(t0 >= all_lo && t0 + kBc <= all_hi);
+    float mx[2] = {-__uint_as_float(kF32Inf), -__uint_as_float(kF32Inf)};
+#pragma unroll
+    for (int j = 0; j < kBc / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1;
+        const int col = 8 * j + 2 * c + (e & 1);
+        float x = s[j][e];
+        if constexpr (C::kInt4K) {
+          x = fmaf(x, ksc[col], kzp[col] * qsm[i]);
+        } else if constexpr (C::kMetaK) {
+          x *= ksc[col];
+        }
+        x *= fac[i];
+        if (capped) x = cap * tanhf(x * inv_cap) * kLog2e;
+        if (need_mask) {
+          const int tok = t0 + col;
+          if (!(tok >= rlo[i] && tok < rhi[i])) x = -__uint_as_float(kF32Inf);
+        }
+        s[j][e] = x;
+        mx[i] = fmaxf(mx[i], x);
+      }
+    }
+    float corr[2], mu[2], rs[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float m_new = fmaxf(m[i], quad_max(mx[i]));
+      mu[i] = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
+      corr[i] = exp2f(m[i] - mu[i]);
+      m[i] = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < kBc / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = exp2f(s[j][e] - mu[e >> 1]);
+        rs[e >> 1] += s[j][e];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = l[i] * corr[i] + rs[i];
+
+    if constexpr (C::kMetaV) {
+      // P *= s_v(token) / (running max of s_v): fp16 P stays in [0, 1].
+      float vmx = vsc[lane];
+      if constexpr (kBc > 32) vmx = fmaxf(vmx, vsc[lane + 32]);
+      vmx = warp_max(vmx);
+      const float s_new = fmaxf(s_run, vmx);
+      const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
+      float zs[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < kBc / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * j + 2 * c + (e & 1);
+          if constexpr (C::kInt4V) zs[e >> 1] += s[j][e] * vzp[col];
+          s[j][e] *= vsc[col] * inv_s;
+        }
+      }
+      const float rescale = s_new > 0.0f ? s_run * inv_s : 1.0f;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if constexpr (C::kInt4V) zacc[i] = zacc[i] * corr[i] + zs[i];
+        corr[i] *= rescale;
+      }
+      s_run = s_new;
+    }
+
+    // ---- O = O * corr + P V ----
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) {
+      o[j][0] *= corr[0];
+      o[j][1] *= corr[0];
+      o[j][2] *= corr[1];
+      o[j][3] *= corr[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      const uint32_t a0 = pack2<C::kBf16V>(s[2 * kk][0], s[2 * kk][1]);
+      const uint32_t a1 = pack2<C::kBf16V>(s[2 * kk][2], s[2 * kk][3]);
+      const uint32_t a2 = pack2<C::kBf16V>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      const uint32_t a3 = pack2<C::kBf16V>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < HD / 16; ++dp) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_trans(v_addr + kk * 16 * kRowStride + 32 * dp, b0, b1, b2, b3);
+        mma<C::kBf16V>(o[2 * dp], a0, a1, a2, a3, b0, b1);
+        mma<C::kBf16V>(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+  }
+
+  // ---- epilogue: normalize, scale, (un-rotate), write ----
+  float scale_o = 1.0f;
+  if constexpr (tensor_scaled(DV)) scale_o = p.v.tensor_scale[kvh];
+  if constexpr (C::kMetaV) scale_o = s_run;
+  float inv_l[2], zt[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    inv_l[i] = 1.0f / quad_sum(l[i]);
+    zt[i] = C::kInt4V ? quad_sum(zacc[i]) : 0.0f;
+  }
+  if constexpr (!C::kRotV) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = r0 + warp * 16 + g + 8 * i;
+      if (r >= rows_total) continue;
+      const int t = r / p.ratio, h = r - t * p.ratio;
+      float* dst = p.out +
+                   (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
+                   2 * c;
+#pragma unroll
+      for (int j = 0; j < HD / 8; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) =
+            make_float2((o[j][2 * i] * scale_o + zt[i]) * inv_l[i],
+                        (o[j][2 * i + 1] * scale_o + zt[i]) * inv_l[i]);
+    }
+  } else {
+    constexpr int E = HD / 32;
+    __syncthreads();  // every warp is done with the operand tiles this staging reuses
+    float* epi = reinterpret_cast<float*>(smem) + warp * 16 * C::kEpiStride;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < HD / 8; ++j)
+        *reinterpret_cast<float2*>(epi + (g + 8 * i) * C::kEpiStride + 8 * j + 2 * c) =
+            make_float2((o[j][2 * i] * scale_o + zt[i]) * inv_l[i],
+                        (o[j][2 * i + 1] * scale_o + zt[i]) * inv_l[i]);
+    __syncwarp();
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r = r0 + warp * 16 + rr;
+      if (r >= rows_total) break;  // warp-uniform
+      float x[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[e] = epi[rr * C::kEpiStride + lane * E + e];
+      warp_hadamard_unrotate<E>(x, lane, p.signs);
+      const int t = r / p.ratio, h = r - t * p.ratio;
+      float* dst = p.out +
+                   (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
+                   lane * E;
+#pragma unroll
+      for (int e = 0; e < E; ++e) dst[e] = x[e];
+    }
+  }
+}
+
+template <KvDtype DK, KvDtype DV, int HD>
+void launch_hd(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
+  constexpr int kSmem = Cfg<DK, DV, HD>::kSmem;
+  auto* kernel = &prefill_kernel<DK, DV, HD>;
+  KVQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace prefill_detail
+
+template <KvDtype DK, KvDtype DV>
+void launch_prefill(const PrefillKernelParams& p, int head_dim, dim3 grid, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64:
+      return prefill_detail::launch_hd<DK, DV, 64>(p, grid, stream);
+    case 128:
+      return prefill_detail::launch_hd<DK, DV, 128>(p, grid, stream);
+    case 256:
+      return prefill_detail::launch_hd<DK, DV, 256>(p, grid, stream);
+    default:
+      KVQ_CHECK(false,
+                "cuda prefill: head_dim " + std::to_string(head_dim) + " not in {64, 128, 256}");
+  }
+}
+
+}  // namespace kvq::cuda
