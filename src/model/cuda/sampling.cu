@@ -1,0 +1,389 @@
+// Device sampling (see sampling.h for the rules and the cost per row).
+#include "model/cuda/sampling.h"
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cub/block/block_scan.cuh>
+#include <string>
+
+#include "cache/cuda/cuda_check.h"
+#include "kvq/core/error.h"
+
+namespace kvq::cuda {
+
+namespace {
+
+using u64 = unsigned long long;
+
+// 512 threads leave 128 registers a thread (1024 spill in the radix passes).
+constexpr int kThreads = 512;
+constexpr int kBins = 2048;  // 11-bit digits: 3 radix passes cover a 32-bit key
+constexpr int kPer = kBins / kThreads;
+constexpr int kMaxGather = kThreads;  // top_k up to this is finished in shared memory
+// exp(s - max) in [0, 1] as fixed point: integer sums are exact and order-independent, so a
+// (seed, step) gives the same token on every run. 2^42 * 2^21 elements fits 64 bits.
+constexpr float kFixedOne = 4398046511104.0f;  // 2^42
+constexpr int kMaxVocab = 1 << 21;
+
+using ScanU64 = cub::BlockScan<u64, kThreads>;
+using ScanF64 = cub::BlockScan<double, kThreads>;
+
+struct Best {
+  float v;
+  int id;
+};
+
+struct Smem {
+  u64 hist[kBins];
+  union {
+    typename ScanU64::TempStorage u;
+    typename ScanF64::TempStorage d;
+  } scan;
+  Best red[kThreads / 32];
+  float cand_s[kMaxGather];  // gathered top-k candidates, then the same ranked
+  int cand_id[kMaxGather];
+  float rank_s[kMaxGather];
+  int rank_id[kMaxGather];
+  int cross_digit;
+  u64 cross_above;
+  u64 cross_bin;
+  u64 total;
+  int count;
+};
+
+// Orders floats as unsigned integers (larger float, larger key).
+__device__ __forceinline__ uint32_t order_key(float s) {
+  const uint32_t u = __float_as_uint(s);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key ^ 0x80000000u) : ~key);
+}
+
+// Candidate order of the CPU sampler: larger value first, lower id on ties.
+__device__ __forceinline__ bool better(float v, int id, float bv, int bid) {
+  return v > bv || (v == bv && id < bid);
+}
+
+// In the prefix of the order ending at (key, id)?
+__device__ __forceinline__ bool within(uint32_t key, int id, uint32_t cut_key, int cut_id) {
+  return key > cut_key || (key == cut_key && id <= cut_id);
+}
+
+__device__ __forceinline__ u64 mix64(u64 z) {  // splitmix64's finalizer
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Standard Gumbel noise for token `id` of a row whose stream is `base`.
+__device__ __forceinline__ float gumbel(u64 base, int id) {
+  const u64 h = mix64(base + static_cast<u64>(id + 1) * 0x9E3779B97F4A7C15ull);
+  // 23 bits: u in [2^-24, 1 - 2^-24], both exact in float, so neither log is 0 or -inf.
+  const float u = (static_cast<float>(h >> 41) + 0.5f) * (1.0f / 8388608.0f);
+  return -logf(-logf(u));
+}
+
+__device__ Best block_argmax(Smem& sm, float v, int id) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    const int oid = __shfl_xor_sync(0xFFFFFFFFu, id, o);
+    if (better(ov, oid, v, id)) v = ov, id = oid;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) sm.red[warp] = {v, id};
+  __syncthreads();
+  if (warp == 0) {
+    const bool live = lane < kThreads / 32;
+    v = live ? sm.red[lane].v : -INFINITY;
+    id = live ? sm.red[lane].id : INT_MAX;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      const int oid = __shfl_xor_sync(0xFFFFFFFFu, id, o);
+      if (better(ov, oid, v, id)) v = ov, id = oid;
+    }
+    if (lane == 0) sm.red[0] = {v, id};
+  }
+  __syncthreads();
+  const Best b = sm.red[0];
+  __syncthreads();
+  return b;
+}
+
+struct Cut {
+  uint32_t key = 0;  // the cut element's key
+  u64 above = 0;     // weight of elements with a larger key
+  u64 eq = 0;        // weight of elements with exactly this key
+  u64 target = 0;
+};
+
+// Radix select over elem(i, x, key, w) (false: not a candidate): the key at which the weight
+// of candidates with key >= it first reaches target_of(total weight), going down from the
+// largest key. false (no cut) when target_of returns 0.
+template <class Elem, class TargetOf>
+__device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, TargetOf target_of,
+                             Cut& cut) {
+  uint32_t prefix = 0, prefix_mask = 0;
+  u64 above = 0, target = 0;
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;
+    const uint32_t dmask = pass == 2 ? 0x3FFu : 0x7FFu;
+    for (int b = threadIdx.x; b < kBins; b += kThreads) sm.hist[b] = 0;
+    __syncthreads();
+#pragma unroll 4
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+      uint32_t key;
+      u64 w;
+      if (elem(i, __ldg(row + i), key, w) && w != 0 && (key & prefix_mask) == prefix)
+        atomicAdd(&sm.hist[(key >> shift) & dmask], w);
+    }
+    __syncthreads();
+    // Thread t holds bins kBins-1-kPer*t down to kBins-kPer*(t+1): thread order is descending
+    // key order.
+    const int d_top = kBins - 1 - kPer * static_cast<int>(threadIdx.x);
+    u64 h[kPer], local = 0;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) local += h[j] = sm.hist[d_top - j];
+    u64 before, total;
+    ScanU64(sm.scan.u).ExclusiveSum(local, before, total);
+    if (pass == 0) {
+      target = target_of(total);
+      if (target == 0) {
+        __syncthreads();
+        return false;
+      }
+    }
+    before += above;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (before < target && before + h[j] >= target) {
+        sm.cross_digit = d_top - j;
+        sm.cross_above = before;
+        sm.cross_bin = h[j];
+      }
+      before += h[j];
+    }
+    __syncthreads();
+    prefix |= static_cast<uint32_t>(sm.cross_digit) << shift;
+    prefix_mask |= dmask << shift;
+    above = sm.cross_above;
+    cut.eq = sm.cross_bin;
+    __syncthreads();
+  }
+  cut.key = prefix;
+  cut.above = above;
+  cut.target = target;
+  return true;
+}
+
+__device__ __forceinline__ u64 to_fixed(float w) {
+  return w > 0.0f ? __float2ull_rz(fminf(w, 1.0f) * kFixedOne) : 0ull;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    sample_kernel(const float* __restrict__ logits, int n, const DeviceSampling* params,
+                  int32_t* out) {
+  __shared__ Smem sm;
+  const int t = threadIdx.x;
+  const float* row = logits + static_cast<size_t>(blockIdx.x) * static_cast<size_t>(n);
+  const DeviceSampling p = params[blockIdx.x];
+
+  if (!(p.temperature > 0.0f) || p.top_k == 1) {  // greedy: one pass
+    float bv = -INFINITY;
+    int bid = INT_MAX;
+#pragma unroll 4
+    for (int i = t; i < n; i += kThreads) {
+      const float x = __ldg(row + i);
+      if (!isnan(x) && better(x, i, bv, bid)) bv = x, bid = i;
+    }
+    const Best b = block_argmax(sm, bv, bid);
+    if (t == 0) out[blockIdx.x] = b.id == INT_MAX ? 0 : b.id;
+    return;
+  }
+
+  const float temp = p.temperature;
+  // The CPU sampler orders by logit / temperature; -0 and +0 are one value there.
+  auto scaled = [temp](float x) {
+    const float s = x / temp;
+    return s == 0.0f ? 0.0f : s;
+  };
+  const u64 base = mix64(mix64(p.seed ^ 0x6A09E667F3BCC909ull) ^ (p.step * 0xD1B54A32D192ED03ull));
+
+  // top-k: the k-th candidate in order is the cut (key, id).
+  bool k_on = false;
+  uint32_t k_key = 0;
+  int k_id = INT_MAX;
+  if (p.top_k > 0) {
+    const u64 k = static_cast<u64>(p.top_k);
+    Cut c;
+    k_on = radix_select(
+        sm, row, n,
+        [&](int, float x, uint32_t& key, u64& w) {
+          if (isnan(x)) return false;
+          key = order_key(scaled(x));
+          w = 1;
+          return true;
+        },
+        [k](u64 total) { return k < total ? k : 0ull; }, c);
+    if (k_on) {
+      k_key = c.key;
+      const u64 need = k - c.above;
+      if (need < c.eq) {  // ties straddle the cut: keep the `need` lowest ids among them
+        Cut ci;
+        radix_select(
+            sm, row, n,
+            [&](int i, float x, uint32_t& key, u64& w) {
+              if (isnan(x) || order_key(scaled(x)) != k_key) return false;
+              key = ~static_cast<uint32_t>(i);
+              w = 1;
+              return true;
+            },
+            [need](u64) { return need; }, ci);
+        k_id = static_cast<int>(~ci.key);
+      }
+    }
+  }
+  auto in_k = [&](uint32_t key, int i) { return !k_on || within(key, i, k_key, k_id); };
+
+  if (k_on && p.top_k <= kMaxGather) {
+    // Small k: gather the k candidates, rank them in shared memory, apply top-p / min-p there.
+    if (t == 0) sm.count = 0;
+    __syncthreads();
+    for (int i = t; i < n; i += kThreads) {
+      const float x = __ldg(row + i);
+      if (isnan(x)) continue;
+      const float s = scaled(x);
+      if (!in_k(order_key(s), i)) continue;
+      const int slot = atomicAdd(&sm.count, 1);
+      if (slot < kMaxGather) sm.cand_s[slot] = s, sm.cand_id[slot] = i;
+    }
+    __syncthreads();
+    const int m = min(sm.count, kMaxGather);
+    if (t < m) {
+      const float s = sm.cand_s[t];
+      const int id = sm.cand_id[t];
+      int rank = 0;
+      for (int j = 0; j < m; ++j) rank += better(sm.cand_s[j], sm.cand_id[j], s, id) ? 1 : 0;
+      sm.rank_s[rank] = s;
+      sm.rank_id[rank] = id;
+    }
+    __syncthreads();
+    const float s_max = sm.rank_s[0];
+    float s = 0.0f;
+    int id = INT_MAX;
+    double w = 0.0;
+    if (t < m) {
+      s = sm.rank_s[t];
+      id = sm.rank_id[t];
+      w = isinf(s_max) ? (s == s_max ? 1.0 : 0.0) : exp(static_cast<double>(s) - s_max);
+    }
+    double cum_before, total;
+    ScanF64(sm.scan.d).ExclusiveSum(w, cum_before, total);
+    bool keep = t < m;
+    // Rank 0 always stays (the CPU keeps at least one candidate).
+    if (keep && t > 0 && p.top_p < 1.0f) keep = cum_before < static_cast<double>(p.top_p) * total;
+    if (keep && t > 0 && p.min_p > 0.0f) keep = w >= static_cast<double>(p.min_p);
+    const Best b = block_argmax(sm, keep ? s + gumbel(base, id) : -INFINITY, keep ? id : INT_MAX);
+    if (t == 0) out[blockIdx.x] = b.id == INT_MAX ? 0 : b.id;
+    return;
+  }
+
+  // General path: top-p and min-p need exp(s - max).
+  float s_max = -INFINITY;
+  if (p.top_p < 1.0f || p.min_p > 0.0f) {
+    float bv = -INFINITY;
+#pragma unroll 4
+    for (int i = t; i < n; i += kThreads) {
+      const float x = __ldg(row + i);
+      if (!isnan(x)) bv = fmaxf(bv, scaled(x));
+    }
+    s_max = block_argmax(sm, bv, 0).v;
+  }
+  auto weight = [s_max](float s) {
+    return isinf(s_max) ? (s == s_max ? 1.0f : 0.0f) : expf(s - s_max);
+  };
+
+  // top-p over the top-k candidates: the shortest prefix whose weight reaches top_p of theirs.
+  bool p_on = false;
+  uint32_t p_key = 0;
+  int p_id = INT_MAX;
+  if (p.top_p < 1.0f) {
+    const double top_p = p.top_p;
+    Cut c;
+    p_on = radix_select(
+        sm, row, n,
+        [&](int i, float x, uint32_t& key, u64& w) {
+          if (isnan(x)) return false;
+          const float s = scaled(x);
+          key = order_key(s);
+          if (!in_k(key, i)) return false;
+          w = to_fixed(weight(s));
+          return true;
+        },
+        [top_p](u64 total) {
+          const double want = ceil(top_p * static_cast<double>(total));
+          const u64 target = want < 1.0 ? 1ull : static_cast<u64>(want);
+          return target >= total ? 0ull : target;
+        },
+        c);
+    if (p_on) {
+      p_key = c.key;
+      // Every candidate at the cut key has the same weight: how many of them reach the target?
+      const u64 fw = to_fixed(weight(key_float(p_key)));
+      const u64 need = fw > 0 ? (c.target - c.above + fw - 1) / fw : 1;
+      if (fw > 0 && need < c.eq / fw) {
+        Cut ci;
+        radix_select(
+            sm, row, n,
+            [&](int i, float x, uint32_t& key, u64& w) {
+              if (isnan(x)) return false;
+              const uint32_t kx = order_key(scaled(x));
+              if (kx != p_key || !in_k(kx, i)) return false;
+              key = ~static_cast<uint32_t>(i);
+              w = 1;
+              return true;
+            },
+            [need](u64) { return need; }, ci);
+        p_id = static_cast<int>(~ci.key);
+      }
+    }
+  }
+
+  // The draw: Gumbel-max over what every cut kept.
+  const float min_p = p.min_p;
+  float bv = -INFINITY;
+  int bid = INT_MAX;
+#pragma unroll 4
+  for (int i = t; i < n; i += kThreads) {
+    const float x = __ldg(row + i);
+    if (isnan(x)) continue;
+    const float s = scaled(x);
+    const uint32_t key = order_key(s);
+    if (!in_k(key, i) || (p_on && !within(key, i, p_key, p_id))) continue;
+    if (min_p > 0.0f && !(weight(s) >= min_p)) continue;
+    const float v = s + gumbel(base, i);
+    if (better(v, i, bv, bid)) bv = v, bid = i;
+  }
+  const Best b = block_argmax(sm, bv, bid);
+  if (t == 0) out[blockIdx.x] = b.id == INT_MAX ? 0 : b.id;
+}
+
+}  // namespace
+
+size_t sampling_workspace_bytes(int /*rows*/, int /*vocab*/) {
+  return 0;
+}
+
+void sample_tokens(const float* logits, int rows, int vocab, const DeviceSampling* params,
+                   int32_t* out, void* /*workspace*/, cudaStream_t stream) {
+  KVQ_CHECK(rows >= 0, "sample_tokens: rows " + std::to_string(rows) + " < 0");
+  KVQ_CHECK(vocab >= 1 && vocab <= kMaxVocab,
+            "sample_tokens: vocab " + std::to_string(vocab) + " outside [1, 2^21]");
+  if (rows == 0) return;
+  sample_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, params, out);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kvq::cuda
