@@ -91,6 +91,7 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   PrefillPlan plan;
   plan.num_seqs = static_cast<int32_t>(seq_lens.size());
   const int64_t ratio = spec.gqa_ratio();
+  const int64_t rows_per_block = prefill_rows_per_block(spec.head_dim_k);
   int64_t max_tiles = 0;
   for (size_t i = 0; i < seq_lens.size(); ++i) {
     const int64_t q_len = static_cast<int64_t>(q_indptr[i + 1]) - q_indptr[i];
@@ -98,8 +99,7 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
       throw InputError("plan_prefill: sequence " + std::to_string(i) + " has " +
                        std::to_string(q_len) + " queries for " + std::to_string(seq_lens[i]) +
                        " cached tokens; expected 0 <= q_len <= kv_len");
-    max_tiles =
-        std::max(max_tiles, (q_len * ratio + kPrefillRowsPerBlock - 1) / kPrefillRowsPerBlock);
+    max_tiles = std::max(max_tiles, (q_len * ratio + rows_per_block - 1) / rows_per_block);
   }
   KVQ_CHECK(max_tiles < (int64_t{1} << 31), "plan_prefill: too many queries in one sequence");
   plan.max_q_tiles = static_cast<int32_t>(max_tiles);

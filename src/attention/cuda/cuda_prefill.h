@@ -8,10 +8,11 @@
 //   run_prefill                  one launch on `stream`: asynchronous, no host sync, no
 //                                allocation (graph-capturable).
 //
-// Work split (flash-attention-2 style): a block of 4 warps owns (sequence, kv head, 64 query
-// rows), where the rows are (query token x query heads of the GQA group), row-major, so one
-// K/V tile serves the whole group. Each warp owns 16 rows. Per tile of 64 kv tokens (32 for
-// head_dim 256 or wide rows) the block stages the raw cache bytes of K and V (and their
+// Work split (flash-attention-2 style): a block of 4 warps owns (sequence, kv head, 128 query
+// rows; 64 at head_dim 256), where the rows are (query token x query heads of the GQA group),
+// row-major, so one K/V tile serves the whole group. Each warp owns 32 rows (16 at head_dim
+// 256), so each K / V fragment it reads from shared memory serves two MMA row tiles. Per tile
+// of 32 kv tokens (64 at head_dim 64) the block stages the raw cache bytes of K and V (and their
 // per-token scales) in shared memory with cp.async, double-buffered, dequantizes them there
 // into fp16 (bf16 for bfloat16 / float32 sides) rows, and runs S = Q K^T and O += P V as
 // m16n8k16 MMAs from ldmatrix fragments with fp32 accumulation and an fp32 online softmax.
@@ -40,7 +41,11 @@
 
 namespace kvq::cuda {
 
-inline constexpr int kPrefillRowsPerBlock = 64;  // query rows (token x group head) per block
+// Query rows (token x group head) per block: 4 warps of two 16-row MMA tiles each, one at
+// head_dim 256 (its accumulators take twice the registers).
+constexpr int prefill_rows_per_block(int head_dim) {
+  return head_dim <= 128 ? 128 : 64;
+}
 inline constexpr int kPrefillMaxKvHeads = 128;
 
 // Empty when the kernels can run `spec`: a (K, V) pair of kv_pairs.h, head_dim 64 / 128 / 256

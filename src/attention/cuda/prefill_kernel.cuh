@@ -19,9 +19,8 @@ namespace kvq::cuda {
 namespace prefill_detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kWarps = kPrefillRowsPerBlock / 16;  // each warp owns one 16-row MMA tile
+constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRows = kPrefillRowsPerBlock;
 
 __host__ __device__ constexpr int value_bits(KvDtype d) {
   switch (d) {
@@ -67,9 +66,13 @@ template <KvDtype DK, KvDtype DV, int HD>
 struct Cfg {
   static constexpr int kRowK = row_bytes(DK, HD);
   static constexpr int kRowV = row_bytes(DV, HD);
-  // kv tokens per tile: 64, or 32 where the registers (head_dim 256) or the raw staging
+  // 16-row MMA tiles per warp: two where the accumulators fit (each K / V fragment read
+  // from shared memory then serves twice the rows), one at head_dim 256.
+  static constexpr int kMT = prefill_rows_per_block(HD) / (kWarps * 16);
+  static constexpr int kRows = kWarps * 16 * kMT;
+  // kv tokens per tile: 64 at head_dim 64, else 32 (registers), and 32 where the raw staging
   // buffers (wide rows) would not fit.
-  static constexpr int kBc = (HD <= 128 && (kRowK + kRowV) * 64 * 2 <= 65536) ? 64 : 32;
+  static constexpr int kBc = (HD <= 64 && (kRowK + kRowV) * 64 * 2 <= 65536) ? 64 : 32;
   static constexpr int kStride = HD + 8;  // 16-bit elements per smem row: +16 B breaks bank
                                           // conflicts of ldmatrix
   static constexpr bool kMetaK = row_scaled(DK);
@@ -94,7 +97,7 @@ struct Cfg {
   static constexpr int kRawBuf = kRawMetaV + (kMetaV ? kBc * 4 : 0);
   static constexpr int kMain = kRaw + 2 * kRawBuf;
   static constexpr int kEpiStride = HD + 4;  // fp32 per row of the un-rotation staging
-  static constexpr int kEpi = kRotV ? kWarps * 16 * kEpiStride * 4 : 0;
+  static constexpr int kEpi = kRotV ? kRows * kEpiStride * 4 : 0;
   static constexpr int kSmem = cmax(kMain, kEpi);
   static_assert(kRowMeta % 16 == 0 && kRaw % 16 == 0 && kRawBuf % 16 == 0 && kRawK % 16 == 0);
 };
@@ -280,6 +283,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
     prefill_kernel(const __grid_constant__ PrefillKernelParams p) {
   using C = Cfg<DK, DV, HD>;
   constexpr int kBc = C::kBc;
+  constexpr int kMT = C::kMT;
+  constexpr int kRows = C::kRows;
+  constexpr int kWarpRows = 16 * kMT;
   constexpr int kRowStride = C::kStride * 2;  // bytes
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = static_cast<int>(threadIdx.x);
@@ -341,8 +347,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
     constexpr int E = HD / 32;
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem + C::kQs);
     const float kscale = p.k.tensor_scale[kvh];
-    for (int i = 0; i < 16; ++i) {
-      const int lr = warp * 16 + i;
+    for (int i = 0; i < kWarpRows; ++i) {
+      const int lr = warp * kWarpRows + i;
       const int r = r0 + lr;
       const bool valid = r < rows_total;
       float x[E];
@@ -389,14 +395,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
     __syncwarp();
   }
 
-  // Per-lane rows g and g + 8 of the warp's tile.
+  // Per-lane rows g and g + 8 of each of the warp's MMA tiles: row i is tile i / 2, half i % 2.
+  constexpr int kLR = 2 * kMT;
   const bool capped = p.soft_cap != 0.0f;
   const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
-  int rlo[2], rhi[2];
-  float fac[2], qsm[2];
+  int rlo[kLR], rhi[kLR];
+  float fac[kLR], qsm[kLR];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int lr = warp * 16 + g + 8 * i;
+  for (int i = 0; i < kLR; ++i) {
+    const int lr = warp * kWarpRows + 16 * (i >> 1) + g + 8 * (i & 1);
     const int pos = first_pos + min(r0 + lr, rows_total - 1) / p.ratio;
     rlo[i] = sliding ? pos - p.window + 1 : 0;
     rhi[i] = noncausal ? kv_len : pos + 1;
@@ -404,17 +411,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
     qsm[i] = rqsum[lr];
   }
 
-  float o[HD / 8][4];
+  float o[kMT][HD / 8][4];
 #pragma unroll
-  for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  float m[2] = {-__uint_as_float(kF32Inf), -__uint_as_float(kF32Inf)};
-  float l[2] = {0.0f, 0.0f};
-  float zacc[2] = {0.0f, 0.0f};
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.0f;
+  float m[kLR], l[kLR], zacc[kLR];
+#pragma unroll
+  for (int i = 0; i < kLR; ++i) {
+    m[i] = -__uint_as_float(kF32Inf);
+    l[i] = zacc[i] = 0.0f;
+  }
   float s_run = 0.0f;
 
   // ldmatrix lane addresses (bytes): Q rows of this warp, K rows (tokens), V rows (tokens).
   const uint32_t q_addr = s_base + C::kQs +
-                          (warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kRowStride +
+                          (warp * kWarpRows + (lane & 7) + 8 * ((lane >> 3) & 1)) * kRowStride +
                           16 * (lane >> 4);
   const uint32_t k_addr =
       s_base + C::kKs + ((lane & 7) + 8 * (lane >> 4)) * kRowStride + 16 * ((lane >> 3) & 1);
@@ -477,65 +489,80 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
     __syncthreads();
 
     // ---- S = Q K^T: 16 rows x kBc tokens per warp ----
-    float s[kBc / 8][4];
+    float s[kMT][kBc / 8][4];
 #pragma unroll
-    for (int j = 0; j < kBc / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < kBc / 8; ++j)
+        s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < HD / 16; ++ks) {
-      uint32_t a0, a1, a2, a3;
-      ldsm_x4(q_addr + 32 * ks, a0, a1, a2, a3);
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+        ldsm_x4(q_addr + mt * 16 * kRowStride + 32 * ks, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
 #pragma unroll
       for (int np = 0; np < kBc / 16; ++np) {
         uint32_t b0, b1, b2, b3;
         ldsm_x4(k_addr + np * 16 * kRowStride + 32 * ks, b0, b1, b2, b3);
-        mma<C::kBf16K>(s[2 * np], a0, a1, a2, a3, b0, b1);
-        mma<C::kBf16K>(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma<C::kBf16K>(s[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+          mma<C::kBf16K>(s[mt][2 * np + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+        }
       }
     }
 
     // ---- logits (log2 units), mask, online softmax ----
     const bool need_mask = !(t0 >= all_lo && t0 + kBc <= all_hi);
-    float mx[2] = {-__uint_as_float(kF32Inf), -__uint_as_float(kF32Inf)};
+    float mx[kLR];
 #pragma unroll
-    for (int j = 0; j < kBc / 8; ++j) {
+    for (int i = 0; i < kLR; ++i) mx[i] = -__uint_as_float(kF32Inf);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1;
-        const int col = 8 * j + 2 * c + (e & 1);
-        float x = s[j][e];
-        if constexpr (C::kInt4K) {
-          x = fmaf(x, ksc[col], kzp[col] * qsm[i]);
-        } else if constexpr (C::kMetaK) {
-          x *= ksc[col];
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < kBc / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 2 * mt + (e >> 1);
+          const int col = 8 * j + 2 * c + (e & 1);
+          float x = s[mt][j][e];
+          if constexpr (C::kInt4K) {
+            x = fmaf(x, ksc[col], kzp[col] * qsm[i]);
+          } else if constexpr (C::kMetaK) {
+            x *= ksc[col];
+          }
+          x *= fac[i];
+          if (capped) x = cap * tanhf(x * inv_cap) * kLog2e;
+          if (need_mask) {
+            const int tok = t0 + col;
+            if (!(tok >= rlo[i] && tok < rhi[i])) x = -__uint_as_float(kF32Inf);
+          }
+          s[mt][j][e] = x;
+          mx[i] = fmaxf(mx[i], x);
         }
-        x *= fac[i];
-        if (capped) x = cap * tanhf(x * inv_cap) * kLog2e;
-        if (need_mask) {
-          const int tok = t0 + col;
-          if (!(tok >= rlo[i] && tok < rhi[i])) x = -__uint_as_float(kF32Inf);
-        }
-        s[j][e] = x;
-        mx[i] = fmaxf(mx[i], x);
       }
-    }
-    float corr[2], mu[2], rs[2] = {0.0f, 0.0f};
+    float corr[kLR], mu[kLR], rs[kLR];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < kLR; ++i) {
+      rs[i] = 0.0f;
       const float m_new = fmaxf(m[i], quad_max(mx[i]));
       mu[i] = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
       corr[i] = exp2f(m[i] - mu[i]);
       m[i] = m_new;
     }
 #pragma unroll
-    for (int j = 0; j < kBc / 8; ++j) {
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] = exp2f(s[j][e] - mu[e >> 1]);
-        rs[e >> 1] += s[j][e];
+      for (int j = 0; j < kBc / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[mt][j][e] = exp2f(s[mt][j][e] - mu[2 * mt + (e >> 1)]);
+          rs[2 * mt + (e >> 1)] += s[mt][j][e];
+        }
       }
-    }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) l[i] = l[i] * corr[i] + rs[i];
+    for (int i = 0; i < kLR; ++i) l[i] = l[i] * corr[i] + rs[i];
 
     if constexpr (C::kMetaV) {
       // P *= s_v(token) / (running max of s_v): fp16 P stays in [0, 1].
@@ -544,19 +571,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
       vmx = warp_max(vmx);
       const float s_new = fmaxf(s_run, vmx);
       const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
-      float zs[2] = {0.0f, 0.0f};
+      float zs[kLR];
 #pragma unroll
-      for (int j = 0; j < kBc / 8; ++j) {
+      for (int i = 0; i < kLR; ++i) zs[i] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = 8 * j + 2 * c + (e & 1);
-          if constexpr (C::kInt4V) zs[e >> 1] += s[j][e] * vzp[col];
-          s[j][e] *= vsc[col] * inv_s;
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < kBc / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = 8 * j + 2 * c + (e & 1);
+            if constexpr (C::kInt4V) zs[2 * mt + (e >> 1)] += s[mt][j][e] * vzp[col];
+            s[mt][j][e] *= vsc[col] * inv_s;
+          }
         }
-      }
       const float rescale = s_new > 0.0f ? s_run * inv_s : 1.0f;
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < kLR; ++i) {
         if constexpr (C::kInt4V) zacc[i] = zacc[i] * corr[i] + zs[i];
         corr[i] *= rescale;
       }
@@ -565,24 +596,33 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
 
     // ---- O = O * corr + P V ----
 #pragma unroll
-    for (int j = 0; j < HD / 8; ++j) {
-      o[j][0] *= corr[0];
-      o[j][1] *= corr[0];
-      o[j][2] *= corr[1];
-      o[j][3] *= corr[1];
-    }
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < HD / 8; ++j) {
+        o[mt][j][0] *= corr[2 * mt];
+        o[mt][j][1] *= corr[2 * mt];
+        o[mt][j][2] *= corr[2 * mt + 1];
+        o[mt][j][3] *= corr[2 * mt + 1];
+      }
 #pragma unroll
     for (int kk = 0; kk < kBc / 16; ++kk) {
-      const uint32_t a0 = pack2<C::kBf16V>(s[2 * kk][0], s[2 * kk][1]);
-      const uint32_t a1 = pack2<C::kBf16V>(s[2 * kk][2], s[2 * kk][3]);
-      const uint32_t a2 = pack2<C::kBf16V>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      const uint32_t a3 = pack2<C::kBf16V>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = pack2<C::kBf16V>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<C::kBf16V>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<C::kBf16V>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<C::kBf16V>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < HD / 16; ++dp) {
         uint32_t b0, b1, b2, b3;
         ldsm_x4_trans(v_addr + kk * 16 * kRowStride + 32 * dp, b0, b1, b2, b3);
-        mma<C::kBf16V>(o[2 * dp], a0, a1, a2, a3, b0, b1);
-        mma<C::kBf16V>(o[2 * dp + 1], a0, a1, a2, a3, b2, b3);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma<C::kBf16V>(o[mt][2 * dp], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+          mma<C::kBf16V>(o[mt][2 * dp + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+        }
       }
     }
   }
@@ -591,16 +631,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
   float scale_o = 1.0f;
   if constexpr (tensor_scaled(DV)) scale_o = p.v.tensor_scale[kvh];
   if constexpr (C::kMetaV) scale_o = s_run;
-  float inv_l[2], zt[2];
+  float inv_l[kLR], zt[kLR];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kLR; ++i) {
     inv_l[i] = 1.0f / quad_sum(l[i]);
     zt[i] = C::kInt4V ? quad_sum(zacc[i]) : 0.0f;
   }
   if constexpr (!C::kRotV) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = r0 + warp * 16 + g + 8 * i;
+    for (int i = 0; i < kLR; ++i) {
+      const int mt = i >> 1, hf = i & 1;
+      const int r = r0 + warp * kWarpRows + 16 * mt + g + 8 * hf;
       if (r >= rows_total) continue;
       const int t = r / p.ratio, h = r - t * p.ratio;
       float* dst = p.out +
@@ -609,23 +650,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
 #pragma unroll
       for (int j = 0; j < HD / 8; ++j)
         *reinterpret_cast<float2*>(dst + 8 * j) =
-            make_float2((o[j][2 * i] * scale_o + zt[i]) * inv_l[i],
-                        (o[j][2 * i + 1] * scale_o + zt[i]) * inv_l[i]);
+            make_float2((o[mt][j][2 * hf] * scale_o + zt[i]) * inv_l[i],
+                        (o[mt][j][2 * hf + 1] * scale_o + zt[i]) * inv_l[i]);
     }
   } else {
     constexpr int E = HD / 32;
     __syncthreads();  // every warp is done with the operand tiles this staging reuses
-    float* epi = reinterpret_cast<float*>(smem) + warp * 16 * C::kEpiStride;
+    float* epi = reinterpret_cast<float*>(smem) + warp * kWarpRows * C::kEpiStride;
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < kLR; ++i) {
+      const int mt = i >> 1, hf = i & 1;
 #pragma unroll
       for (int j = 0; j < HD / 8; ++j)
-        *reinterpret_cast<float2*>(epi + (g + 8 * i) * C::kEpiStride + 8 * j + 2 * c) =
-            make_float2((o[j][2 * i] * scale_o + zt[i]) * inv_l[i],
-                        (o[j][2 * i + 1] * scale_o + zt[i]) * inv_l[i]);
+        *reinterpret_cast<float2*>(epi + (16 * mt + g + 8 * hf) * C::kEpiStride + 8 * j + 2 * c) =
+            make_float2((o[mt][j][2 * hf] * scale_o + zt[i]) * inv_l[i],
+                        (o[mt][j][2 * hf + 1] * scale_o + zt[i]) * inv_l[i]);
+    }
     __syncwarp();
-    for (int rr = 0; rr < 16; ++rr) {
-      const int r = r0 + warp * 16 + rr;
+    for (int rr = 0; rr < kWarpRows; ++rr) {
+      const int r = r0 + warp * kWarpRows + rr;
       if (r >= rows_total) break;  // warp-uniform
       float x[E];
 #pragma unroll
