@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <numeric>
 
 #include "kvq/core/error.h"
@@ -88,7 +89,8 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
                      " tokens); the prompt plus max tokens need " + std::to_string(needed) +
                      " blocks (" + std::to_string(prompt_len + max_new) + " tokens)");
   // A budget larger than the request needs is not allocated: one request never uses more.
-  PagedKvCache cache(plan.layers, needed);
+  const std::unique_ptr<PagedKvCache> owned = model.create_cache(needed);
+  PagedKvCache& cache = *owned;
   const SequenceId seq = 1;
   cache.add_sequence(seq);
 
@@ -138,7 +140,9 @@ void score_tokens(const Model& model, std::span<const int32_t> tokens, int32_t p
   const KvPlan& plan = model.plan();
   const int32_t n = static_cast<int32_t>(tokens.size());
   const int32_t block_tokens = plan.layers.front().block_tokens;
-  PagedKvCache cache(plan.layers, blocks_for_tokens(n, block_tokens));
+  const std::unique_ptr<PagedKvCache> owned =
+      model.create_cache(blocks_for_tokens(n, block_tokens));
+  PagedKvCache& cache = *owned;
   const SequenceId seq = 1;
   cache.add_sequence(seq);
   std::vector<float> logits;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <string>
+#include <utility>
 
 #include "kvq/core/error.h"
 
@@ -61,10 +62,13 @@ uint64_t block_hash(uint64_t parent, std::span<const int32_t> tokens) {
 }
 
 KvBlockManager::KvBlockManager(const KvPlan& plan, int32_t num_blocks, bool prefix_caching)
-    : cache_(plan.layers, num_blocks),
+    : KvBlockManager(plan, PagedKvCache(plan.layers, num_blocks), prefix_caching) {}
+
+KvBlockManager::KvBlockManager(const KvPlan& plan, PagedKvCache cache, bool prefix_caching)
+    : cache_(std::move(cache)),
       prefix_caching_(prefix_caching),
       plan_hash_(kv_plan_hash(plan)),
-      published_(static_cast<size_t>(num_blocks)) {}
+      published_(static_cast<size_t>(cache_.allocator().num_blocks())) {}
 
 int32_t KvBlockManager::num_available() const {
   return cache_.allocator().num_free() + num_cached_free();

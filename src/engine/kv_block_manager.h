@@ -30,6 +30,8 @@ uint64_t block_hash(uint64_t parent, std::span<const int32_t> tokens);
 class KvBlockManager {
  public:
   KvBlockManager(const KvPlan& plan, int32_t num_blocks, bool prefix_caching);
+  // Over a cache made elsewhere (Model::create_cache: host or device storage) for `plan`.
+  KvBlockManager(const KvPlan& plan, PagedKvCache cache, bool prefix_caching);
 
   PagedKvCache& cache() { return cache_; }
   const PagedKvCache& cache() const { return cache_; }

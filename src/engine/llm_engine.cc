@@ -69,7 +69,8 @@ struct LlmEngine::Impl {
         tokenizer(std::move(t)),
         config(c),
         context(model_context_length(*model)),
-        blocks(model->plan(), num_blocks, c.enable_prefix_caching) {}
+        blocks(model->plan(), std::move(*model->create_cache(num_blocks)),
+               c.enable_prefix_caching) {}
 
   struct Event {
     Request* request;

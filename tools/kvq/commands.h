@@ -13,5 +13,6 @@ Action add_backends_command(CLI::App& app);
 Action add_generate_command(CLI::App& app);
 Action add_eval_command(CLI::App& app);
 Action add_serve_command(CLI::App& app);
+Action add_bench_command(CLI::App& app);
 
 }  // namespace kvq::cli

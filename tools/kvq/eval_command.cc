@@ -29,7 +29,8 @@ std::string read_text_file(const std::string& path) {
 
 Action add_eval_command(CLI::App& app) {
   auto* sub = app.add_subcommand(
-      "eval", "perplexity, KL divergence and top-1 agreement of KV dtypes against an unquantized cache");
+      "eval",
+      "perplexity, KL divergence and top-1 agreement of KV dtypes against an unquantized cache");
   struct State {
     ModelFlags model;
     std::string text;
@@ -42,10 +43,12 @@ Action add_eval_command(CLI::App& app) {
   st->model.add_to(*sub);
   sub->add_option("--text", st->text, "UTF-8 text file to evaluate on")->required();
   sub->add_flag("--json", st->json, "print the report as JSON");
-  sub->add_flag("--all-dtypes", st->all_dtypes, "evaluate every KV dtype (skip layers still apply)");
+  sub->add_flag("--all-dtypes", st->all_dtypes,
+                "evaluate every KV dtype (skip layers still apply)");
   sub->add_option("--context", st->context, "tokens per evaluation window (default 512)")
       ->check(CLI::Range(2, 1 << 20));
-  sub->add_option("--max-tokens", st->max_tokens, "evaluate at most this many tokens (default: all)")
+  sub->add_option("--max-tokens", st->max_tokens,
+                  "evaluate at most this many tokens (default: all)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   return [st]() {
     const std::string text = read_text_file(st->text);
@@ -114,11 +117,11 @@ Action add_eval_command(CLI::App& app) {
       return 0;
     }
     std::printf("kvq eval: %s on %s: %lld predicted tokens in %d windows of <= %d tokens\n",
-                st->model.plan.model.c_str(), st->text.c_str(), static_cast<long long>(r.predicted_tokens),
-                r.windows, st->context);
+                st->model.plan.model.c_str(), st->text.c_str(),
+                static_cast<long long>(r.predicted_tokens), r.windows, st->context);
     std::printf("reference: %s KV cache, PPL %.4f\n\n", r.reference_label.c_str(), r.reference_ppl);
-    std::printf("%-22s %11s %8s %10s %10s %10s %8s\n", "KV cache", "bytes/tok", "vs bf16", "PPL", "dPPL",
-                "mean KL", "top-1");
+    std::printf("%-22s %11s %8s %10s %10s %10s %8s\n", "KV cache", "bytes/tok", "vs bf16", "PPL",
+                "dPPL", "mean KL", "top-1");
     for (const auto& row : r.rows) {
       if (!row.unsupported.empty()) {
         std::printf("%-22s unsupported: %s\n", row.label.c_str(), row.unsupported.c_str());

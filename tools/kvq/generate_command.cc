@@ -64,13 +64,15 @@ Action add_generate_command(CLI::App& app) {
       prompt_ids = parse_ids(st->prompt_ids, "--prompt-ids");
     } else {
       prompt_ids = lm.tokenizer->encode(st->prompt, /*add_special_tokens=*/true);
-      if (prompt_ids.empty() && lm.tokenizer->bos_id()) prompt_ids.push_back(*lm.tokenizer->bos_id());
+      if (prompt_ids.empty() && lm.tokenizer->bos_id())
+        prompt_ids.push_back(*lm.tokenizer->bos_id());
     }
     GeneratorOptions options;
     options.prefill_chunk = st->model.prefill_chunk;
     if (!st->model.plan.kv_cache_memory.empty())
-      options.num_blocks = blocks_for_budget(
-          lm.model->plan().layers, parse_byte_size(st->model.plan.kv_cache_memory, "--kv-cache-memory"));
+      options.num_blocks =
+          blocks_for_budget(lm.model->plan().layers,
+                            parse_byte_size(st->model.plan.kv_cache_memory, "--kv-cache-memory"));
     const bool text_out = !st->output_ids;
     GenerationResult r = generate(*lm.model, *lm.tokenizer, prompt_ids, params, options,
                                   [text_out](std::string_view piece, int32_t) {
@@ -87,14 +89,14 @@ Action add_generate_command(CLI::App& app) {
     std::printf("\n");
     std::fflush(stdout);
     const double gen = static_cast<double>(r.output_ids.size());
-    std::fprintf(stderr,
-                 "kvq: prompt %d tokens, generated %zu tokens (%s) | prefill %.1f tok/s, decode %.1f "
-                 "tok/s | KV %.1f KiB used | plan: %s\n",
-                 r.prompt_tokens, r.output_ids.size(), r.finish_reason.c_str(),
-                 r.prefill_seconds > 0 ? r.prompt_tokens / r.prefill_seconds : 0.0,
-                 r.decode_seconds > 0 && gen > 1 ? (gen - 1) / r.decode_seconds : 0.0,
-                 static_cast<double>(r.kv_bytes_used) / 1024.0,
-                 summarize_kv_plan(lm.model->plan()).c_str());
+    std::fprintf(
+        stderr,
+        "kvq: prompt %d tokens, generated %zu tokens (%s) | prefill %.1f tok/s, decode %.1f "
+        "tok/s | KV %.1f KiB used | plan: %s\n",
+        r.prompt_tokens, r.output_ids.size(), r.finish_reason.c_str(),
+        r.prefill_seconds > 0 ? r.prompt_tokens / r.prefill_seconds : 0.0,
+        r.decode_seconds > 0 && gen > 1 ? (gen - 1) / r.decode_seconds : 0.0,
+        static_cast<double>(r.kv_bytes_used) / 1024.0, summarize_kv_plan(lm.model->plan()).c_str());
     return 0;
   };
 }

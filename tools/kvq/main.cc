@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   add(kvq::cli::add_generate_command);
   add(kvq::cli::add_eval_command);
   add(kvq::cli::add_serve_command);
+  add(kvq::cli::add_bench_command);
 
   std::vector<std::string> args = kvq::cli::normalize_args(argc, argv);
   std::vector<char*> cargs;

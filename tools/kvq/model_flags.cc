@@ -6,32 +6,69 @@
 
 #include "kvq/core/error.h"
 #include "kvq/core/log.h"
+#include "kvq/model/cuda_model.h"
+#ifdef KVQ_WITH_CUDA
+#include "kvq/cache/device_kv_cache.h"
+#endif
 
 namespace kvq::cli {
 
-void ModelFlags::add_to(CLI::App& app) {
-  plan.add_to(app);
+void ModelFlags::add_to(CLI::App& app, bool with_synthetic) {
+  plan.add_to(app, /*with_memory=*/true, with_synthetic);
   app.add_option("--attention-backend", attention_backend,
                  "force one attention backend for every layer (see kvq backends)");
-  app.add_option("--device", device, "cpu (cuda: not built yet)")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--device", device, "where the model runs: cpu or cuda (default cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--gpu-memory-utilization", gpu_memory_utilization,
+                 "--device cuda: share of the GPU's memory kvq may use, weights and KV cache "
+                 "included (default 0.9)")
+      ->check(CLI::Range(0.01f, 1.0f));
+  app.add_option("--dtype", weight_dtype,
+                 "--device cuda: weight precision: auto (float32 checkpoints stay float32, "
+                 "others bfloat16), bfloat16, float32")
+      ->check(CLI::IsMember({"auto", "bfloat16", "bf16", "float32", "fp32"}));
+  app.add_flag("--enforce-eager", enforce_eager, "--device cuda: no CUDA graphs for decode steps");
+
   app.add_option("--prefill-chunk", prefill_chunk, "tokens per prefill step (default 512)")
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--threads", threads, "CPU threads (default: all cores)")->check(CLI::Range(0, 1024));
+  app.add_option("--threads", threads, "CPU threads (default: all cores)")
+      ->check(CLI::Range(0, 1024));
 }
 
 KvPlan ModelFlags::make_plan(const KvPlanOptions& options) const {
-  return make_kv_plan(load_model_config(plan.model), options);
+  return make_kv_plan(plan.model_config(), options);
+}
+
+std::unique_ptr<Model> ModelFlags::load_model(const KvPlan& p) const {
+  if (threads > 0) omp_set_num_threads(threads);
+  if (device == "cpu") {
+    if (!plan.synthetic.empty())
+      throw InputError("--synthetic needs --device cuda (random weights are built on the GPU)");
+    return Model::load(p, attention_backend);
+  }
+#ifdef KVQ_WITH_CUDA
+  if (cuda_device_count() == 0)
+    throw InputError("--device cuda: no CUDA device is available to this process; accepted: cpu");
+  CudaModelOptions o;
+  o.weights = parse_weight_precision(weight_dtype, "--dtype");
+  o.gpu_memory_utilization = gpu_memory_utilization;
+  o.max_num_seqs = max_num_seqs;
+  o.max_num_batched_tokens = max_num_batched_tokens;
+  o.cuda_graphs = !enforce_eager;
+  o.forced_backend = attention_backend;
+  if (!plan.synthetic.empty()) return CudaModel::synthetic(p, o);
+  return CudaModel::load(p, o);
+#else
+  throw InputError("--device cuda: this kvq was built without CUDA (KVQ_CUDA=OFF); accepted: cpu");
+#endif
 }
 
 LoadedModel ModelFlags::load() const {
-  if (device == "cuda")
-    throw InputError("--device cuda: the CUDA model runner is not built yet; accepted: cpu");
-  if (threads > 0) omp_set_num_threads(threads);
   KvPlan p = make_plan(plan.options());
   for (const auto& w : p.warnings) log_warning(w);
   LoadedModel lm;
   lm.tokenizer = std::make_unique<Tokenizer>(Tokenizer::load(plan.model));
-  lm.model = Model::load(p, attention_backend);
+  lm.model = load_model(p);
   return lm;
 }
 

@@ -24,10 +24,21 @@ struct ModelFlags {
   std::string device = "cpu";
   int prefill_chunk = 512;
   int threads = 0;
+  // --device cuda only.
+  float gpu_memory_utilization = 0.9f;
+  std::string weight_dtype = "auto";
+  bool enforce_eager = false;
+  // Step limits the CUDA model sizes its buffers for (set by the command: serve and bench
+  // have their own --max-num-seqs / --max-num-batched-tokens flags).
+  int max_num_seqs = 256;
+  int max_num_batched_tokens = 8192;
 
-  void add_to(CLI::App& app);
+  // with_synthetic: accept --synthetic NAME instead of --model (kvq bench).
+  void add_to(CLI::App& app, bool with_synthetic = false);
   // Plans, loads the tokenizer and the weights; prints plan warnings.
   LoadedModel load() const;
+  // The weights only, under `plan`, on --device (random weights for --synthetic).
+  std::unique_ptr<Model> load_model(const KvPlan& plan) const;
   KvPlan make_plan(const KvPlanOptions& options) const;
 };
 

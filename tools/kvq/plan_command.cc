@@ -21,14 +21,14 @@ Action add_plan_command(CLI::App& app) {
     std::string device = "cpu";
   };
   auto st = std::make_shared<State>();
-  st->flags.add_to(*sub);
+  st->flags.add_to(*sub, /*with_memory=*/true, /*with_synthetic=*/true);
   sub->add_flag("--json", st->json, "print the plan as JSON (schema in docs/CLI.md)");
   sub->add_option("--attention-backend", st->attention_backend,
                   "force one attention backend for every layer (see kvq backends)");
   sub->add_option("--device", st->device, "device the layers run on: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   return [st]() {
-    const ModelConfig config = load_model_config(st->flags.model);
+    const ModelConfig config = st->flags.model_config();
     const KvPlan plan = make_kv_plan(config, st->flags.options());
     // Backend choice per layer: fails here, at start-up, when a layer has no backend.
     const Device device = st->device == "cuda" ? Device::kCuda : Device::kCpu;
@@ -40,11 +40,11 @@ Action add_plan_command(CLI::App& app) {
       const size_t budget = parse_byte_size(st->flags.kv_cache_memory, "--kv-cache-memory");
       const int64_t blocks = blocks_for_budget(plan.layers, budget);
       const int64_t block_tokens = plan.layers.empty() ? 0 : plan.layers.front().block_tokens;
-      memory = {{"budget_bytes", budget},
-                {"num_blocks", blocks},
-                {"tokens", blocks * block_tokens},
-                {"bytes_per_block_all_layers",
-                 blocks > 0 ? budget / static_cast<size_t>(blocks) : 0}};
+      memory = {
+          {"budget_bytes", budget},
+          {"num_blocks", blocks},
+          {"tokens", blocks * block_tokens},
+          {"bytes_per_block_all_layers", blocks > 0 ? budget / static_cast<size_t>(blocks) : 0}};
       size_t per_block = 0;
       for (const auto& l : plan.layers) per_block += l.block_bytes();
       memory["bytes_per_block_all_layers"] = per_block;
@@ -64,12 +64,14 @@ Action add_plan_command(CLI::App& app) {
       return 0;
     }
     std::cout << format_kv_plan(plan);
-    // Backends, grouped: "cpu_reference: layers 0-4 (cpu_avx512: head_dim 8 not in {64, 128, 256})".
+    // Backends, grouped: "cpu_reference: layers 0-4 (cpu_avx512: head_dim 8 not in {64, 128,
+    // 256})".
     std::cout << "attention backends (" << st->device << "):\n";
     for (size_t i = 0; i < choices.size();) {
       size_t j = i;
       auto same = [&](size_t a, size_t b) {
-        return choices[a].backend == choices[b].backend && choices[a].passed_over == choices[b].passed_over;
+        return choices[a].backend == choices[b].backend &&
+               choices[a].passed_over == choices[b].passed_over;
       };
       while (j + 1 < choices.size() && same(j + 1, i)) ++j;
       std::cout << "  layers " << plan.layers[i].layer;
@@ -83,8 +85,9 @@ Action add_plan_command(CLI::App& app) {
       i = j + 1;
     }
     if (!memory.is_null())
-      std::cout << "memory: " << st->flags.kv_cache_memory << " = " << memory["budget_bytes"].get<size_t>()
-                << " bytes -> " << memory["num_blocks"].get<int64_t>() << " blocks of "
+      std::cout << "memory: " << st->flags.kv_cache_memory << " = "
+                << memory["budget_bytes"].get<size_t>() << " bytes -> "
+                << memory["num_blocks"].get<int64_t>() << " blocks of "
                 << memory["bytes_per_block_all_layers"].get<size_t>() << " bytes (all layers) -> "
                 << memory["tokens"].get<int64_t>() << " tokens\n";
     return 0;

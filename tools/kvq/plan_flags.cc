@@ -1,10 +1,25 @@
 #include "plan_flags.h"
 
+#include "kvq/core/error.h"
+#include "kvq/model/cuda_model.h"
+
 namespace kvq::cli {
 
-void PlanFlags::add_to(CLI::App& app, bool with_memory) {
-  app.add_option("--model", model, "Hugging Face model directory (config.json, *.safetensors)")
-      ->required();
+void PlanFlags::add_to(CLI::App& app, bool with_memory, bool with_synthetic) {
+  auto* m =
+      app.add_option("--model", model, "Hugging Face model directory (config.json, *.safetensors)");
+  if (with_synthetic) {
+    std::string names;
+    for (const auto& n : synthetic_model_names()) names += (names.empty() ? "" : ", ") + n;
+    auto* s = app.add_option("--synthetic", synthetic,
+                             "random weights in the shape of a known model (" + names + ")");
+    m->excludes(s);
+    s->excludes(m);
+    app.get_option("--model")->description(
+        "Hugging Face model directory (config.json, *.safetensors); or --synthetic");
+  } else {
+    m->required();
+  }
   app.add_option("--kv-cache-dtype", kv_cache_dtype,
                  "KV cache dtype of every layer, K and V: " + accepted_kv_dtype_names());
   auto* k = app.add_option("--k-cache-dtype", k_cache_dtype,
@@ -14,11 +29,18 @@ void PlanFlags::add_to(CLI::App& app, bool with_memory) {
   app.add_option("--ctk", ctk)->group("")->excludes(k);
   app.add_option("--ctv", ctv)->group("")->excludes(v);
   app.add_option("--kv-cache-dtype-skip-layers", skip_layers,
-                 "layers kept in the model's dtype: indices (3), ranges (0-3), sliding_window, boundary:N; comma-separated");
+                 "layers kept in the model's dtype: indices (3), ranges (0-3), sliding_window, "
+                 "boundary:N; comma-separated");
   app.add_option("--block-size", block_size, "tokens per KV cache block (default 16)");
   if (with_memory)
     app.add_option("--kv-cache-memory", kv_cache_memory,
                    "KV cache memory budget (e.g. 4GiB): shows how many tokens fit");
+}
+
+ModelConfig PlanFlags::model_config() const {
+  if (!synthetic.empty()) return synthetic_model_config(synthetic, "--synthetic");
+  if (model.empty()) throw InputError("a model is needed: --model DIR or --synthetic NAME");
+  return load_model_config(model);
 }
 
 KvPlanOptions PlanFlags::options() const {

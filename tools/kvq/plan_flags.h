@@ -11,13 +11,17 @@ namespace kvq::cli {
 
 struct PlanFlags {
   std::string model;
+  std::string synthetic;  // --synthetic NAME (commands that accept it): a known model shape
   std::string kv_cache_dtype, k_cache_dtype, v_cache_dtype;
   std::string ctk, ctv;  // llama.cpp spellings, kept apart so provenance shows what was typed
   std::string skip_layers;
   int block_size = 16;
   std::string kv_cache_memory;  // "" = not given
 
-  void add_to(CLI::App& app, bool with_memory = true);
+  // with_synthetic: --model or --synthetic (one of them); otherwise --model is required.
+  void add_to(CLI::App& app, bool with_memory = true, bool with_synthetic = false);
+  // The model's config: config.json of --model, or the built-in shape of --synthetic.
+  ModelConfig model_config() const;
   // Parses the dtype names through the registry (InputError names the flag on bad input).
   KvPlanOptions options() const;
 };

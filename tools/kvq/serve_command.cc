@@ -71,6 +71,8 @@ Action add_serve_command(CLI::App& app) {
                 "do not share cached prompt prefixes between requests");
 
   return [st]() {
+    st->model.max_num_seqs = st->max_num_seqs;
+    st->model.max_num_batched_tokens = st->max_num_batched_tokens;
     LoadedModel lm = st->model.load();
     const KvPlan& plan = lm.model->plan();
     const int32_t context = model_context_length(*lm.model);
@@ -78,8 +80,12 @@ Action add_serve_command(CLI::App& app) {
     for (const auto& l : plan.layers) block_bytes += l.block_bytes();
     const int block_tokens = plan.layers.empty() ? 16 : plan.layers.front().block_tokens;
     size_t budget = 0;
+    int64_t num_blocks = -1;
     if (!st->model.plan.kv_cache_memory.empty()) {
       budget = parse_byte_size(st->model.plan.kv_cache_memory, "--kv-cache-memory");
+    } else if (lm.model->max_cache_blocks() >= 0) {
+      // A GPU model: what --gpu-memory-utilization leaves after weights and buffers.
+      num_blocks = lm.model->max_cache_blocks();
     } else {
       // Default: room for --max-num-seqs full-context sequences, at most 4 GiB (the CPU default
       // of vLLM's VLLM_CPU_KVCACHE_SPACE).
@@ -89,7 +95,7 @@ Action add_serve_command(CLI::App& app) {
           size_t{4} << 30, blocks_per_seq * static_cast<size_t>(st->max_num_seqs) * block_bytes);
     }
     EngineConfig config;
-    config.num_blocks = blocks_for_budget(plan.layers, budget);
+    config.num_blocks = num_blocks >= 0 ? num_blocks : blocks_for_budget(plan.layers, budget);
     config.max_num_seqs = st->max_num_seqs;
     config.max_num_batched_tokens = st->max_num_batched_tokens;
     config.enable_prefix_caching = !st->no_prefix_caching;

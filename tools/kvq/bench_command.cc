@@ -1,0 +1,382 @@
+// kvq bench: offline batch throughput. A batch of random prompts is prefilled (packed into steps
+// of at most --max-num-batched-tokens tokens), then every sequence decodes --output-len tokens
+// greedily, all sequences in every step (EOS ignored). Prints prefill tokens/s, decode tokens/s,
+// ms per decode step, the KV capacity and the device memory use; --json for scripts.
+//
+// --prefill-sequences K < --batch prefills only K sequences for real and copies their cache
+// blocks to the others (the copies hold exactly the K/V the model computed for the same prompt),
+// so a large batch at a long context can be measured without minutes of prefill; the prefill
+// rate is then measured on the K real ones.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "commands.h"
+#include "kvq/core/error.h"
+#include "kvq/core/log.h"
+#include "kvq/model/cuda_model.h"
+#include "model_flags.h"
+#ifdef KVQ_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace kvq::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Device-to-device copy bandwidth (bytes read + written per second), the decode floor's
+// denominator; 0 when not on a CUDA device.
+double measure_copy_bandwidth() {
+#ifdef KVQ_WITH_CUDA
+  const size_t bytes = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  if (cudaMalloc(&a, bytes) != cudaSuccess) return 0.0;
+  if (cudaMalloc(&b, bytes) != cudaSuccess) {
+    (void)cudaFree(a);
+    return 0.0;
+  }
+  (void)cudaMemset(a, 1, bytes);
+  cudaEvent_t e0, e1;
+  (void)cudaEventCreate(&e0);
+  (void)cudaEventCreate(&e1);
+  std::vector<float> ms;
+  for (int i = 0; i < 12; ++i) {
+    (void)cudaEventRecord(e0);
+    (void)cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice);
+    (void)cudaEventRecord(e1);
+    (void)cudaEventSynchronize(e1);
+    float t = 0;
+    (void)cudaEventElapsedTime(&t, e0, e1);
+    if (i >= 2) ms.push_back(t);
+  }
+  (void)cudaEventDestroy(e0);
+  (void)cudaEventDestroy(e1);
+  (void)cudaFree(a);
+  (void)cudaFree(b);
+  if (cudaGetLastError() != cudaSuccess || ms.empty()) return 0.0;
+  std::sort(ms.begin(), ms.end());
+  return 2.0 * static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e-3);
+#else
+  return 0.0;
+#endif
+}
+
+struct Step {
+  std::vector<int32_t> tokens, positions, q_indptr{0}, logit_rows;
+  std::vector<int64_t> slots;
+  std::vector<SequenceId> ids;
+};
+
+// Next token of every logit row: sampled on the device for a CUDA model (greedy), else the
+// host argmax of the logits.
+void run_step(const Model& model, PagedKvCache& cache, const Step& s, std::vector<int32_t>& next) {
+  PagedKvCache::BlockTableStorage storage;
+  ForwardBatch b;
+  b.tokens = s.tokens;
+  b.positions = s.positions;
+  b.q_indptr = s.q_indptr;
+  b.slots = s.slots;
+  b.block_table = cache.block_table(s.ids, storage);
+  b.logit_rows = s.logit_rows;
+  next.assign(s.logit_rows.size(), 0);
+#ifdef KVQ_WITH_CUDA
+  if (const auto* cm = dynamic_cast<const CudaModel*>(&model)) {
+    const DeviceSampling greedy;
+    cm->forward_sample(b, cache, std::span<const DeviceSampling>(&greedy, 1), next);
+    return;
+  }
+#endif
+  const size_t vocab = static_cast<size_t>(model.vocab_size());
+  std::vector<float> logits(s.logit_rows.size() * vocab);
+  model.forward(b, cache, logits);
+  for (size_t r = 0; r < s.logit_rows.size(); ++r) {
+    const float* row = logits.data() + r * vocab;
+    next[r] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+  }
+}
+
+std::string gib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  return buf;
+}
+
+}  // namespace
+
+Action add_bench_command(CLI::App& app) {
+  auto* sub = app.add_subcommand(
+      "bench", "offline batch throughput: prefill a batch of random prompts, then decode");
+  struct State {
+    ModelFlags model;
+    int batch = 1;
+    int input_len = 512;
+    int output_len = 128;
+    int prefill_sequences = 0;
+    int64_t seed = 0;
+    bool json = false;
+  };
+  auto st = std::make_shared<State>();
+  st->model.add_to(*sub, /*with_synthetic=*/true);
+  sub->add_option("--batch", st->batch, "sequences decoded together (default 1)")
+      ->check(CLI::Range(1, 1 << 16));
+  sub->add_option("--input-len", st->input_len, "prompt tokens per sequence (default 512)")
+      ->check(CLI::Range(1, 1 << 24));
+  sub->add_option("--output-len", st->output_len,
+                  "tokens generated per sequence, the first by the prefill (default 128)")
+      ->check(CLI::Range(2, 1 << 24));
+  sub->add_option("--prefill-sequences", st->prefill_sequences,
+                  "prefill only this many sequences and copy their KV blocks to the rest "
+                  "(default: all)")
+      ->check(CLI::Range(0, 1 << 16));
+  sub->add_option("--max-num-seqs", st->model.max_num_seqs,
+                  "most sequences in one step (default 256)")
+      ->check(CLI::Range(1, 4096));
+  sub->add_option("--max-num-batched-tokens", st->model.max_num_batched_tokens,
+                  "most new tokens in one prefill step (default 8192)")
+      ->check(CLI::Range(16, 1 << 20));
+  sub->add_option("--seed", st->seed, "seed of the random prompts (default 0)");
+  sub->add_flag("--json", st->json, "print the results as JSON");
+  return [st]() {
+    const int B = st->batch, L = st->input_len, M = st->output_len;
+    const int P = st->prefill_sequences == 0 ? B : st->prefill_sequences;
+    if (P > B)
+      throw InputError("--prefill-sequences " + std::to_string(P) + " exceeds --batch " +
+                       std::to_string(B));
+    if (P < B && st->model.device != "cuda")
+      throw InputError("--prefill-sequences below --batch needs --device cuda");
+    const KvPlan plan = st->model.make_plan(st->model.plan.options());
+    for (const auto& w : plan.warnings) log_warning(w);
+    const int32_t ctx = plan.model.max_position_embeddings;
+    if (ctx > 0 && L + M > ctx)
+      throw InputError("--input-len + --output-len = " + std::to_string(L + M) +
+                       " tokens exceeds the model's context (" + std::to_string(ctx) + ")");
+    const double bandwidth = st->model.device == "cuda" ? measure_copy_bandwidth() : 0.0;
+    const auto t_load = Clock::now();
+    const std::unique_ptr<Model> model = st->model.load_model(plan);
+    const double load_s = seconds_since(t_load);
+
+    const int32_t bt = plan.layers.front().block_tokens;
+    const int64_t per_seq = (static_cast<int64_t>(L) + M + bt - 1) / bt;
+    int64_t max_blocks = model->max_cache_blocks();
+    if (max_blocks < 0 && !st->model.plan.kv_cache_memory.empty())
+      max_blocks = blocks_for_budget(
+          plan.layers, parse_byte_size(st->model.plan.kv_cache_memory, "--kv-cache-memory"));
+    const int64_t largest_batch = max_blocks < 0 ? -1 : max_blocks / per_seq;
+    if (largest_batch >= 0 && B > largest_batch)
+      throw InputError("--batch " + std::to_string(B) + " at " + std::to_string(L + M) +
+                       " tokens per sequence needs " + std::to_string(B * per_seq) +
+                       " KV blocks; " + std::to_string(max_blocks) + " fit, so at most " +
+                       std::to_string(largest_batch) +
+                       " sequences (raise --gpu-memory-utilization or lower the batch or lengths)");
+    const std::unique_ptr<PagedKvCache> cache =
+        model->create_cache(static_cast<int32_t>(B * per_seq));
+
+    std::mt19937_64 rng(static_cast<uint64_t>(st->seed));
+    std::uniform_int_distribution<int32_t> pick(0, model->vocab_size() - 1);
+    std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(P));
+    for (auto& p : prompts) {
+      p.resize(static_cast<size_t>(L));
+      for (auto& t : p) t = pick(rng);
+    }
+
+    // Warm-up (library handles, module loading): one short sequence, then freed.
+    {
+      Step w;
+      const SequenceId wid = -1;
+      cache->add_sequence(wid);
+      w.ids = {wid};
+      const int n = std::min(L, 16);
+      w.slots = cache->append(wid, n);
+      for (int i = 0; i < n; ++i) {
+        w.tokens.push_back(prompts[0][static_cast<size_t>(i)]);
+        w.positions.push_back(i);
+      }
+      w.q_indptr.push_back(n);
+      w.logit_rows = {n - 1};
+      std::vector<int32_t> next;
+      run_step(*model, *cache, w, next);
+      cache->free_sequence(wid);
+    }
+
+    // Prefill: sequences packed into steps of at most max_num_batched_tokens new tokens (a
+    // prompt longer than that is split into chunks).
+    const int budget = std::max(1, st->model.max_num_batched_tokens);
+    std::vector<int32_t> last(static_cast<size_t>(B), 0);
+    std::vector<int32_t> done(static_cast<size_t>(P), 0);
+    for (int i = 0; i < P; ++i) cache->add_sequence(i);
+    const auto t_prefill = Clock::now();
+    int next_seq = 0;
+    while (next_seq < P) {
+      Step s;
+      int room = budget;
+      std::vector<int> finishing;
+      while (next_seq < P && room > 0 && static_cast<int>(s.ids.size()) < st->model.max_num_seqs) {
+        const int i = next_seq;
+        const int n = std::min(room, L - done[static_cast<size_t>(i)]);
+        const auto slots = cache->append(i, n);
+        KVQ_CHECK(static_cast<int>(slots.size()) == n, "bench: the cache ran out of blocks");
+        s.ids.push_back(i);
+        for (int j = 0; j < n; ++j) {
+          const int pos = done[static_cast<size_t>(i)] + j;
+          s.tokens.push_back(prompts[static_cast<size_t>(i)][static_cast<size_t>(pos)]);
+          s.positions.push_back(pos);
+        }
+        s.slots.insert(s.slots.end(), slots.begin(), slots.end());
+        s.q_indptr.push_back(static_cast<int32_t>(s.tokens.size()));
+        done[static_cast<size_t>(i)] += n;
+        room -= n;
+        if (done[static_cast<size_t>(i)] == L) {
+          s.logit_rows.push_back(static_cast<int32_t>(s.tokens.size()) - 1);
+          finishing.push_back(i);
+          ++next_seq;
+        }
+      }
+      std::vector<int32_t> next;
+      run_step(*model, *cache, s, next);
+      for (size_t r = 0; r < finishing.size(); ++r)
+        last[static_cast<size_t>(finishing[r])] = next[r];
+    }
+    const double prefill_s = seconds_since(t_prefill);
+
+    // The other sequences get copies of the prefilled ones' blocks.
+    if (P < B) {
+#ifdef KVQ_WITH_CUDA
+      const auto* cm = dynamic_cast<const CudaModel*>(model.get());
+      if (cm == nullptr) throw InputError("--prefill-sequences below --batch needs --device cuda");
+      std::vector<std::pair<int32_t, int32_t>> pairs;
+      for (int i = P; i < B; ++i) {
+        cache->add_sequence(i);
+        KVQ_CHECK(static_cast<int>(cache->append(i, L).size()) == L,
+                  "bench: the cache ran out of blocks");
+        const auto src = cache->blocks(i % P);
+        const auto dst = cache->blocks(i);
+        for (size_t k = 0; k < dst.size(); ++k) pairs.emplace_back(src[k], dst[k]);
+        last[static_cast<size_t>(i)] = last[static_cast<size_t>(i % P)];
+      }
+      cm->copy_blocks(*cache, pairs);
+#else
+      throw InputError("--prefill-sequences below --batch needs --device cuda");
+#endif
+    }
+
+    // Decode: every sequence in every step; the first two steps (graph capture) are not timed.
+    std::vector<double> step_ms;
+    Step d;
+    for (int i = 0; i < B; ++i) d.ids.push_back(i);
+    for (int step = 1; step < M; ++step) {
+      d.tokens.clear();
+      d.positions.clear();
+      d.slots.clear();
+      d.q_indptr.assign(1, 0);
+      d.logit_rows.clear();
+      for (int i = 0; i < B; ++i) {
+        const auto slot = cache->append(i, 1);
+        KVQ_CHECK(slot.size() == 1, "bench: the cache ran out of blocks");
+        d.tokens.push_back(last[static_cast<size_t>(i)]);
+        d.positions.push_back(L + step - 1);
+        d.slots.push_back(slot[0]);
+        d.q_indptr.push_back(i + 1);
+        d.logit_rows.push_back(i);
+      }
+      const auto t0 = Clock::now();
+      std::vector<int32_t> next;
+      run_step(*model, *cache, d, next);
+      step_ms.push_back(seconds_since(t0) * 1e3);
+      last = next;
+    }
+    const size_t skip = step_ms.size() > 4 ? 2 : 0;
+    std::vector<double> timed(step_ms.begin() + static_cast<std::ptrdiff_t>(skip), step_ms.end());
+    const double decode_s = std::accumulate(timed.begin(), timed.end(), 0.0) / 1e3;
+    std::vector<double> sorted = timed;
+    std::sort(sorted.begin(), sorted.end());
+    const double median_ms = sorted.empty() ? 0.0 : sorted[sorted.size() / 2];
+    const double decode_tps = decode_s > 0 ? static_cast<double>(B) * timed.size() / decode_s : 0.0;
+    const double prefill_tps = prefill_s > 0 ? static_cast<double>(P) * L / prefill_s : 0.0;
+
+    // The decode floor: weights + the KV bytes a step reads (mean context of the timed steps)
+    // over the measured copy bandwidth.
+    const double kv_token_bytes = static_cast<double>(plan.bytes_per_token());
+    const double mean_ctx = L + (skip + 1 + static_cast<double>(step_ms.size())) / 2.0;
+    size_t weight_bytes = 0;
+    nlohmann::json mem = nullptr;
+#ifdef KVQ_WITH_CUDA
+    if (const auto* cm = dynamic_cast<const CudaModel*>(model.get())) {
+      const CudaMemoryReport r = cm->memory();
+      weight_bytes = r.weights;
+      mem = {{"device_total", r.device_total}, {"free_at_load", r.free_at_load},
+             {"weights", r.weights},           {"activations", r.activations},
+             {"kv_budget", r.kv_budget},       {"kv_allocated", cache->bytes_allocated()}};
+    }
+#endif
+    const double kv_read = static_cast<double>(B) * mean_ctx * kv_token_bytes;
+    const double floor_ms =
+        bandwidth > 0 ? (static_cast<double>(weight_bytes) + kv_read) / bandwidth * 1e3 : 0.0;
+
+    nlohmann::json j;
+    j["model"] = st->model.plan.synthetic.empty() ? st->model.plan.model
+                                                  : "synthetic " + st->model.plan.synthetic;
+    j["device"] = st->model.device;
+    j["plan"] = summarize_kv_plan(plan);
+    j["kv_bytes_per_token"] = plan.bytes_per_token();
+    j["batch"] = B;
+    j["input_len"] = L;
+    j["output_len"] = M;
+    j["prefill_sequences"] = P;
+    j["load_seconds"] = load_s;
+    j["prefill_tokens_per_s"] = prefill_tps;
+    j["decode_tokens_per_s"] = decode_tps;
+    j["decode_step_ms_mean"] = timed.empty() ? 0.0 : decode_s * 1e3 / timed.size();
+    j["decode_step_ms_median"] = median_ms;
+    j["kv_capacity_tokens"] = max_blocks < 0 ? -1 : max_blocks * bt;
+    j["largest_batch"] = largest_batch;
+    j["copy_bandwidth_bytes_per_s"] = bandwidth;
+    j["decode_floor_ms"] = floor_ms;
+    j["memory"] = mem;
+    if (st->json) {
+      std::cout << j.dump(2) << "\n";
+      return 0;
+    }
+    std::printf("model: %s on %s | KV plan: %s\n", j["model"].get<std::string>().c_str(),
+                st->model.device.c_str(), summarize_kv_plan(plan).c_str());
+    std::printf("batch %d, input %d, output %d tokens (%d prefilled for real)\n", B, L, M, P);
+    std::printf("prefill: %.0f tokens/s (%.2f s)\n", prefill_tps, prefill_s);
+    std::printf(
+        "decode:  %.0f tokens/s, %.3f ms/step mean, %.3f ms/step median (%zu steps timed)\n",
+        decode_tps, timed.empty() ? 0.0 : decode_s * 1e3 / timed.size(), median_ms, timed.size());
+    if (floor_ms > 0)
+      std::printf(
+          "floor:   %.3f ms/step (%s weights + %s KV read at %.2f TB/s copy bandwidth); "
+          "step / floor = %.2f\n",
+          floor_ms, gib(static_cast<double>(weight_bytes)).c_str(), gib(kv_read).c_str(),
+          bandwidth / 1e12, median_ms / floor_ms);
+    if (max_blocks >= 0)
+      std::printf("KV capacity: %lld tokens; largest batch at %d tokens per sequence: %lld\n",
+                  static_cast<long long>(max_blocks * bt), L + M,
+                  static_cast<long long>(largest_batch));
+    if (!mem.is_null())
+      std::printf("memory: device %s, weights %s, activations %s, KV allocated %s of %s budget\n",
+                  gib(mem["device_total"].get<double>()).c_str(),
+                  gib(mem["weights"].get<double>()).c_str(),
+                  gib(mem["activations"].get<double>()).c_str(),
+                  gib(mem["kv_allocated"].get<double>()).c_str(),
+                  gib(mem["kv_budget"].get<double>()).c_str());
+    return 0;
+  };
+}
+
+}  // namespace kvq::cli
