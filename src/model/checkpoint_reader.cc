@@ -34,6 +34,10 @@ bool CheckpointReader::has(std::string_view name) const {
   return files_.find(name).second != nullptr;
 }
 
+TensorDtype CheckpointReader::dtype(std::string_view name) const {
+  return find_or_throw(name).second->dtype;
+}
+
 std::pair<const SafetensorsFile*, const TensorInfo*> CheckpointReader::find_or_throw(
     std::string_view name) const {
   auto found = files_.find(name);

@@ -20,6 +20,8 @@ class CheckpointReader {
   explicit CheckpointReader(const std::string& dir);
 
   bool has(std::string_view name) const;
+  // The stored dtype of `name` (InputError when absent).
+  TensorDtype dtype(std::string_view name) const;
   // Checks that `name` exists with `shape` and a float dtype this reader converts; adds its
   // bytes to the total the progress line counts. Throws InputError otherwise.
   void expect(std::string_view name, const std::vector<int64_t>& shape);

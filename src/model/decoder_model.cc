@@ -10,6 +10,7 @@
 #include "kvq/model/model.h"
 #include "model/checkpoint_reader.h"
 #include "model/kernels.h"
+#include "model/weight_layout.h"
 
 namespace kvq {
 
@@ -119,77 +120,68 @@ std::shared_ptr<const ModelWeights> DecoderModel::load_weights() const {
   auto weights = std::make_shared<ModelWeights>();
   ModelWeights& mw = *weights;
   model::CheckpointReader reader(plan_.model.dir);
-  const int64_t H = hidden_, I = inter_, V = vocab_, d = head_dim_;
-  const int64_t q = q_dim_, kv = kv_dim_;
-
-  // Every tensor's name, shape and place; all are checked before any is converted.
-  struct Piece {
-    std::string name;
-    std::vector<int64_t> shape;
-    FloatArray* array;
-    size_t offset;  // floats into `array`
-  };
-  std::vector<Piece> pieces;
-  auto alloc = [](FloatArray& a, int64_t n) { a = FloatArray(static_cast<size_t>(n)); };
-  auto add = [&](std::string name, std::vector<int64_t> shape, FloatArray& a, int64_t offset) {
-    pieces.push_back({std::move(name), std::move(shape), &a, static_cast<size_t>(offset)});
-  };
-
-  alloc(mw.embed, V * H);
-  add("model.embed_tokens.weight", {V, H}, mw.embed, 0);
-  if (!arch_.tie_word_embeddings && reader.has("lm_head.weight")) {
-    alloc(mw.lm_head, V * H);
-    add("lm_head.weight", {V, H}, mw.lm_head, 0);
-  }
-  alloc(mw.final_norm, H);
-  add("model.norm.weight", {H}, mw.final_norm, 0);
-
+  // Every tensor's name, shape and place (shared with the CUDA model); all are checked before
+  // any is converted.
+  const model::WeightLayout layout =
+      model::checkpoint_layout(plan_.model, arch_, reader.has("lm_head.weight"));
   mw.layers.resize(static_cast<size_t>(num_layers_));
-  for (int i = 0; i < num_layers_; ++i) {
-    LayerWeights& w = mw.layers[static_cast<size_t>(i)];
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    alloc(w.input_norm, H);
-    add(p + "input_layernorm.weight", {H}, w.input_norm, 0);
-    alloc(w.post_norm, H);
-    add(p + "post_attention_layernorm.weight", {H}, w.post_norm, 0);
-    alloc(w.qkv, (q + 2 * kv) * H);
-    add(p + "self_attn.q_proj.weight", {q, H}, w.qkv, 0);
-    add(p + "self_attn.k_proj.weight", {kv, H}, w.qkv, q * H);
-    add(p + "self_attn.v_proj.weight", {kv, H}, w.qkv, (q + kv) * H);
-    if (arch_.qkv_bias) {
-      alloc(w.qkv_bias, q + 2 * kv);
-      add(p + "self_attn.q_proj.bias", {q}, w.qkv_bias, 0);
-      add(p + "self_attn.k_proj.bias", {kv}, w.qkv_bias, q);
-      add(p + "self_attn.v_proj.bias", {kv}, w.qkv_bias, q + kv);
+  std::vector<FloatArray*> dst;
+  for (const model::WeightTensor& t : layout.tensors) {
+    LayerWeights* w = t.layer >= 0 ? &mw.layers[static_cast<size_t>(t.layer)] : nullptr;
+    FloatArray* a = nullptr;
+    switch (t.kind) {
+      case model::WeightKind::kEmbed:
+        a = &mw.embed;
+        break;
+      case model::WeightKind::kLmHead:
+        a = &mw.lm_head;
+        break;
+      case model::WeightKind::kFinalNorm:
+        a = &mw.final_norm;
+        break;
+      case model::WeightKind::kInputNorm:
+        a = &w->input_norm;
+        break;
+      case model::WeightKind::kPostNorm:
+        a = &w->post_norm;
+        break;
+      case model::WeightKind::kQkv:
+        a = &w->qkv;
+        break;
+      case model::WeightKind::kQkvBias:
+        a = &w->qkv_bias;
+        break;
+      case model::WeightKind::kQNorm:
+        a = &w->q_norm;
+        break;
+      case model::WeightKind::kKNorm:
+        a = &w->k_norm;
+        break;
+      case model::WeightKind::kO:
+        a = &w->o;
+        break;
+      case model::WeightKind::kOBias:
+        a = &w->o_bias;
+        break;
+      case model::WeightKind::kGateUp:
+        a = &w->gate_up;
+        break;
+      case model::WeightKind::kGateUpBias:
+        a = &w->gate_up_bias;
+        break;
+      case model::WeightKind::kDown:
+        a = &w->down;
+        break;
+      case model::WeightKind::kDownBias:
+        a = &w->down_bias;
+        break;
     }
-    if (arch_.qk_norm) {
-      alloc(w.q_norm, d);
-      add(p + "self_attn.q_norm.weight", {d}, w.q_norm, 0);
-      alloc(w.k_norm, d);
-      add(p + "self_attn.k_norm.weight", {d}, w.k_norm, 0);
-    }
-    alloc(w.o, H * q);
-    add(p + "self_attn.o_proj.weight", {H, q}, w.o, 0);
-    if (arch_.o_bias) {
-      alloc(w.o_bias, H);
-      add(p + "self_attn.o_proj.bias", {H}, w.o_bias, 0);
-    }
-    alloc(w.gate_up, 2 * I * H);
-    add(p + "mlp.gate_proj.weight", {I, H}, w.gate_up, 0);
-    add(p + "mlp.up_proj.weight", {I, H}, w.gate_up, I * H);
-    alloc(w.down, H * I);
-    add(p + "mlp.down_proj.weight", {H, I}, w.down, 0);
-    if (arch_.mlp_bias) {
-      alloc(w.gate_up_bias, 2 * I);
-      add(p + "mlp.gate_proj.bias", {I}, w.gate_up_bias, 0);
-      add(p + "mlp.up_proj.bias", {I}, w.gate_up_bias, I);
-      alloc(w.down_bias, H);
-      add(p + "mlp.down_proj.bias", {H}, w.down_bias, 0);
-    }
+    *a = FloatArray(static_cast<size_t>(t.numel));
+    dst.push_back(a);
   }
-
-  for (const Piece& pc : pieces) reader.expect(pc.name, pc.shape);
-  for (const Piece& pc : pieces) reader.read(pc.name, pc.array->data() + pc.offset);
+  model::expect_layout(reader, layout);
+  for (const model::WeightPiece& pc : layout.pieces)
+    reader.read(pc.name, dst[pc.tensor]->data() + pc.offset);
   reader.finish();
   return weights;
 }

@@ -1,0 +1,1013 @@
+// CudaModel: the decoder of decoder_model.cc on one CUDA device. Weights are uploaded once
+// (fp32 or bf16 matrices, fp32 norms and biases); every step runs on one stream the model owns:
+// embedding gather, per layer RMSNorm -> fused QKV GEMM -> bias / q-k norm / RoPE ->
+// write_kv_cuda -> attention (cuda decode, or prefill) -> o_proj GEMM accumulating into the fp32
+// residual (beta = 1) -> RMSNorm -> gate_up GEMM -> SwiGLU -> down GEMM accumulating; then the
+// final norm and lm_head on the logit rows only.
+//
+// Step inputs (tokens, positions, slots, block tables, logit rows, sampling parameters) go to
+// the device in one copy from a pinned staging buffer whose layout is fixed at load, so a decode
+// step can be replayed from a CUDA graph: decode batches are padded to a batch bucket (dummy
+// sequences with slot -1 and seq_len 0, which the write and decode kernels skip), and the decode
+// attention is planned for a context bucket (the power of two >= the longest sequence), never
+// for this step's lengths; the kernels derive each sequence's splits from the device seq_lens,
+// which stays within a plan made for longer sequences. Graphs on or off run the same plans and
+// GEMM shapes, so they give identical results.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attention/cuda/cuda_decode.h"
+#include "cache/cuda/cuda_check.h"
+#include "kvq/cache/device_kv_cache.h"
+#include "kvq/core/error.h"
+#include "kvq/model/cuda_model.h"
+#include "model/checkpoint_reader.h"
+#include "model/cuda/model_kernels.h"
+#include "model/kernels.h"
+#include "model/weight_layout.h"
+
+// The prefill kernels are being written next to the decode ones; until their implementation
+// is in the tree, a prefill runs as one decode query per position (correct, slower).
+#if __has_include("attention/cuda/cuda_prefill.h") && \
+                  __has_include("attention/cuda/cuda_prefill.cu")
+#include "attention/cuda/cuda_prefill.h"
+#define KVQ_MODEL_CUDA_PREFILL 1
+#else
+#define KVQ_MODEL_CUDA_PREFILL 0
+#endif
+
+namespace kvq {
+
+namespace {
+
+[[noreturn]] void throw_cublas_error(const char* file, int line, const char* expr,
+                                     cublasStatus_t st) {
+  throw InternalError(std::string(file) + ":" + std::to_string(line) + ": " + expr + " failed: " +
+                      cublasGetStatusName(st) + " (" + cublasGetStatusString(st) + ")");
+}
+
+#define KVQ_CUBLAS_CHECK(expr)                                       \
+  do {                                                               \
+    const cublasStatus_t kvq_cublas_st_ = (expr);                    \
+    if (kvq_cublas_st_ != CUBLAS_STATUS_SUCCESS)                     \
+      throw_cublas_error(__FILE__, __LINE__, #expr, kvq_cublas_st_); \
+  } while (0)
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t n, size_t a = kAlign) {
+  return (n + a - 1) / a * a;
+}
+
+int pow2_at_least(int64_t n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+constexpr int kMinContextBucket = 16;
+constexpr size_t kCublasWorkspace = 32u << 20;
+
+// Device allocations released together (weights, buffers); never throws on release.
+class DeviceArena {
+ public:
+  DeviceArena() = default;
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+  ~DeviceArena() {
+    for (void* p : ptrs_) (void)cudaFree(p);
+  }
+  void* alloc(size_t bytes) {
+    void* p = nullptr;
+    KVQ_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 1)));
+    ptrs_.push_back(p);
+    bytes_ += bytes;
+    return p;
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  std::vector<void*> ptrs_;
+  size_t bytes_ = 0;
+};
+
+// Weights on the device, shared by every plan of the model (with_plan).
+struct DeviceWeights {
+  DeviceArena arena;
+  bool bf16 = false;
+  const void* embed = nullptr;
+  const void* lm_head = nullptr;  // == embed when tied
+  const float* final_norm = nullptr;
+  struct Layer {
+    const float *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+    const void *qkv = nullptr, *o = nullptr, *gate_up = nullptr, *down = nullptr;
+    const float *qkv_bias = nullptr, *o_bias = nullptr, *gate_up_bias = nullptr,
+                *down_bias = nullptr;
+  };
+  std::vector<Layer> layers;
+
+  // Matrices are held in the weight precision; norms and biases in fp32.
+  static bool is_matrix(model::WeightKind k) {
+    using K = model::WeightKind;
+    return k == K::kEmbed || k == K::kLmHead || k == K::kQkv || k == K::kO || k == K::kGateUp ||
+           k == K::kDown;
+  }
+  void* place(const model::WeightTensor& t) {
+    const size_t elem = is_matrix(t.kind) && bf16 ? 2 : 4;
+    void* p = arena.alloc(static_cast<size_t>(t.numel) * elem);
+    Layer* l = t.layer >= 0 ? &layers[static_cast<size_t>(t.layer)] : nullptr;
+    auto* f = static_cast<float*>(p);
+    switch (t.kind) {
+      case model::WeightKind::kEmbed:
+        embed = p;
+        break;
+      case model::WeightKind::kLmHead:
+        lm_head = p;
+        break;
+      case model::WeightKind::kFinalNorm:
+        final_norm = f;
+        break;
+      case model::WeightKind::kInputNorm:
+        l->input_norm = f;
+        break;
+      case model::WeightKind::kPostNorm:
+        l->post_norm = f;
+        break;
+      case model::WeightKind::kQkv:
+        l->qkv = p;
+        break;
+      case model::WeightKind::kQkvBias:
+        l->qkv_bias = f;
+        break;
+      case model::WeightKind::kQNorm:
+        l->q_norm = f;
+        break;
+      case model::WeightKind::kKNorm:
+        l->k_norm = f;
+        break;
+      case model::WeightKind::kO:
+        l->o = p;
+        break;
+      case model::WeightKind::kOBias:
+        l->o_bias = f;
+        break;
+      case model::WeightKind::kGateUp:
+        l->gate_up = p;
+        break;
+      case model::WeightKind::kGateUpBias:
+        l->gate_up_bias = f;
+        break;
+      case model::WeightKind::kDown:
+        l->down = p;
+        break;
+      case model::WeightKind::kDownBias:
+        l->down_bias = f;
+        break;
+    }
+    return p;
+  }
+  void finish() {
+    if (!lm_head) lm_head = embed;
+  }
+};
+
+std::shared_ptr<DeviceWeights> load_checkpoint_weights(const KvPlan& plan,
+                                                       const ArchitectureConfig& arch,
+                                                       WeightPrecision requested,
+                                                       WeightPrecision& chosen) {
+  model::CheckpointReader reader(plan.model.dir);
+  const model::WeightLayout layout =
+      model::checkpoint_layout(plan.model, arch, reader.has("lm_head.weight"));
+  model::expect_layout(reader, layout);
+  chosen = requested;
+  if (chosen == WeightPrecision::kAuto)
+    chosen = model::layout_all_float32(reader, layout) ? WeightPrecision::kFloat32
+                                                       : WeightPrecision::kBFloat16;
+  auto w = std::make_shared<DeviceWeights>();
+  w->bf16 = chosen == WeightPrecision::kBFloat16;
+  w->layers.resize(static_cast<size_t>(plan.model.num_layers));
+  std::vector<std::vector<const model::WeightPiece*>> pieces(layout.tensors.size());
+  for (const model::WeightPiece& pc : layout.pieces) pieces[pc.tensor].push_back(&pc);
+  // bf16 matrices go up as fp32 in bounded chunks and are rounded on the device.
+  constexpr size_t kChunk = size_t{16} << 20;  // floats
+  DeviceArena staging;
+  float* chunk = w->bf16 ? static_cast<float*>(staging.alloc(kChunk * sizeof(float))) : nullptr;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const model::WeightTensor& t = layout.tensors[i];
+    model::FloatArray host(static_cast<size_t>(t.numel));
+    for (const model::WeightPiece* pc : pieces[i]) reader.read(pc->name, host.data() + pc->offset);
+    void* dst = w->place(t);
+    if (w->bf16 && DeviceWeights::is_matrix(t.kind)) {
+      for (size_t o = 0; o < host.size(); o += kChunk) {
+        const size_t n = std::min(kChunk, host.size() - o);
+        KVQ_CUDA_CHECK(
+            cudaMemcpy(chunk, host.data() + o, n * sizeof(float), cudaMemcpyHostToDevice));
+        cuda_model::to_bf16(chunk, static_cast<int64_t>(n), static_cast<uint16_t*>(dst) + o,
+                            nullptr);
+        KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+      }
+    } else {
+      KVQ_CUDA_CHECK(
+          cudaMemcpy(dst, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+    }
+  }
+  reader.finish();
+  w->finish();
+  return w;
+}
+
+std::shared_ptr<DeviceWeights> synthetic_weights(const KvPlan& plan, const ArchitectureConfig& arch,
+                                                 uint64_t seed) {
+  const model::WeightLayout layout = model::checkpoint_layout(plan.model, arch, true);
+  auto w = std::make_shared<DeviceWeights>();
+  w->bf16 = true;
+  w->layers.resize(static_cast<size_t>(plan.model.num_layers));
+  const double H = arch.hidden_size, I = arch.intermediate_size;
+  const double q = double(plan.model.num_q_heads) * plan.model.head_dim;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const model::WeightTensor& t = layout.tensors[i];
+    void* p = w->place(t);
+    using K = model::WeightKind;
+    if (DeviceWeights::is_matrix(t.kind)) {
+      // Unit-variance inputs give unit-variance outputs: scale 1 / sqrt(fan_in).
+      const double fan_in = t.kind == K::kO ? q : t.kind == K::kDown ? I : H;
+      cuda_model::fill_random_bf16(p, t.numel, seed * 1000003ull + i,
+                                   static_cast<float>(1.0 / std::sqrt(fan_in)), nullptr);
+    } else {
+      const bool norm = t.kind == K::kFinalNorm || t.kind == K::kInputNorm ||
+                        t.kind == K::kPostNorm || t.kind == K::kQNorm || t.kind == K::kKNorm;
+      cuda_model::fill_f32(static_cast<float*>(p), t.numel, norm ? 1.0f : 0.0f, nullptr);
+    }
+  }
+  KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+  w->finish();
+  return w;
+}
+
+// What the CUDA kernels cannot run for one layer (decode, the cache write, prefill).
+std::vector<std::string> layer_cuda_reasons(const LayerKvSpec& spec) {
+  std::vector<std::string> r = cuda::decode_unsupported_reasons(spec);
+#if KVQ_MODEL_CUDA_PREFILL
+  for (std::string& s : cuda::prefill_unsupported_reasons(spec))
+    if (std::find(r.begin(), r.end(), s) == r.end()) r.push_back(std::move(s));
+#endif
+  return r;
+}
+
+class CudaDecoderModel final : public CudaModel {
+ public:
+  CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& options,
+                   std::shared_ptr<const DeviceWeights> weights, WeightPrecision precision,
+                   size_t free_at_load);
+  ~CudaDecoderModel() override;
+
+  std::unique_ptr<Model> with_plan(const KvPlan& plan,
+                                   std::string_view forced_backend) const override;
+  const KvPlan& plan() const override { return plan_; }
+  const ArchitectureConfig& arch() const override { return arch_; }
+  int vocab_size() const override { return vocab_; }
+  std::vector<const AttentionBackend*> layer_backends() const override { return backends_; }
+  void forward(const ForwardBatch& batch, PagedKvCache& cache,
+               std::span<float> logits) const override;
+  std::unique_ptr<PagedKvCache> create_cache(int32_t num_blocks) const override;
+  int64_t max_cache_blocks() const override;
+
+  const CudaModelOptions& options() const override { return options_; }
+  WeightPrecision weight_precision() const override { return precision_; }
+  CudaMemoryReport memory() const override;
+  void forward_sample(const ForwardBatch& batch, PagedKvCache& cache,
+                      std::span<const DeviceSampling> per_row,
+                      std::span<int32_t> next_tokens) const override;
+  void copy_blocks(PagedKvCache& cache,
+                   std::span<const std::pair<int32_t, int32_t>> src_dst) const override;
+
+  // Validates the plan against the model and the CUDA kernels (InputError naming the layer);
+  // returns the parsed architecture.
+  static ArchitectureConfig validate(const KvPlan& plan, const CudaModelOptions& options);
+
+ private:
+  // One step as the device runs it.
+  struct Step {
+    int T = 0;            // token rows (decode: padded to the batch bucket)
+    int S = 0;            // sequences (decode: padded)
+    int R = 0;            // logit rows asked for
+    bool decode = false;  // every sequence has one query
+    int context = 0;      // decode: context bucket
+    size_t num_indices = 0;
+    int fallback_context = 0;  // prefill without the prefill kernels: bucket of the rows
+#if KVQ_MODEL_CUDA_PREFILL
+    std::vector<cuda::PrefillPlan> prefill_plans;  // per layer group
+#endif
+  };
+
+  void allocate_buffers();
+  Step stage(const ForwardBatch& b, PagedKvCache& cache,
+             std::span<const DeviceSampling> per_row) const;
+  void run_step(const Step& st, PagedKvCache& cache) const;
+  void run_body(const Step& st, const std::vector<LayerCacheView>& views) const;
+  void attention(const Step& st, int layer, const LayerCacheView& view) const;
+  // Final norm + lm_head for logit rows [first, first + n) into logits_ rows [0, n).
+  void logits_rows(int first, int n) const;
+  void gemm(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
+            float beta) const;
+  cuda::DecodePlan decode_plan(int group, int num_seqs, int context) const;
+
+  KvPlan plan_;
+  ArchitectureConfig arch_;
+  CudaModelOptions options_;
+  std::shared_ptr<const DeviceWeights> w_;
+  WeightPrecision precision_;
+  bool bf16_ = false;
+  int num_layers_ = 0, H_ = 0, I_ = 0, vocab_ = 0, nq_ = 0, nkv_ = 0, d_ = 0;
+  int q_dim_ = 0, kv_dim_ = 0, qkv_dim_ = 0;
+  float eps_ = 1e-6f, softmax_scale_ = 1.0f;
+  int num_sms_ = 0;
+  std::vector<const AttentionBackend*> backends_;
+  std::vector<int> layer_group_;         // layers with the same attention kind and window
+  std::vector<LayerKvSpec> group_spec_;  // one representative per group
+  std::vector<int> batch_buckets_;
+  int max_context_bucket_ = 0;
+
+  // Capacities.
+  int T_cap_ = 0, S_cap_ = 0, R_cap_ = 0;
+  size_t idx_cap_ = 0;
+  // Device state.
+  size_t device_total_ = 0, free_at_load_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  DeviceArena buf_;
+  float *x_ = nullptr, *qkv_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
+        *att_ = nullptr, *mlp_ = nullptr, *cs_ = nullptr, *logits_ = nullptr;
+  void* h_ = nullptr;  // GEMM inputs (bf16 or fp32)
+  double* inv_freq_ = nullptr;
+  void* attn_ws_ = nullptr;
+  size_t attn_ws_bytes_ = 0;
+  int32_t* d_ids_ = nullptr;
+  // Step staging: the same layout in pinned host memory and on the device.
+  struct Offsets {
+    size_t tokens, positions, slots, q_indptr, bt_indptr, seq_lens, exp_indptr, exp_seq_lens,
+        logit_rows, params, indices, total;
+  } off_{};
+  std::byte* h_step_ = nullptr;
+  std::byte* d_step_ = nullptr;
+  int32_t* h_ids_ = nullptr;
+
+  mutable std::mutex mu_;
+  mutable std::map<std::pair<int, int>, cudaGraphExec_t> graphs_;
+  mutable std::set<std::pair<int, int>> seen_;      // keys run eagerly once (warm-up)
+  mutable const std::byte* graph_cache_ = nullptr;  // the cache the graphs were captured for
+  mutable size_t graph_bytes_ = 0;
+
+  template <typename T>
+  T* h_at(size_t off) const {
+    return reinterpret_cast<T*>(h_step_ + off);
+  }
+  template <typename T>
+  T* d_at(size_t off) const {
+    return reinterpret_cast<T*>(d_step_ + off);
+  }
+};
+
+ArchitectureConfig CudaDecoderModel::validate(const KvPlan& plan, const CudaModelOptions& o) {
+  ArchitectureConfig arch = parse_architecture(plan.model);
+  const ModelConfig& c = plan.model;
+  if (!(o.gpu_memory_utilization > 0.0f && o.gpu_memory_utilization <= 1.0f))
+    throw InputError("--gpu-memory-utilization " + std::to_string(o.gpu_memory_utilization) +
+                     " is outside (0, 1]");
+  if (o.max_num_seqs < 1 || o.max_num_batched_tokens < 1)
+    throw InputError("max_num_seqs and max_num_batched_tokens must be positive");
+  KVQ_CHECK(plan.layers.size() == static_cast<size_t>(c.num_layers),
+            "the plan has " + std::to_string(plan.layers.size()) + " layers, the model " +
+                std::to_string(c.num_layers));
+  for (const LayerKvSpec& s : plan.layers) {
+    KVQ_CHECK(s.num_q_heads == c.num_q_heads && s.num_kv_heads == c.num_kv_heads &&
+                  s.head_dim_k == c.head_dim && s.head_dim_v == c.head_dim,
+              "layer " + std::to_string(s.layer) + "'s spec does not match the model's heads");
+    const auto reasons = layer_cuda_reasons(s);
+    if (!reasons.empty()) {
+      std::string all;
+      for (const auto& r : reasons) all += (all.empty() ? "" : "; ") + r;
+      throw InputError("layer " + std::to_string(s.layer) + " (" +
+                       std::string(to_string(s.k_dtype)) + "/" + std::string(to_string(s.v_dtype)) +
+                       ") cannot run on the CUDA model: " + all);
+    }
+  }
+  return arch;
+}
+
+CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& options,
+                                   std::shared_ptr<const DeviceWeights> weights,
+                                   WeightPrecision precision, size_t free_at_load)
+    : plan_(plan),
+      arch_(validate(plan, options)),
+      options_(options),
+      w_(std::move(weights)),
+      precision_(precision),
+      free_at_load_(free_at_load) {
+  const ModelConfig& c = plan_.model;
+  bf16_ = w_->bf16;
+  num_layers_ = c.num_layers;
+  H_ = arch_.hidden_size;
+  I_ = arch_.intermediate_size;
+  vocab_ = arch_.vocab_size;
+  nq_ = c.num_q_heads;
+  nkv_ = c.num_kv_heads;
+  d_ = c.head_dim;
+  q_dim_ = nq_ * d_;
+  kv_dim_ = nkv_ * d_;
+  qkv_dim_ = q_dim_ + 2 * kv_dim_;
+  eps_ = arch_.rms_norm_eps;
+  softmax_scale_ = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d_)));
+  for (const LayerKvSpec& s : plan_.layers)
+    backends_.push_back(
+        select_attention_backend(s, Device::kCuda, options_.forced_backend).backend);
+  for (const LayerKvSpec& s : plan_.layers) {
+    int g = -1;
+    for (size_t i = 0; i < group_spec_.size(); ++i)
+      if (group_spec_[i].attention == s.attention &&
+          group_spec_[i].sliding_window == s.sliding_window)
+        g = static_cast<int>(i);
+    if (g < 0) {
+      g = static_cast<int>(group_spec_.size());
+      group_spec_.push_back(s);
+    }
+    layer_group_.push_back(g);
+  }
+  int dev = 0;
+  KVQ_CUDA_CHECK(cudaGetDevice(&dev));
+  KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, dev));
+  try {
+    allocate_buffers();
+  } catch (...) {
+    if (cublas_) (void)cublasDestroy(cublas_);
+    if (stream_) (void)cudaStreamDestroy(stream_);
+    if (h_step_) (void)cudaFreeHost(h_step_);
+    if (h_ids_) (void)cudaFreeHost(h_ids_);
+    throw;
+  }
+}
+
+CudaDecoderModel::~CudaDecoderModel() {
+  for (auto& [key, exec] : graphs_) (void)cudaGraphExecDestroy(exec);
+  if (stream_) (void)cudaStreamSynchronize(stream_);
+  if (cublas_) (void)cublasDestroy(cublas_);
+  if (stream_) (void)cudaStreamDestroy(stream_);
+  if (h_step_) (void)cudaFreeHost(h_step_);
+  if (h_ids_) (void)cudaFreeHost(h_ids_);
+}
+
+cuda::DecodePlan CudaDecoderModel::decode_plan(int group, int num_seqs, int context) const {
+  cuda::DecodeOptions o;
+  o.num_sms = num_sms_;
+  const std::vector<int32_t> lens(static_cast<size_t>(num_seqs), context);
+  return cuda::plan_decode(group_spec_[static_cast<size_t>(group)], lens, o);
+}
+
+void CudaDecoderModel::allocate_buffers() {
+  KVQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  KVQ_CUBLAS_CHECK(cublasCreate(&cublas_));
+  KVQ_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
+  KVQ_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
+  // A workspace of our own: cuBLAS must not allocate while a graph is being captured.
+  KVQ_CUBLAS_CHECK(cublasSetWorkspace(cublas_, buf_.alloc(kCublasWorkspace), kCublasWorkspace));
+
+  S_cap_ = options_.max_num_seqs;
+  T_cap_ = std::max(options_.max_num_batched_tokens, options_.max_num_seqs);
+  R_cap_ = std::min(T_cap_, std::max(S_cap_, 256));
+  for (int b = 1; b < S_cap_; b <<= 1) batch_buckets_.push_back(b);
+  batch_buckets_.push_back(S_cap_);
+  const int max_len =
+      std::max(plan_.model.max_position_embeddings > 0 ? plan_.model.max_position_embeddings : 8192,
+               kMinContextBucket);
+  max_context_bucket_ = pow2_at_least(max_len);
+  const int bt = plan_.layers.front().block_tokens;
+  idx_cap_ = static_cast<size_t>(S_cap_) * static_cast<size_t>((max_len + bt - 1) / bt + 1);
+
+  // The decode workspace for the largest plan any step can make: every sequence count up to
+  // max_num_seqs (decode buckets and prefill-fallback chunks) and every context bucket.
+  for (size_t g = 0; g < group_spec_.size(); ++g)
+    for (int ctx = kMinContextBucket; ctx <= max_context_bucket_; ctx <<= 1)
+      for (int n = 1; n <= S_cap_; ++n)
+        attn_ws_bytes_ =
+            std::max(attn_ws_bytes_, decode_plan(static_cast<int>(g), n, ctx).workspace_bytes);
+#if KVQ_MODEL_CUDA_PREFILL
+  {
+    // Sized on the largest batch shape; checked again per step.
+    std::vector<int32_t> qi{0, T_cap_}, sl{std::max(T_cap_, max_len)};
+    for (const LayerKvSpec& s : group_spec_)
+      attn_ws_bytes_ = std::max(attn_ws_bytes_, cuda::plan_prefill(s, qi, sl).workspace_bytes);
+  }
+#endif
+  attn_ws_ = buf_.alloc(attn_ws_bytes_);
+
+  const size_t T = static_cast<size_t>(T_cap_), act = bf16_ ? 2 : 4;
+  x_ = static_cast<float*>(buf_.alloc(T * H_ * 4));
+  h_ = buf_.alloc(T * static_cast<size_t>(std::max({H_, I_, q_dim_})) * act);
+  qkv_ = static_cast<float*>(buf_.alloc(T * qkv_dim_ * 4));
+  q_ = static_cast<float*>(buf_.alloc(T * q_dim_ * 4));
+  att_ = static_cast<float*>(buf_.alloc(T * q_dim_ * 4));
+  k_ = static_cast<float*>(buf_.alloc(T * kv_dim_ * 4));
+  v_ = static_cast<float*>(buf_.alloc(T * kv_dim_ * 4));
+  mlp_ = static_cast<float*>(buf_.alloc(T * 2 * I_ * 4));
+  cs_ = static_cast<float*>(buf_.alloc(T * d_ * 4));
+  logits_ = static_cast<float*>(buf_.alloc(static_cast<size_t>(R_cap_) * vocab_ * 4));
+  d_ids_ = static_cast<int32_t*>(buf_.alloc(T * 4));
+  const std::vector<double> inv = model::rope_inv_freq(d_, arch_.rope_theta, arch_.rope_scaling);
+  inv_freq_ = static_cast<double*>(buf_.alloc(inv.size() * sizeof(double)));
+  KVQ_CUDA_CHECK(
+      cudaMemcpy(inv_freq_, inv.data(), inv.size() * sizeof(double), cudaMemcpyHostToDevice));
+
+  size_t o = 0;
+  auto region = [&](size_t bytes) {
+    const size_t at = o;
+    o = align_up(o + bytes, 64);
+    return at;
+  };
+  const size_t S1 = static_cast<size_t>(S_cap_) + 1;
+  off_.tokens = region(T * 4);
+  off_.positions = region(T * 4);
+  off_.slots = region(T * 8);
+  off_.q_indptr = region(S1 * 4);
+  off_.bt_indptr = region(S1 * 4);
+  off_.seq_lens = region(S1 * 4);
+  off_.exp_indptr = region(T * 4);
+  off_.exp_seq_lens = region(T * 4);
+  off_.logit_rows = region(T * 4);
+  off_.params = region(T * sizeof(DeviceSampling));
+  off_.indices = region(idx_cap_ * 4);
+  off_.total = o;
+  d_step_ = static_cast<std::byte*>(buf_.alloc(off_.total));
+  void* hp = nullptr;
+  KVQ_CUDA_CHECK(cudaHostAlloc(&hp, off_.total, cudaHostAllocDefault));
+  h_step_ = static_cast<std::byte*>(hp);
+  KVQ_CUDA_CHECK(cudaHostAlloc(&hp, T * 4, cudaHostAllocDefault));
+  h_ids_ = static_cast<int32_t*>(hp);
+  KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+
+  size_t free_now = 0, total = 0;
+  KVQ_CUDA_CHECK(cudaMemGetInfo(&free_now, &total));
+  device_total_ = total;
+  const double share = static_cast<double>(options_.gpu_memory_utilization) * total;
+  const double used = static_cast<double>(total - free_now);
+  if (used > share) {
+    auto gib = [](double b) { return std::to_string(b / (1 << 30)).substr(0, 6) + " GiB"; };
+    throw InputError("the model needs " +
+                     gib(static_cast<double>(w_->arena.bytes() + buf_.bytes())) +
+                     " of device memory (weights " + gib(static_cast<double>(w_->arena.bytes())) +
+                     ", buffers " + gib(static_cast<double>(buf_.bytes())) + "); with " +
+                     gib(used - static_cast<double>(w_->arena.bytes() + buf_.bytes())) +
+                     " used by others the device holds " + gib(used) + ", over the " + gib(share) +
+                     " allowed by --gpu-memory-utilization " +
+                     std::to_string(options_.gpu_memory_utilization).substr(0, 4) +
+                     " (raise it, or lower max_num_batched_tokens / max_num_seqs)");
+  }
+}
+
+std::unique_ptr<Model> CudaDecoderModel::with_plan(const KvPlan& plan,
+                                                   std::string_view forced_backend) const {
+  const ModelConfig& a = plan_.model;
+  const ModelConfig& b = plan.model;
+  if (a.architecture != b.architecture || a.num_layers != b.num_layers ||
+      a.num_q_heads != b.num_q_heads || a.num_kv_heads != b.num_kv_heads ||
+      a.head_dim != b.head_dim || a.hidden_size != b.hidden_size || a.vocab_size != b.vocab_size)
+    throw InputError("with_plan: the plan is for a different model (" + b.architecture + ", " +
+                     std::to_string(b.num_layers) + " layers) than the loaded one (" +
+                     a.architecture + ", " + std::to_string(a.num_layers) + " layers)");
+  KvPlan p = plan;
+  p.model.raw = a.raw;
+  p.model.dir = a.dir;
+  CudaModelOptions o = options_;
+  o.forced_backend = std::string(forced_backend);
+  return std::make_unique<CudaDecoderModel>(p, o, w_, precision_, free_at_load_);
+}
+
+CudaMemoryReport CudaDecoderModel::memory() const {
+  CudaMemoryReport r;
+  size_t free_now = 0, total = 0;
+  KVQ_CUDA_CHECK(cudaMemGetInfo(&free_now, &total));
+  r.device_total = total;
+  r.free_at_load = free_at_load_;
+  r.weights = w_->arena.bytes();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    r.activations = buf_.bytes() + off_.total + static_cast<size_t>(T_cap_) * 4 + graph_bytes_;
+  }
+  const double budget =
+      static_cast<double>(options_.gpu_memory_utilization) * total - double(total - free_now);
+  r.kv_budget = budget > 0 ? static_cast<size_t>(budget) : 0;
+  return r;
+}
+
+int64_t CudaDecoderModel::max_cache_blocks() const {
+  return blocks_for_budget(plan_.layers, memory().kv_budget);
+}
+
+std::unique_ptr<PagedKvCache> CudaDecoderModel::create_cache(int32_t num_blocks) const {
+  const int64_t most = max_cache_blocks();
+  if (num_blocks < 0 || num_blocks > most) {
+    const CudaMemoryReport m = memory();
+    throw InputError("a KV cache of " + std::to_string(num_blocks) +
+                     " blocks does not fit on the device: at most " + std::to_string(most) +
+                     " blocks fit in the " + std::to_string(m.kv_budget >> 20) +
+                     " MiB left under --gpu-memory-utilization " +
+                     std::to_string(options_.gpu_memory_utilization).substr(0, 4) +
+                     " (raise --gpu-memory-utilization or ask for fewer blocks)");
+  }
+  auto storage = std::make_shared<DeviceKvCache>(plan_.layers, num_blocks);
+  std::vector<LayerCacheView> views;
+  for (size_t i = 0; i < plan_.layers.size(); ++i) views.push_back(storage->layer_view(i));
+  return std::make_unique<PagedKvCache>(PagedKvCache::with_external_storage(
+      plan_.layers, num_blocks, std::move(views), std::move(storage)));
+}
+
+void CudaDecoderModel::copy_blocks(PagedKvCache& cache,
+                                   std::span<const std::pair<int32_t, int32_t>> src_dst) const {
+  KVQ_CHECK(cache.external_storage() && cache.num_layers() == plan_.layers.size(),
+            "copy_blocks: the cache was not made by this model's create_cache()");
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t l = 0; l < cache.num_layers(); ++l) {
+    const LayerCacheView v = cache.layer_view(l);
+    for (const auto& [src, dst] : src_dst) {
+      KVQ_CHECK(src >= 0 && src < v.num_blocks && dst >= 0 && dst < v.num_blocks,
+                "copy_blocks: block pair (" + std::to_string(src) + ", " + std::to_string(dst) +
+                    ") outside the cache's " + std::to_string(v.num_blocks) + " blocks");
+      for (KvSide s : {KvSide::kK, KvSide::kV})
+        KVQ_CUDA_CHECK(cudaMemcpyAsync(v.block(s, dst), v.block(s, src), v.layout(s).block_bytes,
+                                       cudaMemcpyDeviceToDevice, stream_));
+    }
+  }
+  KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaDecoderModel::gemm(int m, int n, int k, const void* in, int lda, const void* w, float* out,
+                            int ldc, float beta) const {
+  if (m == 0 || n == 0) return;
+  const float alpha = 1.0f;
+  const cudaDataType t = bf16_ ? CUDA_R_16BF : CUDA_R_32F;
+  // Row-major out[m][n] = in[m][k] * w[n][k]^T is column-major out^T = w^T-op * in^T.
+  // fp32 weights: pedantic fp32 compute (no TF32), so the result matches the CPU path.
+  KVQ_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, w, t, k, in, t,
+                                lda, &beta, out, CUDA_R_32F, ldc,
+                                bf16_ ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_PEDANTIC,
+                                CUBLAS_GEMM_DEFAULT));
+}
+
+CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCache& cache,
+                                               std::span<const DeviceSampling> per_row) const {
+  const int T = static_cast<int>(b.tokens.size());
+  const int R = static_cast<int>(b.logit_rows.size());
+  const int S = b.block_table.num_seqs;
+  KVQ_CHECK(b.positions.size() == b.tokens.size() && b.slots.size() == b.tokens.size(),
+            "forward: tokens, positions and slots differ in length");
+  KVQ_CHECK(b.q_indptr.size() == static_cast<size_t>(S) + 1 && b.q_indptr.front() == 0 &&
+                b.q_indptr.back() == T,
+            "forward: q_indptr does not cover the batch's tokens");
+  KVQ_CHECK(cache.num_layers() == static_cast<size_t>(num_layers_) && cache.external_storage(),
+            "forward: the cache was not made by this model's create_cache()");
+  KVQ_CHECK(R <= T, "forward: more logit rows than tokens");
+  KVQ_CHECK(b.block_table.block_tokens == plan_.layers.front().block_tokens,
+            "forward: block table block_tokens differs from the plan's");
+  if (T > T_cap_)
+    throw InputError("a step of " + std::to_string(T) + " tokens exceeds max_num_batched_tokens " +
+                     std::to_string(options_.max_num_batched_tokens));
+  if (S > S_cap_)
+    throw InputError("a step of " + std::to_string(S) + " sequences exceeds max_num_seqs " +
+                     std::to_string(options_.max_num_seqs));
+  for (int32_t r : b.logit_rows)
+    KVQ_CHECK(r >= 0 && r < T, "forward: logit row " + std::to_string(r) + " out of range");
+  for (int32_t t : b.tokens)
+    if (t < 0 || t >= vocab_)
+      throw InputError("token id " + std::to_string(t) + " is outside the vocabulary (0.." +
+                       std::to_string(vocab_ - 1) + ")");
+  const int64_t num_slots =
+      static_cast<int64_t>(cache.layer_view(0).num_blocks) * b.block_table.block_tokens;
+  for (int i = 0; i < T; ++i) {
+    KVQ_CHECK(b.positions[static_cast<size_t>(i)] >= 0, "forward: negative position");
+    KVQ_CHECK(b.slots[static_cast<size_t>(i)] >= 0 && b.slots[static_cast<size_t>(i)] < num_slots,
+              "forward: slot " + std::to_string(b.slots[static_cast<size_t>(i)]) +
+                  " outside the cache's " + std::to_string(num_slots) + " slots");
+  }
+  const size_t num_indices = S > 0 ? static_cast<size_t>(b.block_table.indptr[S]) : 0;
+  if (num_indices > idx_cap_)
+    throw InputError("the step's block tables hold " + std::to_string(num_indices) +
+                     " blocks, more than the " + std::to_string(idx_cap_) +
+                     " sized at load (max_num_seqs x max_position_embeddings)");
+
+  Step st;
+  st.R = R;
+  st.num_indices = num_indices;
+  bool decode = S > 0 && S == T;
+  int max_len = 1;
+  for (int i = 0; i < S; ++i) {
+    const int q_len = b.q_indptr[static_cast<size_t>(i) + 1] - b.q_indptr[static_cast<size_t>(i)];
+    const int kv_len = b.block_table.seq_lens[i];
+    KVQ_CHECK(q_len >= 0 && q_len <= kv_len, "forward: sequence " + std::to_string(i) + " has " +
+                                                 std::to_string(q_len) + " new tokens but " +
+                                                 std::to_string(kv_len) + " cached");
+    decode = decode && q_len == 1;
+    max_len = std::max(max_len, kv_len);
+  }
+  st.decode = decode;
+  if (decode) {
+    st.S = st.T = *std::lower_bound(batch_buckets_.begin(), batch_buckets_.end(), S);
+    st.context = std::max(kMinContextBucket, pow2_at_least(max_len));
+  } else {
+    st.S = S;
+    st.T = T;
+  }
+
+  // Fill the staging buffer; padding rows are inert (slot -1, seq_len 0, no blocks).
+  int32_t* tok = h_at<int32_t>(off_.tokens);
+  int32_t* pos = h_at<int32_t>(off_.positions);
+  int64_t* slot = h_at<int64_t>(off_.slots);
+  std::copy(b.tokens.begin(), b.tokens.end(), tok);
+  std::copy(b.positions.begin(), b.positions.end(), pos);
+  std::copy(b.slots.begin(), b.slots.end(), slot);
+  for (int i = T; i < st.T; ++i) tok[i] = 0, pos[i] = 0, slot[i] = -1;
+  int32_t* qi = h_at<int32_t>(off_.q_indptr);
+  int32_t* bi = h_at<int32_t>(off_.bt_indptr);
+  int32_t* sl = h_at<int32_t>(off_.seq_lens);
+  for (int i = 0; i <= S; ++i)
+    qi[i] = b.q_indptr[static_cast<size_t>(i)], bi[i] = b.block_table.indptr[i];
+  for (int i = 0; i < S; ++i) sl[i] = b.block_table.seq_lens[i];
+  for (int i = S; i < st.S; ++i) qi[i + 1] = i + 1, bi[i + 1] = bi[S], sl[i] = 0;
+  int32_t* rows = h_at<int32_t>(off_.logit_rows);
+  std::copy(b.logit_rows.begin(), b.logit_rows.end(), rows);
+  for (int i = R; i < (decode ? st.T : R); ++i) rows[i] = 0;
+  if (!per_row.empty()) {
+    auto* params = h_at<DeviceSampling>(off_.params);
+    for (int i = 0; i < R; ++i)
+      params[i] = per_row[per_row.size() == 1 ? 0 : static_cast<size_t>(i)];
+  }
+  if (!decode) {
+    // Without the prefill kernels each query row is its own decode "sequence": its block
+    // table starts where its sequence's does and holds the tokens it may see.
+    int32_t* ei = h_at<int32_t>(off_.exp_indptr);
+    int32_t* el = h_at<int32_t>(off_.exp_seq_lens);
+    int fb_max = 1;
+    for (int i = 0; i < S; ++i) {
+      const int q0 = b.q_indptr[static_cast<size_t>(i)],
+                q1 = b.q_indptr[static_cast<size_t>(i) + 1];
+      const int kv_len = b.block_table.seq_lens[i];
+      for (int j = q0; j < q1; ++j) {
+        ei[j] = b.block_table.indptr[i];
+        el[j] = kv_len - (q1 - q0) + (j - q0) + 1;
+        fb_max = std::max(fb_max, el[j]);
+      }
+    }
+    st.fallback_context = std::max(kMinContextBucket, pow2_at_least(fb_max));
+#if KVQ_MODEL_CUDA_PREFILL
+    for (const LayerKvSpec& s : group_spec_) {
+      st.prefill_plans.push_back(cuda::plan_prefill(
+          s, std::span<const int32_t>(b.q_indptr.data(), static_cast<size_t>(S) + 1),
+          std::span<const int32_t>(b.block_table.seq_lens, static_cast<size_t>(S))));
+      KVQ_CHECK(st.prefill_plans.back().workspace_bytes <= attn_ws_bytes_,
+                "forward: the prefill workspace exceeds what was sized at load");
+    }
+#endif
+  }
+  std::copy(b.block_table.indices, b.block_table.indices + num_indices,
+            h_at<int32_t>(off_.indices));
+  KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_, h_step_, off_.indices + num_indices * 4,
+                                 cudaMemcpyHostToDevice, stream_));
+  return st;
+}
+
+void CudaDecoderModel::attention(const Step& st, int l, const LayerCacheView& view) const {
+  const LayerKvSpec& spec = plan_.layers[static_cast<size_t>(l)];
+  const int g = layer_group_[static_cast<size_t>(l)];
+  BlockTableView bt;
+  bt.indices = d_at<int32_t>(off_.indices);
+  bt.block_tokens = spec.block_tokens;
+  if (st.decode) {
+    bt.indptr = d_at<int32_t>(off_.bt_indptr);
+    bt.seq_lens = d_at<int32_t>(off_.seq_lens);
+    bt.num_seqs = st.S;
+    const cuda::DecodePlan p = decode_plan(g, st.S, st.context);
+    KVQ_CHECK(p.workspace_bytes <= attn_ws_bytes_, "decode workspace exceeds the sized one");
+    cuda::DecodeArgs a;
+    a.q = q_;
+    a.out = att_;
+    a.block_table = bt;
+    a.cache = view;
+    a.softmax_scale = softmax_scale_;
+    a.workspace = attn_ws_;
+    cuda::run_decode(spec, p, a, stream_);
+    return;
+  }
+#if KVQ_MODEL_CUDA_PREFILL
+  bt.indptr = d_at<int32_t>(off_.bt_indptr);
+  bt.seq_lens = d_at<int32_t>(off_.seq_lens);
+  bt.num_seqs = st.S;
+  cuda::PrefillArgs a;
+  a.q = q_;
+  a.out = att_;
+  a.q_indptr = d_at<int32_t>(off_.q_indptr);
+  a.block_table = bt;
+  a.cache = view;
+  a.softmax_scale = softmax_scale_;
+  a.workspace = attn_ws_;
+  cuda::run_prefill(spec, st.prefill_plans[static_cast<size_t>(g)], a, stream_);
+#else
+  // Chunks of query rows, each a decode batch (see stage()).
+  for (int r0 = 0; r0 < st.T; r0 += S_cap_) {
+    const int n = std::min(S_cap_, st.T - r0);
+    bt.indptr = d_at<int32_t>(off_.exp_indptr) + r0;
+    bt.seq_lens = d_at<int32_t>(off_.exp_seq_lens) + r0;
+    bt.num_seqs = n;
+    const cuda::DecodePlan p = decode_plan(g, n, st.fallback_context);
+    KVQ_CHECK(p.workspace_bytes <= attn_ws_bytes_, "decode workspace exceeds the sized one");
+    cuda::DecodeArgs a;
+    a.q = q_ + static_cast<size_t>(r0) * q_dim_;
+    a.out = att_ + static_cast<size_t>(r0) * q_dim_;
+    a.block_table = bt;
+    a.cache = view;
+    a.softmax_scale = softmax_scale_;
+    a.workspace = attn_ws_;
+    cuda::run_decode(spec, p, a, stream_);
+  }
+#endif
+}
+
+void CudaDecoderModel::logits_rows(int first, int n) const {
+  cuda_model::rms_norm_rows(x_, d_at<int32_t>(off_.logit_rows) + first, n, H_, w_->final_norm, eps_,
+                            h_, bf16_, stream_);
+  gemm(n, vocab_, H_, h_, H_, w_->lm_head, logits_, vocab_, 0.0f);
+}
+
+void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView>& views) const {
+  const int T = st.T;
+  const int32_t* tokens = d_at<int32_t>(off_.tokens);
+  cuda_model::embed_gather(w_->embed, bf16_, tokens, T, H_, x_, stream_);
+  cuda_model::rope_table(d_at<int32_t>(off_.positions), T, inv_freq_, d_ / 2, cs_, stream_);
+  for (int l = 0; l < num_layers_; ++l) {
+    const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
+    const LayerKvSpec& spec = plan_.layers[static_cast<size_t>(l)];
+    cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.input_norm, eps_, h_, bf16_, stream_);
+    gemm(T, qkv_dim_, H_, h_, H_, w.qkv, qkv_, qkv_dim_, 0.0f);
+    cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, T, nq_, nkv_, d_, eps_, q_, k_,
+                         v_, stream_);
+    write_kv_cuda(spec, views[static_cast<size_t>(l)], d_at<int64_t>(off_.slots), T, k_, v_,
+                  stream_);
+    attention(st, l, views[static_cast<size_t>(l)]);
+    const void* att_in = att_;
+    if (bf16_) {
+      cuda_model::to_bf16(att_, static_cast<int64_t>(T) * q_dim_, h_, stream_);
+      att_in = h_;
+    }
+    gemm(T, H_, q_dim_, att_in, q_dim_, w.o, x_, H_, 1.0f);
+    if (w.o_bias) cuda_model::add_bias_rows(x_, w.o_bias, T, H_, stream_);
+    cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.post_norm, eps_, h_, bf16_, stream_);
+    gemm(T, 2 * I_, H_, h_, H_, w.gate_up, mlp_, 2 * I_, 0.0f);
+    cuda_model::silu_mul(mlp_, w.gate_up_bias, T, I_, h_, bf16_, stream_);
+    gemm(T, H_, I_, h_, I_, w.down, x_, H_, 1.0f);
+    if (w.down_bias) cuda_model::add_bias_rows(x_, w.down_bias, T, H_, stream_);
+  }
+  // A decode step computes its (padded) logit rows inside the body, so a graph holds them.
+  if (st.decode) logits_rows(0, st.T);
+}
+
+void CudaDecoderModel::run_step(const Step& st, PagedKvCache& cache) const {
+  std::vector<LayerCacheView> views;
+  for (size_t l = 0; l < cache.num_layers(); ++l) views.push_back(cache.layer_view(l));
+  const bool graph = st.decode && options_.cuda_graphs;
+  if (!graph) {
+    run_body(st, views);
+    return;
+  }
+  const auto* cache_id = reinterpret_cast<const std::byte*>(views.front().k_base);
+  if (cache_id != graph_cache_) {  // graphs hold the cache's addresses
+    KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (auto& [key, exec] : graphs_) KVQ_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    graphs_.clear();
+    graph_cache_ = cache_id;
+  }
+  const std::pair<int, int> key{st.S, st.context};
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    if (seen_.insert(key).second) {  // first time: run eagerly (loads modules, warms cuBLAS)
+      run_body(st, views);
+      return;
+    }
+    size_t free_before = 0, free_after = 0, total = 0;
+    KVQ_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+    cudaGraph_t g = nullptr;
+    KVQ_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      run_body(st, views);
+    } catch (...) {
+      (void)cudaStreamEndCapture(stream_, &g);
+      if (g) (void)cudaGraphDestroy(g);
+      throw;
+    }
+    KVQ_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, g, 0);
+    (void)cudaGraphDestroy(g);
+    KVQ_CUDA_CHECK(err);
+    KVQ_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+    if (free_before > free_after) graph_bytes_ += free_before - free_after;
+    it = graphs_.emplace(key, exec).first;
+  }
+  KVQ_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+}
+
+void CudaDecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
+                               std::span<float> logits) const {
+  const size_t R = b.logit_rows.size(), V = static_cast<size_t>(vocab_);
+  KVQ_CHECK(logits.size() == R * V, "forward: logits span has " + std::to_string(logits.size()) +
+                                        " floats, expected " + std::to_string(R) + " x " +
+                                        std::to_string(V));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (b.tokens.empty()) return;
+  const Step st = stage(b, cache, {});
+  run_step(st, cache);
+  for (int r0 = 0; r0 < st.R; r0 += R_cap_) {
+    const int n = std::min(R_cap_, st.R - r0);
+    if (!st.decode) logits_rows(r0, n);
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(logits.data() + static_cast<size_t>(r0) * V, logits_,
+                                   static_cast<size_t>(n) * V * sizeof(float),
+                                   cudaMemcpyDeviceToHost, stream_));
+  }
+  KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache,
+                                      std::span<const DeviceSampling> per_row,
+                                      std::span<int32_t> next_tokens) const {
+  const size_t R = b.logit_rows.size();
+  KVQ_CHECK(next_tokens.size() == R, "forward_sample: next_tokens has " +
+                                         std::to_string(next_tokens.size()) + " entries, " +
+                                         std::to_string(R) + " logit rows");
+  KVQ_CHECK(per_row.size() == R || per_row.size() == 1,
+            "forward_sample: per_row needs one entry per logit row or exactly one");
+  for (const DeviceSampling& p : per_row)
+    if (p.temperature != 0.0f)
+      throw InputError(
+          "device sampling with temperature > 0 is not built yet in this CUDA model; use "
+          "temperature 0 (greedy)");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (b.tokens.empty()) return;
+  const Step st = stage(b, cache, per_row);
+  run_step(st, cache);
+  for (int r0 = 0; r0 < st.R; r0 += R_cap_) {
+    const int n = std::min(R_cap_, st.R - r0);
+    if (!st.decode) logits_rows(r0, n);
+    cuda_model::argmax_rows(logits_, n, vocab_, d_ids_ + r0, stream_);
+  }
+  KVQ_CUDA_CHECK(
+      cudaMemcpyAsync(h_ids_, d_ids_, R * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::copy(h_ids_, h_ids_ + R, next_tokens.begin());
+}
+
+// Context creation and the device's memory before kvq allocates anything.
+size_t init_device(size_t& total) {
+  if (cuda_device_count() == 0)
+    throw InputError("no usable CUDA device (the CUDA model needs one; use the CPU model)");
+  KVQ_CUDA_CHECK(cudaFree(nullptr));
+  size_t free_b = 0;
+  KVQ_CUDA_CHECK(cudaMemGetInfo(&free_b, &total));
+  return free_b;
+}
+
+}  // namespace
+
+std::unique_ptr<CudaModel> CudaModel::load(const KvPlan& plan, const CudaModelOptions& options) {
+  size_t total = 0;
+  const size_t free_at_load = init_device(total);
+  if (plan.model.dir.empty())
+    throw InputError("the model config has no directory, so there are no weights to load");
+  const ArchitectureConfig arch = CudaDecoderModel::validate(plan, options);
+  for (const LayerKvSpec& s : plan.layers)  // an unrunnable plan fails before weights move
+    (void)select_attention_backend(s, Device::kCuda, options.forced_backend);
+  WeightPrecision chosen = options.weights;
+  auto weights = load_checkpoint_weights(plan, arch, options.weights, chosen);
+  return std::make_unique<CudaDecoderModel>(plan, options, std::move(weights), chosen,
+                                            free_at_load);
+}
+
+std::unique_ptr<CudaModel> CudaModel::synthetic(const KvPlan& plan, const CudaModelOptions& options,
+                                                uint64_t seed) {
+  size_t total = 0;
+  const size_t free_at_load = init_device(total);
+  if (options.weights == WeightPrecision::kFloat32)
+    throw InputError("synthetic models hold bfloat16 weights; float32 was asked for");
+  const ArchitectureConfig arch = CudaDecoderModel::validate(plan, options);
+  for (const LayerKvSpec& s : plan.layers)
+    (void)select_attention_backend(s, Device::kCuda, options.forced_backend);
+  auto weights = synthetic_weights(plan, arch, seed);
+  return std::make_unique<CudaDecoderModel>(plan, options, std::move(weights),
+                                            WeightPrecision::kBFloat16, free_at_load);
+}
+
+}  // namespace kvq

@@ -1,0 +1,271 @@
+#include <cuda_bf16.h>
+
+#include <cfloat>
+
+#include "cache/cuda/cuda_check.h"
+#include "model/cuda/model_kernels.h"
+
+namespace kvq::cuda_model {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+unsigned grid_for(int64_t n, int threads = kThreads) {
+  const int64_t g = (n + threads - 1) / threads;
+  return static_cast<unsigned>(g < 65535 * 16 ? (g > 0 ? g : 1) : 65535 * 16);
+}
+
+__device__ __forceinline__ void store(void* out, int64_t i, float v, bool bf16) {
+  if (bf16)
+    static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
+  else
+    static_cast<float*>(out)[i] = v;
+}
+
+__device__ __forceinline__ float load(const void* in, int64_t i, bool bf16) {
+  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(in)[i])
+              : static_cast<const float*>(in)[i];
+}
+
+__global__ void embed_kernel(const void* embed, bool bf16, const int32_t* tokens, int H, float* x) {
+  const int t = static_cast<int>(blockIdx.x);
+  const int64_t base = static_cast<int64_t>(tokens[t]) * H;
+  for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
+    x[static_cast<int64_t>(t) * H + i] = load(embed, base + i, bf16);
+}
+
+template <typename T>
+__device__ T block_sum(T v, T* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  T s = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += scratch[w];
+  return s;
+}
+
+__global__ void rms_norm_kernel(const float* x, const int32_t* rows, int H, const float* w,
+                                float eps, void* out, bool bf16) {
+  __shared__ double scratch[32];
+  const int r = static_cast<int>(blockIdx.x);
+  const float* row = x + static_cast<int64_t>(rows ? rows[r] : r) * H;
+  double ss = 0.0;
+  for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
+    ss += static_cast<double>(row[i]) * row[i];
+  ss = block_sum(ss, scratch);
+  const float inv = static_cast<float>(1.0 / sqrt(ss / H + static_cast<double>(eps)));
+  for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
+    store(out, static_cast<int64_t>(r) * H + i, __fmul_rn(__fmul_rn(row[i], inv), w[i]), bf16);
+}
+
+__global__ void rope_table_kernel(const int32_t* positions, int T, const double* inv_freq, int half,
+                                  float* cs) {
+  const int64_t n = static_cast<int64_t>(T) * half;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / half;
+    const int f = static_cast<int>(i - t * half);
+    const double a = positions[t] * inv_freq[f];
+    cs[2 * i] = static_cast<float>(cos(a));
+    cs[2 * i + 1] = static_cast<float>(sin(a));
+  }
+}
+
+// One warp per (token, head) of q, k or v.
+__global__ void qkv_post_kernel(const float* qkv, const float* bias, const float* q_norm,
+                                const float* k_norm, const float* cs, int T, int nq, int nkv, int d,
+                                float eps, float* q, float* k, float* v) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int heads = nq + 2 * nkv;
+  const int64_t item = blockIdx.x * int64_t{blockDim.x >> 5} + (threadIdx.x >> 5);
+  if (item >= static_cast<int64_t>(T) * heads) return;
+  const int64_t t = item / heads;
+  const int hh = static_cast<int>(item - t * heads);
+  const int qkv_dim = heads * d;
+  const float* src = qkv + t * qkv_dim + static_cast<int64_t>(hh) * d;
+  const float* b = bias ? bias + static_cast<int64_t>(hh) * d : nullptr;
+  if (hh >= nq + nkv) {  // v: bias only
+    float* dst = v + (t * nkv + (hh - nq - nkv)) * d;
+    for (int i = lane; i < d; i += 32) dst[i] = b ? __fadd_rn(src[i], b[i]) : src[i];
+    return;
+  }
+  const bool is_q = hh < nq;
+  const float* nw = is_q ? q_norm : k_norm;
+  float* dst = is_q ? q + (t * nq + hh) * d : k + (t * nkv + (hh - nq)) * d;
+  float inv = 1.0f;
+  if (nw) {
+    double ss = 0.0;
+    for (int i = lane; i < d; i += 32) {
+      const float x = b ? __fadd_rn(src[i], b[i]) : src[i];
+      ss += static_cast<double>(x) * x;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    inv = static_cast<float>(1.0 / sqrt(ss / d + static_cast<double>(eps)));
+  }
+  const int half = d / 2;
+  const float* c = cs + t * d;
+  for (int i = lane; i < half; i += 32) {
+    float a = b ? __fadd_rn(src[i], b[i]) : src[i];
+    float bb = b ? __fadd_rn(src[i + half], b[i + half]) : src[i + half];
+    if (nw) {
+      a = __fmul_rn(__fmul_rn(a, inv), nw[i]);
+      bb = __fmul_rn(__fmul_rn(bb, inv), nw[i + half]);
+    }
+    const float co = c[2 * i], si = c[2 * i + 1];
+    dst[i] = __fsub_rn(__fmul_rn(a, co), __fmul_rn(bb, si));
+    dst[i + half] = __fadd_rn(__fmul_rn(bb, co), __fmul_rn(a, si));
+  }
+}
+
+__global__ void add_bias_kernel(float* x, const float* bias, int64_t total, int n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x)
+    x[i] += bias[i % n];
+}
+
+__global__ void silu_mul_kernel(const float* gu, const float* bias, int64_t total, int I, void* out,
+                                bool bf16) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / I;
+    const int j = static_cast<int>(i - t * I);
+    float g = gu[t * 2 * I + j], u = gu[t * 2 * I + I + j];
+    if (bias) g += bias[j], u += bias[I + j];
+    store(out, i, g / (1.0f + expf(-g)) * u, bf16);
+  }
+}
+
+__global__ void to_bf16_kernel(const float* in, int64_t n, __nv_bfloat16* out) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = __float2bfloat16_rn(in[i]);
+}
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+__global__ void fill_random_kernel(__nv_bfloat16* w, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint64_t h = splitmix64(seed * 0x100000001B3ull ^ static_cast<uint64_t>(i));
+    // Uniform on [-sqrt(3), sqrt(3)): unit variance.
+    const float u = (static_cast<float>(h >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * 1.7320508f;
+    w[i] = __float2bfloat16_rn(u * scale);
+  }
+}
+
+__global__ void fill_f32_kernel(float* w, int64_t n, float value) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    w[i] = value;
+}
+
+__global__ void argmax_kernel(const float* logits, int vocab, int32_t* out) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const float* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
+  float best = -FLT_MAX;
+  int idx = 0x7fffffff;
+  for (int i = static_cast<int>(threadIdx.x); i < vocab; i += blockDim.x) {
+    const float x = row[i];
+    if (x > best || (x == best && i < idx)) best = x, idx = i;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float b2 = __shfl_xor_sync(0xffffffffu, best, o);
+    const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (b2 > best || (b2 == best && i2 < idx)) best = b2, idx = i2;
+  }
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  if (lane == 0) sv[warp] = best, si[warp] = idx;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w)
+      if (sv[w] > best || (sv[w] == best && si[w] < idx)) best = sv[w], idx = si[w];
+    out[blockIdx.x] = idx == 0x7fffffff ? 0 : idx;
+  }
+}
+
+}  // namespace
+
+void embed_gather(const void* embed, bool bf16, const int32_t* tokens, int T, int H, float* x,
+                  cudaStream_t stream) {
+  if (T == 0) return;
+  embed_kernel<<<T, kThreads, 0, stream>>>(embed, bf16, tokens, H, x);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void rms_norm_rows(const float* x, const int32_t* rows, int n, int H, const float* w, float eps,
+                   void* out, bool bf16, cudaStream_t stream) {
+  if (n == 0) return;
+  rms_norm_kernel<<<n, kThreads, 0, stream>>>(x, rows, H, w, eps, out, bf16);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void rope_table(const int32_t* positions, int T, const double* inv_freq, int half, float* cs,
+                cudaStream_t stream) {
+  if (T == 0) return;
+  rope_table_kernel<<<grid_for(int64_t{T} * half), kThreads, 0, stream>>>(positions, T, inv_freq,
+                                                                          half, cs);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void qkv_post(const float* qkv, const float* bias, const float* q_norm, const float* k_norm,
+              const float* cs, int T, int nq, int nkv, int d, float eps, float* q, float* k,
+              float* v, cudaStream_t stream) {
+  if (T == 0) return;
+  const int64_t warps = int64_t{T} * (nq + 2 * nkv);
+  qkv_post_kernel<<<static_cast<unsigned>((warps + 3) / 4), 128, 0, stream>>>(
+      qkv, bias, q_norm, k_norm, cs, T, nq, nkv, d, eps, q, k, v);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void add_bias_rows(float* x, const float* bias, int T, int n, cudaStream_t stream) {
+  const int64_t total = int64_t{T} * n;
+  if (total == 0) return;
+  add_bias_kernel<<<grid_for(total), kThreads, 0, stream>>>(x, bias, total, n);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool bf16,
+              cudaStream_t stream) {
+  const int64_t total = int64_t{T} * I;
+  if (total == 0) return;
+  silu_mul_kernel<<<grid_for(total), kThreads, 0, stream>>>(gu, bias, total, I, out, bf16);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void to_bf16(const float* in, int64_t n, void* out, cudaStream_t stream) {
+  if (n == 0) return;
+  to_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(in, n, static_cast<__nv_bfloat16*>(out));
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void fill_random_bf16(void* w, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
+  if (n == 0) return;
+  fill_random_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<__nv_bfloat16*>(w), n, seed,
+                                                           scale);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void fill_f32(float* w, int64_t n, float value, cudaStream_t stream) {
+  if (n == 0) return;
+  fill_f32_kernel<<<grid_for(n), kThreads, 0, stream>>>(w, n, value);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream) {
+  if (rows == 0) return;
+  argmax_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, out);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kvq::cuda_model

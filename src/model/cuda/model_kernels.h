@@ -1,0 +1,49 @@
+// The CUDA model's elementwise and row kernels (everything but the GEMMs and attention).
+// Activations that feed a GEMM are written in the GEMM's input precision (`bf16` true:
+// __nv_bfloat16, else fp32); the residual stream and every GEMM output stay fp32.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvq::cuda_model {
+
+// x[t][:] = embed[tokens[t]][:] as fp32.
+void embed_gather(const void* embed, bool bf16, const int32_t* tokens, int T, int H, float* x,
+                  cudaStream_t stream);
+
+// out[i][:] = rms_norm(x[rows ? rows[i] : i][:]) * w, n rows of H (sum of squares in fp64,
+// like the CPU path), written as bf16 or fp32.
+void rms_norm_rows(const float* x, const int32_t* rows, int n, int H, const float* w, float eps,
+                   void* out, bool bf16, cudaStream_t stream);
+
+// cs[t][f] = (cos, sin)(positions[t] * inv_freq[f]) in fp64, stored fp32 (the CPU's table).
+void rope_table(const int32_t* positions, int T, const double* inv_freq, int half, float* cs,
+                cudaStream_t stream);
+
+// From the fused projections qkv [T][(nq + 2 nkv) d]: adds `bias` (nullable), RMSNorms each
+// q / k head (q_norm / k_norm nullable), applies RoPE from `cs`, and writes q [T][nq][d],
+// k [T][nkv][d], v [T][nkv][d].
+void qkv_post(const float* qkv, const float* bias, const float* q_norm, const float* k_norm,
+              const float* cs, int T, int nq, int nkv, int d, float eps, float* q, float* k,
+              float* v, cudaStream_t stream);
+
+// x[t][:] += bias, T rows of n.
+void add_bias_rows(float* x, const float* bias, int T, int n, cudaStream_t stream);
+
+// out[t][i] = silu(gate + bg) * (up + bu) from gu [T][2I] (gate columns first); bias nullable.
+void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool bf16,
+              cudaStream_t stream);
+
+// out = bf16(in), n elements.
+void to_bf16(const float* in, int64_t n, void* out, cudaStream_t stream);
+
+// Synthetic weights: w[i] = scale * u(seed, i), u uniform with unit variance, as bf16.
+void fill_random_bf16(void* w, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
+void fill_f32(float* w, int64_t n, float value, cudaStream_t stream);
+
+// out[r] = argmax of logits row r (lowest id on ties).
+void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream);
+
+}  // namespace kvq::cuda_model

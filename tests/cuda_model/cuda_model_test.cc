@@ -1,0 +1,425 @@
+// CudaModel against the CPU Model (the oracle): chunked prefill + decode logits per element,
+// greedy continuations, quantized KV dtypes, graphs on vs off, cache sizing, block copies and
+// a synthetic 8B-wide model. Every test skips without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvq/cache/device_kv_cache.h"
+#include "kvq/core/error.h"
+#include "kvq/model/cuda_model.h"
+#include "unit/model/model_test_util.h"
+
+namespace kvq::test {
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"
+
+const std::string kTiny = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
+const std::string kStories = std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K";
+
+CudaModelOptions small_options(bool graphs = true) {
+  CudaModelOptions o;
+  o.max_num_seqs = 8;
+  o.max_num_batched_tokens = 512;
+  o.cuda_graphs = graphs;
+  o.gpu_memory_utilization = 0.9f;
+  return o;
+}
+
+// A model with its own cache (host cache for the CPU model, device cache for the CUDA one).
+class Driver {
+ public:
+  Driver(std::shared_ptr<const Model> model, int32_t blocks)
+      : model_(std::move(model)), cache_(model_->create_cache(blocks)) {}
+
+  PagedKvCache& cache() { return *cache_; }
+
+  // Appends tokens[i] to sequence ids[i]; logits of every new token (all_rows) or of each
+  // sequence's last new token, in batch order.
+  std::vector<float> step(const std::vector<SequenceId>& ids,
+                          const std::vector<std::vector<int32_t>>& tokens, bool all_rows) {
+    build(ids, tokens, all_rows);
+    std::vector<float> logits(rows_.size() * static_cast<size_t>(model_->vocab_size()));
+    model_->forward(batch_, *cache_, logits);
+    return logits;
+  }
+
+  // Greedy next token of each sequence, sampled on the device (CUDA models only).
+  std::vector<int32_t> sample(const std::vector<SequenceId>& ids,
+                              const std::vector<std::vector<int32_t>>& tokens) {
+    build(ids, tokens, false);
+    std::vector<int32_t> next(rows_.size());
+    const DeviceSampling greedy;
+    dynamic_cast<const CudaModel&>(*model_).forward_sample(batch_, *cache_, {&greedy, 1}, next);
+    return next;
+  }
+
+ private:
+  void build(const std::vector<SequenceId>& ids, const std::vector<std::vector<int32_t>>& tokens,
+             bool all_rows) {
+    toks_.clear(), pos_.clear(), rows_.clear(), slots_.clear();
+    q_indptr_.assign(1, 0);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (!cache_->has_sequence(ids[i])) cache_->add_sequence(ids[i]);
+      const int32_t start = cache_->seq_len(ids[i]);
+      auto s = cache_->append(ids[i], static_cast<int32_t>(tokens[i].size()));
+      ASSERT_EQ(s.size(), tokens[i].size()) << "cache full";
+      for (size_t j = 0; j < tokens[i].size(); ++j) {
+        if (all_rows || j + 1 == tokens[i].size())
+          rows_.push_back(static_cast<int32_t>(toks_.size()));
+        toks_.push_back(tokens[i][j]);
+        pos_.push_back(start + static_cast<int32_t>(j));
+      }
+      slots_.insert(slots_.end(), s.begin(), s.end());
+      q_indptr_.push_back(static_cast<int32_t>(toks_.size()));
+    }
+    batch_ = ForwardBatch{};
+    batch_.tokens = toks_;
+    batch_.positions = pos_;
+    batch_.q_indptr = q_indptr_;
+    batch_.slots = slots_;
+    batch_.block_table = cache_->block_table(ids, storage_);
+    batch_.logit_rows = rows_;
+  }
+
+  std::shared_ptr<const Model> model_;
+  std::unique_ptr<PagedKvCache> cache_;
+  std::vector<int32_t> toks_, pos_, q_indptr_, rows_;
+  std::vector<int64_t> slots_;
+  PagedKvCache::BlockTableStorage storage_;
+  ForwardBatch batch_;
+};
+
+struct Diff {
+  double max_abs = 0, max_ref = 0;
+  int same_top1 = 0, rows = 0;
+  double rel() const { return max_ref > 0 ? max_abs / max_ref : max_abs; }
+};
+
+void accumulate(Diff& d, const std::vector<float>& ref, const std::vector<float>& got, int vocab) {
+  ASSERT_EQ(ref.size(), got.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << "logit " << i << " is not finite";
+    d.max_abs = std::max(d.max_abs, std::abs(double(got[i]) - ref[i]));
+    d.max_ref = std::max(d.max_ref, std::abs(double(ref[i])));
+  }
+  for (size_t r = 0; r < ref.size() / vocab; ++r, ++d.rows)
+    d.same_top1 += argmax(ref.data() + r * vocab, vocab) == argmax(got.data() + r * vocab, vocab);
+}
+
+// Runs the same chunked prefill (two chunks, the second ragged) and decode steps through both
+// models; every logit row compared. Returns the differences; greedy continuations of
+// `continuation` tokens are compared when asked.
+Diff compare_models(std::shared_ptr<const Model> cpu, std::shared_ptr<const Model> gpu,
+                    uint32_t seed, int continuation, int* same_ids, int* total_ids) {
+  std::mt19937 rng(seed);
+  const int V = cpu->vocab_size();
+  const std::vector<SequenceId> ids{11, 22, 33};
+  const std::vector<int> lens{280, 45, 19};  // the first one crosses kvq-code-tiny's window
+  std::vector<std::vector<int32_t>> prompts;
+  for (int n : lens) prompts.push_back(random_tokens(n, V, rng));
+  Driver c(cpu, 64), g(gpu, 64);
+  Diff d;
+  std::uniform_int_distribution<int> cut(1, 17);
+  std::vector<std::vector<int32_t>> first, second;
+  for (const auto& p : prompts) {
+    const size_t k = p.size() / 2 + static_cast<size_t>(cut(rng)) % (p.size() / 2);
+    first.emplace_back(p.begin(), p.begin() + static_cast<ptrdiff_t>(k));
+    second.emplace_back(p.begin() + static_cast<ptrdiff_t>(k), p.end());
+  }
+  accumulate(d, c.step(ids, first, true), g.step(ids, first, true), V);
+  auto lc = c.step(ids, second, true);
+  accumulate(d, lc, g.step(ids, second, true), V);
+  // Decode: both fed the CPU's greedy tokens.
+  std::vector<std::vector<int32_t>> next(ids.size());
+  auto last_rows = [&](const std::vector<float>& l,
+                       const std::vector<std::vector<int32_t>>& chunk) {
+    size_t row = 0;
+    for (size_t i = 0; i < chunk.size(); ++i) {
+      row += chunk[i].size();
+      next[i] = {static_cast<int32_t>(argmax(l.data() + (row - 1) * V, V))};
+    }
+  };
+  last_rows(lc, second);
+  for (int s = 0; s < 4; ++s) {
+    auto l = c.step(ids, next, false);
+    accumulate(d, l, g.step(ids, next, false), V);
+    for (size_t i = 0; i < ids.size(); ++i)
+      next[i] = {static_cast<int32_t>(argmax(l.data() + i * V, V))};
+  }
+  if (continuation > 0) {
+    // Independent greedy runs: the CPU by argmax on the host, the GPU by forward_sample.
+    std::vector<std::vector<int32_t>> nc = next, ng = next;
+    for (int s = 0; s < continuation; ++s) {
+      const auto l = c.step(ids, nc, false);
+      const auto gi = g.sample(ids, ng);
+      for (size_t i = 0; i < ids.size(); ++i) {
+        nc[i] = {static_cast<int32_t>(argmax(l.data() + i * V, V))};
+        ng[i] = {gi[i]};
+        *same_ids += nc[i][0] == ng[i][0];
+        ++*total_ids;
+      }
+    }
+  }
+  return d;
+}
+
+KvPlan plan_with(const std::string& dir, KvDtype kv) {
+  return plan_for(dir, kv, 16);
+}
+
+TEST(CudaModel, Float32MatchesCpuOnKvqCodeTiny) {
+  SKIP_WITHOUT_GPU();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const KvPlan plan = plan_with(kTiny, KvDtype::kFloat32);
+  std::shared_ptr<const Model> cpu = Model::load(plan);
+  std::shared_ptr<const CudaModel> gpu = CudaModel::load(plan, small_options(false));
+  EXPECT_EQ(gpu->weight_precision(), WeightPrecision::kFloat32);
+  int same = 0, total = 0;
+  const Diff d = compare_models(cpu, gpu, seed, 32, &same, &total);
+  std::printf(
+      "[ kvq-code-tiny fp32 ] seed %u, prompts 280/45/19 in 2 chunks + 4 decode steps: %d rows, "
+      "max |diff| %.3g, max |logit| %.3g (rel %.3g), top-1 %d/%d, greedy 32x3 ids %d/%d\n",
+      seed, d.rows, d.max_abs, d.max_ref, d.rel(), d.same_top1, d.rows, same, total);
+  EXPECT_LE(d.max_abs, 1e-3 * d.max_ref);
+  EXPECT_EQ(same, total);
+}
+
+// stories260K has head_dim 8: the CUDA kernels (64 / 128 / 256) refuse it at load, naming the
+// layer, instead of failing later.
+TEST(CudaModel, Stories260KIsRefusedByTheKernelsAtLoad) {
+  SKIP_WITHOUT_GPU();
+  if (!std::filesystem::exists(kStories + "/model.safetensors"))
+    GTEST_SKIP() << kStories << " absent";
+  try {
+    (void)CudaModel::load(plan_with(kStories, KvDtype::kFloat32), small_options());
+    FAIL() << "stories260K (head_dim 8) loaded on the CUDA model";
+  } catch (const InputError& e) {
+    std::printf("[ stories260K ] %s\n", e.what());
+    EXPECT_NE(std::string(e.what()).find("layer 0"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaModel, BFloat16WeightsAndCacheAgreeLoosely) {
+  SKIP_WITHOUT_GPU();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const KvPlan plan = plan_with(kTiny, KvDtype::kBFloat16);
+  std::shared_ptr<const Model> cpu = Model::load(plan);
+  CudaModelOptions o = small_options();
+  o.weights = WeightPrecision::kBFloat16;
+  std::shared_ptr<const CudaModel> gpu = CudaModel::load(plan, o);
+  EXPECT_EQ(gpu->weight_precision(), WeightPrecision::kBFloat16);
+  int same = 0, total = 0;
+  const Diff d = compare_models(cpu, gpu, seed, 32, &same, &total);
+  std::printf(
+      "[ kvq-code-tiny bf16 weights + bf16 KV vs CPU fp32 weights + bf16 KV ] seed %u: top-1 "
+      "%d/%d (%.1f%%), max |diff| %.3g (rel %.3g), greedy 32x3 ids %d/%d\n",
+      seed, d.same_top1, d.rows, 100.0 * d.same_top1 / d.rows, d.max_abs, d.rel(), same, total);
+  EXPECT_GE(d.same_top1, 0.85 * d.rows);
+  EXPECT_LE(d.rel(), 0.15);
+}
+
+class QuantizedKv : public ::testing::TestWithParam<KvDtype> {};
+
+TEST_P(QuantizedKv, MatchesTheCpuWithTheSameDtype) {
+  SKIP_WITHOUT_GPU();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const KvPlan plan = plan_with(kTiny, GetParam());
+  std::shared_ptr<const Model> cpu = Model::load(plan);
+  std::shared_ptr<const CudaModel> gpu = CudaModel::load(plan, small_options());
+  int same = 0, total = 0;
+  const Diff d = compare_models(cpu, gpu, seed, 0, &same, &total);
+  const bool four_bit = traits(GetParam()).bits <= 4;
+  std::printf(
+      "[ kvq-code-tiny %s KV, fp32 weights ] seed %u: max |diff| %.3g (rel %.3g), "
+      "top-1 %d/%d\n",
+      std::string(to_string(GetParam())).c_str(), seed, d.max_abs, d.rel(), d.same_top1, d.rows);
+  // The codecs are bit-identical, but K/V inputs differ in the last bits (GEMM order), which
+  // can move a value across a rounding boundary: a quantum, not more.
+  EXPECT_LE(d.rel(), four_bit ? 0.05 : 0.02);
+  EXPECT_GE(d.same_top1, 0.95 * d.rows);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, QuantizedKv,
+                         ::testing::Values(KvDtype::kFloat16, KvDtype::kBFloat16, KvDtype::kFp8E4M3,
+                                           KvDtype::kFp8E5M2, KvDtype::kInt8PerTokenHead,
+                                           KvDtype::kFp8PerTokenHead, KvDtype::kInt4PerTokenHead,
+                                           KvDtype::kNvfp4),
+                         [](const auto& p) { return std::string(to_string(p.param)); });
+
+TEST(CudaModel, GraphsOnAndOffGiveIdenticalResults) {
+  SKIP_WITHOUT_GPU();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const KvPlan plan = plan_with(kTiny, KvDtype::kFp8E4M3);
+  CudaModelOptions o = small_options(true);
+  o.weights = WeightPrecision::kBFloat16;
+  std::shared_ptr<const CudaModel> on = CudaModel::load(plan, o);
+  o.cuda_graphs = false;
+  std::shared_ptr<const CudaModel> off = CudaModel::load(plan, o);
+  Driver a(on, 64), b(off, 64);
+  const int V = on->vocab_size();
+  const std::vector<SequenceId> ids{1, 2, 3};
+  std::vector<std::vector<int32_t>> p{random_tokens(30, V, rng), random_tokens(7, V, rng),
+                                      random_tokens(18, V, rng)};
+  const auto la = a.step(ids, p, false), lb = b.step(ids, p, false);
+  ASSERT_EQ(la, lb);
+  std::vector<std::vector<int32_t>> na(3), nb(3);
+  for (size_t i = 0; i < 3; ++i)
+    na[i] = nb[i] = {static_cast<int32_t>(argmax(la.data() + i * V, V))};
+  int steps = 0;
+  for (int s = 0; s < 40; ++s, ++steps) {
+    // Every 8th step compares full logits bit for bit; the others the sampled ids.
+    if (s % 8 == 7) {
+      const auto xa = a.step(ids, na, false), xb = b.step(ids, nb, false);
+      ASSERT_EQ(xa, xb) << "step " << s;
+      for (size_t i = 0; i < 3; ++i)
+        na[i] = nb[i] = {static_cast<int32_t>(argmax(xa.data() + i * V, V))};
+      continue;
+    }
+    const auto ia = a.sample(ids, na), ib = b.sample(ids, nb);
+    ASSERT_EQ(ia, ib) << "step " << s;
+    for (size_t i = 0; i < 3; ++i) na[i] = {ia[i]}, nb[i] = {ib[i]};
+  }
+  // A smaller batch (bucket 1) and back, after the graphs exist.
+  const auto sa = a.sample({2}, {na[1]}), sb = b.sample({2}, {nb[1]});
+  EXPECT_EQ(sa, sb);
+  std::printf("[ graphs ] seed %u: %d decode steps of 3 sequences (bucket 4) + 1, identical\n",
+              seed, steps);
+}
+
+TEST(CudaModel, ForwardSampleIsTheArgmaxOfForward) {
+  SKIP_WITHOUT_GPU();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const KvPlan plan = plan_with(kTiny, KvDtype::kBFloat16);
+  std::shared_ptr<const CudaModel> gpu = CudaModel::load(plan, small_options(false));
+  Driver a(gpu, 32), b(gpu, 32);
+  const int V = gpu->vocab_size();
+  std::vector<std::vector<int32_t>> p{random_tokens(21, V, rng), random_tokens(9, V, rng)};
+  const auto l = a.step({1, 2}, p, false);
+  const auto ids = b.sample({1, 2}, p);
+  ASSERT_EQ(ids.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(ids[i], argmax(l.data() + i * V, V)) << "row " << i;
+}
+
+TEST(CudaModel, CopyBlocksDuplicatesASequence) {
+  SKIP_WITHOUT_GPU();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const KvPlan plan = plan_with(kTiny, KvDtype::kInt8PerTokenHead);
+  std::shared_ptr<const CudaModel> gpu = CudaModel::load(plan, small_options());
+  Driver d(gpu, 32);
+  const int V = gpu->vocab_size();
+  const auto prompt = random_tokens(40, V, rng);
+  (void)d.step({1}, {prompt}, false);
+  // Sequence 2 takes fresh blocks for the same 40 tokens and gets sequence 1's bytes.
+  PagedKvCache& c = d.cache();
+  c.add_sequence(2);
+  ASSERT_EQ(c.append(2, 40).size(), 40u);
+  std::vector<std::pair<int32_t, int32_t>> pairs;
+  for (size_t i = 0; i < c.blocks(1).size(); ++i) pairs.push_back({c.blocks(1)[i], c.blocks(2)[i]});
+  gpu->copy_blocks(c, pairs);
+  const int32_t next = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
+  const auto l = d.step({1, 2}, {{next}, {next}}, false);
+  for (int i = 0; i < V; ++i)
+    ASSERT_EQ(l[static_cast<size_t>(i)], l[static_cast<size_t>(V + i)]) << i;
+}
+
+TEST(CudaModel, CacheBeyondTheBudgetIsAnInputErrorAndMemoryIsReported) {
+  SKIP_WITHOUT_GPU();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  CudaModelOptions o = small_options();
+  o.gpu_memory_utilization = 0.5f;
+  std::shared_ptr<const CudaModel> gpu = CudaModel::load(plan_with(kTiny, KvDtype::kBFloat16), o);
+  const CudaMemoryReport m = gpu->memory();
+  const int64_t most = gpu->max_cache_blocks();
+  std::printf(
+      "[ memory ] total %zu MiB, free at load %zu MiB, weights %zu KiB, activations %zu "
+      "MiB, kv budget %zu MiB -> %lld blocks\n",
+      m.device_total >> 20, m.free_at_load >> 20, m.weights >> 10, m.activations >> 20,
+      m.kv_budget >> 20, static_cast<long long>(most));
+  EXPECT_GT(m.weights, 0u);
+  EXPECT_GT(m.activations, 0u);
+  EXPECT_LE(m.kv_budget, m.device_total / 2);
+  ASSERT_GT(most, 0);
+  ASSERT_LT(most, INT32_MAX);
+  EXPECT_THROW((void)gpu->create_cache(static_cast<int32_t>(most + 1)), InputError);
+  auto cache = gpu->create_cache(1000);
+  EXPECT_TRUE(cache->external_storage());
+  EXPECT_LT(gpu->max_cache_blocks(), most);  // the cache took its share
+}
+
+TEST(CudaModel, SyntheticLlama3WidthModelGivesFiniteLogits) {
+  SKIP_WITHOUT_GPU();
+  nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
+                      {"model_type", "llama"},
+                      {"hidden_size", 4096},
+                      {"intermediate_size", 14336},
+                      {"num_hidden_layers", 2},
+                      {"num_attention_heads", 32},
+                      {"num_key_value_heads", 8},
+                      {"head_dim", 128},
+                      {"vocab_size", 128256},
+                      {"max_position_embeddings", 8192},
+                      {"rms_norm_eps", 1e-5},
+                      {"rope_theta", 500000.0},
+                      {"rope_scaling",
+                       {{"rope_type", "llama3"},
+                        {"factor", 8.0},
+                        {"low_freq_factor", 1.0},
+                        {"high_freq_factor", 4.0},
+                        {"original_max_position_embeddings", 8192}}},
+                      {"tie_word_embeddings", false},
+                      {"torch_dtype", "bfloat16"}};
+  KvPlanOptions po;
+  po.kv = DtypeFlag{KvDtype::kFp8E4M3, "--kv-cache-dtype fp8_e4m3"};
+  const KvPlan plan = make_kv_plan(parse_model_config(j, "llama3-8b-2layers"), po);
+  CudaModelOptions o = small_options();
+  o.max_num_batched_tokens = 256;
+  std::shared_ptr<const CudaModel> gpu = CudaModel::synthetic(plan, o, 7);
+  EXPECT_EQ(gpu->weight_precision(), WeightPrecision::kBFloat16);
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  Driver d(gpu, 64);
+  const int V = gpu->vocab_size();
+  auto l = d.step({1, 2}, {random_tokens(200, V, rng), random_tokens(33, V, rng)}, false);
+  for (int s = 0; s < 3; ++s) {
+    double amax = 0;
+    for (float x : l) {
+      ASSERT_TRUE(std::isfinite(x)) << "seed " << seed << " step " << s;
+      amax = std::max(amax, std::abs(double(x)));
+    }
+    EXPECT_GT(amax, 0.0);
+    std::printf("[ synthetic llama3-8b x2 layers ] step %d max |logit| %.3g\n", s, amax);
+    l = d.step({1, 2},
+               {{static_cast<int32_t>(argmax(l.data(), V))},
+                {static_cast<int32_t>(argmax(l.data() + V, V))}},
+               false);
+  }
+  EXPECT_GT(gpu->memory().weights, size_t{2} << 30);
+}
+
+}  // namespace
+}  // namespace kvq::test
