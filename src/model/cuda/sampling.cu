@@ -49,8 +49,8 @@ struct Smem {
   int cross_digit;
   u64 cross_above;
   u64 cross_bin;
-  u64 total;
   int count;
+  int thr_count[16];
 };
 
 // Orders floats as unsigned integers (larger float, larger key).
@@ -82,7 +82,7 @@ __device__ __forceinline__ u64 mix64(u64 z) {  // splitmix64's finalizer
 __device__ __forceinline__ float gumbel(u64 base, int id) {
   const u64 h = mix64(base + static_cast<u64>(id + 1) * 0x9E3779B97F4A7C15ull);
   // 23 bits: u in [2^-24, 1 - 2^-24], both exact in float, so neither log is 0 or -inf.
-  const float u = (static_cast<float>(h >> 41) + 0.5f) * (1.0f / 8388608.0f);
+  const float u = (static_cast<float>(static_cast<uint32_t>(h >> 41)) + 0.5f) * (1.0f / 8388608.0f);
   return -logf(-logf(u));
 }
 
@@ -132,12 +132,24 @@ __device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, Targe
     const uint32_t dmask = pass == 2 ? 0x3FFu : 0x7FFu;
     for (int b = threadIdx.x; b < kBins; b += kThreads) sm.hist[b] = 0;
     __syncthreads();
-#pragma unroll 4
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      uint32_t key;
-      u64 w;
-      if (elem(i, __ldg(row + i), key, w) && w != 0 && (key & prefix_mask) == prefix)
-        atomicAdd(&sm.hist[(key >> shift) & dmask], w);
+    // Logits crowd into few bins: lanes of a warp that hit the same bin add once, together.
+#pragma unroll 2
+    for (int i0 = 0; i0 < n; i0 += kThreads) {  // warp-uniform trip count
+      const int i = i0 + static_cast<int>(threadIdx.x);
+      uint32_t key = 0;
+      u64 w = 0;
+      const bool hit =
+          i < n && elem(i, __ldg(row + i), key, w) && w != 0 && (key & prefix_mask) == prefix;
+      const unsigned active = __ballot_sync(0xFFFFFFFFu, hit);
+      if (hit) {
+        const uint32_t bin = (key >> shift) & dmask;
+        const unsigned peers = __match_any_sync(active, bin);
+        // w < 2^43: 21-bit halves summed over at most 32 lanes fit 32 bits.
+        const unsigned lo = __reduce_add_sync(peers, static_cast<unsigned>(w & 0x1FFFFFu));
+        const unsigned hi = __reduce_add_sync(peers, static_cast<unsigned>(w >> 21));
+        if ((threadIdx.x & 31) == static_cast<unsigned>(__ffs(peers) - 1))
+          atomicAdd(&sm.hist[bin], (static_cast<u64>(hi) << 21) + lo);
+      }
     }
     __syncthreads();
     // Thread t holds bins kBins-1-kPer*t down to kBins-kPer*(t+1): thread order is descending
@@ -178,11 +190,16 @@ __device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, Targe
   return true;
 }
 
+// Distances below the max (in logit / temperature units) tried for a small top_k: 2^-6 .. 2^9.
+__device__ __forceinline__ float gather_distance(int j) {
+  return ldexpf(1.0f, j - 6);
+}
+
 __device__ __forceinline__ u64 to_fixed(float w) {
   return w > 0.0f ? __float2ull_rz(fminf(w, 1.0f) * kFixedOne) : 0ull;
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     sample_kernel(const float* __restrict__ logits, int n, const DeviceSampling* params,
                   int32_t* out) {
   __shared__ Smem sm;
@@ -211,11 +228,106 @@ __global__ void __launch_bounds__(kThreads)
   };
   const u64 base = mix64(mix64(p.seed ^ 0x6A09E667F3BCC909ull) ^ (p.step * 0xD1B54A32D192ED03ull));
 
+  // Small top_k: the k best usually lie within a few units of the max. One pass counts how many
+  // lie within each of 16 distances of it (no atomics per element); the first distance holding
+  // k, when its elements fit in shared memory, is gathered and sorted there. Flat or crowded
+  // rows fall back to the radix select below.
+  bool ranked = false;  // rank_s / rank_id hold the top_k best, in order
+  bool k_off = false;   // top_k >= the non-NaN candidates
+  float s_max = -INFINITY;
+  if (p.top_k > 0 && p.top_k <= kMaxGather) {
+    float mx = -INFINITY;
+    int valid = 0;
+#pragma unroll 4
+    for (int i = t; i < n; i += kThreads) {
+      const float x = __ldg(row + i);
+      if (!isnan(x)) mx = fmaxf(mx, scaled(x)), ++valid;
+    }
+    s_max = block_argmax(sm, mx, 0).v;
+    if (t < 16) sm.thr_count[t] = 0;
+    if (t == 0) sm.count = 0;
+    valid = __reduce_add_sync(0xFFFFFFFFu, valid);
+    __syncthreads();
+    if ((t & 31) == 0) atomicAdd(&sm.count, valid);
+    __syncthreads();
+    valid = sm.count;
+    __syncthreads();
+    if (p.top_k >= valid) {
+      k_off = true;
+    } else if (isfinite(s_max)) {
+      int c[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) c[j] = 0;
+      for (int i = t; i < n; i += kThreads) {
+        const float x = __ldg(row + i);
+        if (isnan(x)) continue;
+        const float d = s_max - scaled(x);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) c[j] += d <= gather_distance(j) ? 1 : 0;
+      }
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int w = __reduce_add_sync(0xFFFFFFFFu, c[j]);
+        if ((t & 31) == 0) atomicAdd(&sm.thr_count[j], w);
+      }
+      __syncthreads();
+      int pick = -1;
+      for (int j = 15; j >= 0; --j)
+        if (sm.thr_count[j] >= p.top_k && sm.thr_count[j] <= kBins) pick = j;
+      if (pick >= 0 && (pick == 0 || sm.thr_count[pick - 1] < p.top_k)) {
+        const float dist = gather_distance(pick);
+        if (t == 0) sm.count = 0;
+        __syncthreads();
+        for (int i0 = 0; i0 < n; i0 += kThreads) {  // warp-uniform trip count
+          const int i = i0 + t;
+          float sv = 0.0f;
+          bool hit = false;
+          if (i < n) {
+            const float x = __ldg(row + i);
+            if (!isnan(x)) sv = scaled(x), hit = s_max - sv <= dist;
+          }
+          const unsigned b = __ballot_sync(0xFFFFFFFFu, hit);
+          if (b == 0) continue;
+          int at = 0;
+          if ((t & 31) == 0) at = atomicAdd(&sm.count, __popc(b));
+          at = __shfl_sync(0xFFFFFFFFu, at, 0) + __popc(b & ((1u << (t & 31)) - 1u));
+          if (hit && at < kBins)
+            sm.hist[at] = (static_cast<u64>(order_key(sv)) << 32) | ~static_cast<uint32_t>(i);
+        }
+        __syncthreads();
+        const int m = min(sm.count, kBins);
+        int size = 2;
+        while (size < m) size <<= 1;
+        for (int i = m + t; i < size; i += kThreads) sm.hist[i] = 0;  // sorts last
+        __syncthreads();
+        // Bitonic sort, descending: larger key first, then lower id (larger ~id).
+        for (int span = 2; span <= size; span <<= 1) {
+          for (int stride = span >> 1; stride > 0; stride >>= 1) {
+            for (int i = t; i < size; i += kThreads) {
+              const int j = i ^ stride;
+              if (j > i) {
+                const u64 a = sm.hist[i], b = sm.hist[j];
+                if ((i & span) == 0 ? a < b : a > b) sm.hist[i] = b, sm.hist[j] = a;
+              }
+            }
+            __syncthreads();
+          }
+        }
+        if (t < p.top_k) {
+          sm.rank_s[t] = key_float(static_cast<uint32_t>(sm.hist[t] >> 32));
+          sm.rank_id[t] = static_cast<int>(~static_cast<uint32_t>(sm.hist[t]));
+        }
+        __syncthreads();
+        ranked = true;
+      }
+    }
+  }
+
   // top-k: the k-th candidate in order is the cut (key, id).
   bool k_on = false;
   uint32_t k_key = 0;
   int k_id = INT_MAX;
-  if (p.top_k > 0) {
+  if (p.top_k > 0 && !ranked && !k_off) {
     const u64 k = static_cast<u64>(p.top_k);
     Cut c;
     k_on = radix_select(
@@ -247,30 +359,33 @@ __global__ void __launch_bounds__(kThreads)
   }
   auto in_k = [&](uint32_t key, int i) { return !k_on || within(key, i, k_key, k_id); };
 
-  if (k_on && p.top_k <= kMaxGather) {
-    // Small k: gather the k candidates, rank them in shared memory, apply top-p / min-p there.
-    if (t == 0) sm.count = 0;
-    __syncthreads();
-    for (int i = t; i < n; i += kThreads) {
-      const float x = __ldg(row + i);
-      if (isnan(x)) continue;
-      const float s = scaled(x);
-      if (!in_k(order_key(s), i)) continue;
-      const int slot = atomicAdd(&sm.count, 1);
-      if (slot < kMaxGather) sm.cand_s[slot] = s, sm.cand_id[slot] = i;
+  if (ranked || (k_on && p.top_k <= kMaxGather)) {
+    // Small k: the k candidates ranked in shared memory; top-p / min-p apply there.
+    if (!ranked) {
+      if (t == 0) sm.count = 0;
+      __syncthreads();
+      for (int i = t; i < n; i += kThreads) {
+        const float x = __ldg(row + i);
+        if (isnan(x)) continue;
+        const float s = scaled(x);
+        if (!in_k(order_key(s), i)) continue;
+        const int slot = atomicAdd(&sm.count, 1);
+        if (slot < kMaxGather) sm.cand_s[slot] = s, sm.cand_id[slot] = i;
+      }
+      __syncthreads();
+      const int mg = min(sm.count, kMaxGather);
+      if (t < mg) {
+        const float s = sm.cand_s[t];
+        const int id = sm.cand_id[t];
+        int rank = 0;
+        for (int j = 0; j < mg; ++j) rank += better(sm.cand_s[j], sm.cand_id[j], s, id) ? 1 : 0;
+        sm.rank_s[rank] = s;
+        sm.rank_id[rank] = id;
+      }
+      __syncthreads();
     }
-    __syncthreads();
-    const int m = min(sm.count, kMaxGather);
-    if (t < m) {
-      const float s = sm.cand_s[t];
-      const int id = sm.cand_id[t];
-      int rank = 0;
-      for (int j = 0; j < m; ++j) rank += better(sm.cand_s[j], sm.cand_id[j], s, id) ? 1 : 0;
-      sm.rank_s[rank] = s;
-      sm.rank_id[rank] = id;
-    }
-    __syncthreads();
-    const float s_max = sm.rank_s[0];
+    const int m = p.top_k;
+    s_max = sm.rank_s[0];
     float s = 0.0f;
     int id = INT_MAX;
     double w = 0.0;
@@ -290,9 +405,8 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
 
-  // General path: top-p and min-p need exp(s - max).
-  float s_max = -INFINITY;
-  if (p.top_p < 1.0f || p.min_p > 0.0f) {
+  // General path: top-p and min-p need exp(s - max) (s_max is known already when k_off).
+  if (!k_off && (p.top_p < 1.0f || p.min_p > 0.0f)) {
     float bv = -INFINITY;
 #pragma unroll 4
     for (int i = t; i < n; i += kThreads) {
