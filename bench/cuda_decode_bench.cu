@@ -12,6 +12,7 @@
 // V codes plus their per-token / per-block scales, whole 16-token tiles), plus Q and the output.
 //
 // Usage: cuda_decode_bench [--json FILE] [--csv FILE] [--dtypes a,b,...] [--quick]
+//          [--batches 1,8,...] [--contexts 1024,...] [--heads 32,64]   (narrowed grids)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -135,7 +136,7 @@ T* device_copy(const std::vector<T>& h) {
 
 int main(int argc, char** argv) {
   std::string json_path, csv_path;
-  std::vector<std::string> dtype_names;
+  std::vector<std::string> dtype_names, batch_list, ctx_list, head_list;
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -147,8 +148,16 @@ int main(int argc, char** argv) {
       dtype_names = split_csv(argv[++i]);
     else if (a == "--quick")
       quick = true;
+    else if (a == "--batches" && i + 1 < argc)
+      batch_list = split_csv(argv[++i]);
+    else if (a == "--contexts" && i + 1 < argc)
+      ctx_list = split_csv(argv[++i]);
+    else if (a == "--heads" && i + 1 < argc)
+      head_list = split_csv(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--json FILE] [--csv FILE] [--dtypes a,b] [--quick]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--json FILE] [--csv FILE] [--dtypes a,b] [--quick] "
+                   "[--batches 1,8] [--contexts 1024,4096] [--heads 32,64]\n",
                    argv[0]);
       return 2;
     }
@@ -165,11 +174,20 @@ int main(int argc, char** argv) {
     } else {
       for (const auto& n : dtype_names) dtypes.push_back(parse_kv_dtype_or_throw(n, "--dtypes"));
     }
+    auto ints = [](const std::vector<std::string>& v, std::vector<int> dflt) {
+      if (v.empty()) return dflt;
+      std::vector<int> out;
+      for (const auto& x : v) out.push_back(std::stoi(x));
+      std::sort(out.begin(), out.end());  // the cache is sized from the last of each
+      return out;
+    };
     const std::vector<int> batches =
-        quick ? std::vector<int>{1, 32} : std::vector<int>{1, 8, 32, 64, 128};
+        ints(batch_list, quick ? std::vector<int>{1, 32} : std::vector<int>{1, 8, 32, 64, 128});
     const std::vector<int> contexts =
-        quick ? std::vector<int>{1024, 16384} : std::vector<int>{256, 1024, 4096, 16384, 32768};
-    const std::vector<std::pair<int, int>> heads = {{32, 8}, {64, 8}};
+        ints(ctx_list, quick ? std::vector<int>{1024, 16384}
+                             : std::vector<int>{256, 1024, 4096, 16384, 32768});
+    std::vector<std::pair<int, int>> heads;
+    for (int hq : ints(head_list, {32, 64})) heads.push_back({hq, 8});
 
     cudaDeviceProp prop{};
     KVQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

@@ -239,6 +239,41 @@ TEST(CudaCacheWrite, SkipsPaddingAndOutOfRangeSlots) {
   }
 }
 
+// The optional error report: the lowest token with an out-of-range slot is named (negative
+// slots are padding, not errors), and a clean call reports nothing.
+TEST(CudaCacheWrite, ReportsOutOfRangeSlotsOnRequest) {
+  KVQ_REQUIRE_GPU();
+  const LayerKvSpec spec = write_spec(KvDtype::kInt8PerTokenHead, KvDtype::kNvfp4, 64, 16);
+  const int32_t num_blocks = 3;
+  std::mt19937 rng(test::fresh_seed());
+  const int64_t bad_token = std::uniform_int_distribution<int64_t>(1, 6)(rng);
+  std::vector<int64_t> slots = {5, -1, 40, 7, 0, 47, 12, 9};
+  slots[static_cast<size_t>(bad_token)] = 48 + bad_token;  // past 3 blocks of 16
+  slots.back() = 1000;                                     // a second bad one, later
+  const size_t row_elems = static_cast<size_t>(spec.num_kv_heads) * 64;
+  std::vector<float> k(slots.size() * row_elems, 0.5f), v(k.size(), -0.25f);
+  DeviceKvCache cache({spec}, num_blocks);
+  DeviceBuffer<int64_t> d_slots(slots);
+  DeviceBuffer<float> d_k(k), d_v(v);
+  DeviceBuffer<uint64_t> flag(1);
+  write_kv_cuda(spec, cache.layer_view(0), d_slots.get(), static_cast<int64_t>(slots.size()),
+                d_k.get(), d_v.get(), nullptr, flag.get());
+  try {
+    check_write_kv_cuda(cache.layer_view(0), d_slots.get(), flag.get());
+    ADD_FAILURE() << "no error reported for token " << bad_token;
+  } catch (const InternalError& e) {
+    const std::string want = "slot " + std::to_string(48 + bad_token) + " of token " +
+                             std::to_string(bad_token) + " out of range (48 slots)";
+    EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+  }
+  slots[static_cast<size_t>(bad_token)] = 1;
+  slots.back() = -5;
+  d_slots.upload(slots);
+  write_kv_cuda(spec, cache.layer_view(0), d_slots.get(), static_cast<int64_t>(slots.size()),
+                d_k.get(), d_v.get(), nullptr, flag.get());
+  EXPECT_NO_THROW(check_write_kv_cuda(cache.layer_view(0), d_slots.get(), flag.get()));
+}
+
 TEST(CudaCacheWrite, DeviceCacheMatchesTheCpuLayout) {
   KVQ_REQUIRE_GPU();
   std::vector<LayerKvSpec> specs = {

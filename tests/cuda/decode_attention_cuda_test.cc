@@ -2,7 +2,8 @@
 // the same cached bytes):
 // every KV dtype x head_dim x block size x GQA ratio, ragged batches (1, block - 1, block + 1,
 // several thousand tokens), causal / sliding window / non-causal, with and without a logit
-// soft-cap; outputs poisoned with NaN before each run, every element checked.
+// soft-cap; outputs poisoned with NaN before each run, every element checked. The mixed K/V
+// pairs of kv_pairs.h run through the device-level API (run_decode) on the same grid shape.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "attention/cuda/cuda_decode.h"
+#include "attention/cuda/kv_pairs.h"
 #include "cuda_test_util.h"
 #include "kvq/attention/backend.h"
 #include "kvq/cache/device_kv_cache.h"
@@ -29,7 +31,8 @@ namespace {
 using test::DeviceBuffer;
 
 struct DecodeCase {
-  KvDtype dtype = KvDtype::kBFloat16;
+  KvDtype dtype = KvDtype::kBFloat16;  // K (and V unless v_dtype is set)
+  KvDtype v_dtype = KvDtype::kAuto;    // kAuto: same as dtype
   int head_dim = 128;
   int block_tokens = 16;
   int num_kv_heads = 2;
@@ -39,10 +42,14 @@ struct DecodeCase {
   float soft_cap = 0.0f;
   std::vector<int> lens;
 
+  KvDtype vd() const { return v_dtype == KvDtype::kAuto ? dtype : v_dtype; }
+
   std::string describe() const {
     std::ostringstream os;
-    os << to_string(dtype) << ", head_dim " << head_dim << ", block " << block_tokens
-       << ", kv heads " << num_kv_heads << " x ratio " << ratio << ", " << to_string(kind);
+    os << to_string(dtype);
+    if (vd() != dtype) os << " / " << to_string(vd());
+    os << ", head_dim " << head_dim << ", block " << block_tokens << ", kv heads " << num_kv_heads
+       << " x ratio " << ratio << ", " << to_string(kind);
     if (kind == AttentionKind::kSlidingWindow) os << " W=" << window;
     os << ", soft_cap " << soft_cap << ", lens:";
     for (int l : lens) os << " " << l;
@@ -53,7 +60,8 @@ struct DecodeCase {
 LayerKvSpec spec_for(const DecodeCase& c) {
   LayerKvSpec s;
   s.layer = 2;
-  s.k_dtype = s.v_dtype = c.dtype;
+  s.k_dtype = c.dtype;
+  s.v_dtype = c.vd();
   s.attention = c.kind;
   s.sliding_window = c.window;
   s.num_kv_heads = c.num_kv_heads;
@@ -62,10 +70,11 @@ LayerKvSpec spec_for(const DecodeCase& c) {
   s.block_tokens = c.block_tokens;
   for (KvSide side : {KvSide::kK, KvSide::kV}) {
     ScaleSource& sc = side == KvSide::kK ? s.k_scale : s.v_scale;
-    const auto& t = traits(c.dtype);
+    const KvDtype d = s.dtype(side);
+    const auto& t = traits(d);
     if (t.uses_tensor_scale) {
       sc.kind = ScaleSourceKind::kCheckpoint;
-      const float base = c.dtype == KvDtype::kNvfp4 ? 0.004f : 0.02f;
+      const float base = d == KvDtype::kNvfp4 ? 0.004f : 0.02f;
       for (int h = 0; h < c.num_kv_heads; ++h) sc.values.push_back(base * (1.0f + 0.5f * h));
     } else if (t.scale_kind == ScaleKind::kPerTokenHead) {
       sc.kind = ScaleSourceKind::kDynamic;
@@ -84,6 +93,10 @@ double tolerance(KvDtype d) {
   double tol = (d == KvDtype::kBFloat16 || d == KvDtype::kFloat32) ? 3e-2 : 5e-3;
   if (traits(d).rotated) tol *= 2.5;
   return tol;
+}
+// A mixed pair: the coarser side's bound (each side's error enters the output once).
+double tolerance(KvDtype k, KvDtype v) {
+  return std::max(tolerance(k), tolerance(v));
 }
 
 // One batch in a paged cache: host bytes (for cpu_reference) and the same bytes on the device.
@@ -136,7 +149,7 @@ class DecodeProblem {
         const int32_t block = indices_[indptr_[i] + t / bt];
         for (int h = 0; h < nkv; ++h) {
           const std::byte* base = host_view_.block(KvSide::kV, block);
-          quant::decode_row_unrotated(c.dtype, base + vl_.value_offset(h, t % bt),
+          quant::decode_row_unrotated(c.vd(), base + vl_.value_offset(h, t % bt),
                                       base + vl_.scale_offset(h, t % bt), spec_.v_scale.for_head(h),
                                       row);
           double& m = vmax_[i * nkv + h];
@@ -197,7 +210,7 @@ class DecodeProblem {
   ::testing::AssertionResult check(const std::vector<float>& got,
                                    const std::vector<float>& want) const {
     const int hd = case_.head_dim, nq = spec_.num_q_heads;
-    const double tol = tolerance(case_.dtype);
+    const double tol = tolerance(case_.dtype, case_.vd());
     int bad = 0;
     worst_ = 0.0;
     std::ostringstream msg;
@@ -359,6 +372,111 @@ TEST(CudaDecode, SplitCountsAndHeadChunksAgree) {
   }
 }
 
+// The mixed (K, V) pairs through the device-level API (plan_decode / run_decode), so they are
+// tested whatever the registered backend's whitelist says: the same grid shape as the K == V
+// cases (ragged lengths, sliding window, GQA 1 / 4 / 12, soft-cap, outlier rows).
+std::vector<float> run_device(const DecodeProblem& p, float soft_cap) {
+  DeviceKvCache dev({p.spec()}, p.num_blocks());
+  p.upload(dev);
+  DeviceBuffer<float> q(p.q());
+  DeviceBuffer<float> out(p.q().size());
+  DeviceBuffer<int32_t> indptr(p.indptr()), indices(p.indices()), seq_lens(p.seq_lens());
+  const cuda::DecodePlan plan = cuda::plan_decode(p.spec(), p.seq_lens());
+  DeviceBuffer<std::byte> ws(plan.workspace_bytes);
+  cuda::DecodeArgs a;
+  a.q = q.get();
+  a.out = out.get();
+  a.block_table = p.host_table();
+  a.block_table.indptr = indptr.get();
+  a.block_table.indices = indices.get();
+  a.block_table.seq_lens = seq_lens.get();
+  a.cache = dev.layer_view(0);
+  a.softmax_scale = p.softmax_scale();
+  a.logit_soft_cap = soft_cap;
+  a.workspace = ws.get();
+  out.poison();
+  cuda::run_decode(p.spec(), plan, a, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return out.download();
+}
+
+using KvPair = std::pair<KvDtype, KvDtype>;
+
+class CudaDecodeMixedPairs : public ::testing::TestWithParam<KvPair> {};
+
+TEST_P(CudaDecodeMixedPairs, MatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const auto [kd, vd] = GetParam();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  int index = 0;
+  double worst = 0.0;
+  for (int hd : {64, 128, 256}) {
+    for (int ratio : {1, 4, 12}) {
+      DecodeCase c;
+      c.dtype = kd;
+      c.v_dtype = vd;
+      c.head_dim = hd;
+      c.block_tokens = index % 2 == 0 ? 16 : 32;
+      c.ratio = ratio;
+      c.num_kv_heads = 2;
+      const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                     AttentionKind::kNonCausal};
+      c.kind = kinds[index % 3];
+      c.window = std::uniform_int_distribution<int>(20, 700)(rng);
+      c.soft_cap = index % 4 == 1 ? 5.0f : 0.0f;
+      const int long_len = std::uniform_int_distribution<int>(1500, 4500)(rng);
+      c.lens = {1, c.block_tokens - 1, c.block_tokens + 1, long_len, 37, 3 * c.block_tokens};
+      std::shuffle(c.lens.begin(), c.lens.end(), rng);
+      ++index;
+      const unsigned case_seed = seed + static_cast<unsigned>(index);
+      const DecodeProblem problem(c, case_seed);
+      const std::vector<float> want = problem.reference();
+      const std::vector<float> got = run_device(problem, c.soft_cap);
+      EXPECT_TRUE(problem.check(got, want))
+          << c.describe() << ", seed " << seed << " (case seed " << case_seed << ")";
+      worst = std::max(worst, problem.worst());
+    }
+  }
+  std::printf("  %s / %s: largest |error| / max|V| over the grid %.2e (tolerance %.1e)\n",
+              std::string(to_string(kd)).c_str(), std::string(to_string(vd)).c_str(), worst,
+              tolerance(kd, vd));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    EveryMixedPair, CudaDecodeMixedPairs,
+    ::testing::ValuesIn(std::vector<KvPair>(std::begin(cuda::kCudaMixedKvPairs),
+                                            std::end(cuda::kCudaMixedKvPairs))),
+    [](const ::testing::TestParamInfo<KvPair>& p) {
+      return std::string(to_string(p.param.first)) + "__" + std::string(to_string(p.param.second));
+    });
+
+// decode_unsupported_reasons accepts exactly the pairs of kv_pairs.h, and a refused pair's
+// reason names the pair and what is built instead.
+TEST(CudaDecode, AcceptsExactlyTheBuiltPairs) {
+  const std::vector<KvDtype> all = concrete_dtypes();
+  int accepted = 0;
+  for (KvDtype k : all) {
+    for (KvDtype v : all) {
+      DecodeCase c;
+      c.dtype = k;
+      c.v_dtype = v;
+      c.lens = {1};
+      const std::vector<std::string> r = cuda::decode_unsupported_reasons(spec_for(c));
+      const std::string pair = std::string(to_string(k)) + "/" + std::string(to_string(v));
+      if (cuda::cuda_kv_pair_supported(k, v)) {
+        EXPECT_TRUE(r.empty()) << pair << ": " << (r.empty() ? "" : r.front());
+        ++accepted;
+      } else {
+        ASSERT_EQ(r.size(), 1u) << pair;
+        EXPECT_NE(r.front().find(pair), std::string::npos) << r.front();
+        EXPECT_NE(r.front().find("bfloat16/fp8_e4m3"), std::string::npos) << r.front();
+      }
+    }
+  }
+  EXPECT_EQ(accepted, static_cast<int>(all.size() + std::size(cuda::kCudaMixedKvPairs)));
+}
+
 TEST(CudaDecodeBackend, RegisteredWithHonestWhitelists) {
   const AttentionBackend* b = find_attention_backend("cuda");
   ASSERT_NE(b, nullptr);
@@ -371,7 +489,7 @@ TEST(CudaDecodeBackend, RegisteredWithHonestWhitelists) {
   }
   EXPECT_FALSE(b->reasons_unsupported(spec, Device::kCpu).empty());
   LayerKvSpec mixed = spec;
-  mixed.v_dtype = KvDtype::kFp8E4M3;
+  mixed.v_dtype = KvDtype::kFp8E5M2;  // a pair outside kv_pairs.h
   mixed.v_scale.kind = ScaleSourceKind::kCheckpoint;
   mixed.v_scale.values = {0.02f};
   EXPECT_FALSE(b->reasons_unsupported(mixed).empty());

@@ -55,10 +55,19 @@ class DeviceKvCache {
 // The device twin of write_kv_reference: quantizes n tokens of K and V (fp32, device memory,
 // [n][num_kv_heads][head_dim]) into `cache` (a device view) at `slots` (device memory),
 // bit-identical to the reference codecs. A negative slot is skipped (padding); slots past
-// the view's blocks are skipped too, so a bad slot can never write outside the storage
-// (the host that makes the slots validates them). Asynchronous on `stream`.
+// the view's blocks are skipped too, so a bad slot can never write outside the storage.
+// Where write_kv_reference throws on such a slot, a kernel cannot: pass `bad_token` (device
+// memory for one uint64_t) and the call resets it on `stream` and records the lowest token
+// whose slot was out of range; check_write_kv_cuda then reports it. Asynchronous on `stream`.
 // head_dim must be 64, 128 or 256 on both sides.
 void write_kv_cuda(const LayerKvSpec& spec, const LayerCacheView& cache, const int64_t* slots,
-                   int64_t n, const float* k, const float* v, CUstream_st* stream = nullptr);
+                   int64_t n, const float* k, const float* v, CUstream_st* stream = nullptr,
+                   uint64_t* bad_token = nullptr);
+
+// Synchronizes `stream` and throws InternalError (like write_kv_reference: slots come from
+// the host's own bookkeeping) naming the slot and token, if the write_kv_cuda call that was
+// given `bad_token` skipped an out-of-range slot. `slots` is that call's device array.
+void check_write_kv_cuda(const LayerCacheView& cache, const int64_t* slots,
+                         const uint64_t* bad_token, CUstream_st* stream = nullptr);
 
 }  // namespace kvq

@@ -6,10 +6,13 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "attention/cuda/cuda_decode.h"
 #include "attention/cuda/decode_params.h"
+#include "attention/cuda/kv_pairs.h"
 #include "cache/cuda/cuda_check.h"
+#include "cache/cuda/dispatch.h"
 #include "cache/cuda/kv_codec_device.cuh"
 #include "kvq/core/error.h"
 
@@ -130,6 +133,27 @@ struct MergeParams {
 constexpr int kMergeThreads = 256;
 constexpr int kMergeWarpMaxSplits = 8;
 
+// The partial rows of one query head (decode_params.h's part row order): the row of split 0
+// and the distance between the rows of consecutive splits, plus the head's split count.
+struct MergeRows {
+  size_t row0, split_stride;
+  int nsplit;
+};
+
+__device__ __forceinline__ MergeRows merge_rows(const MergeParams& p, int seq, int qh) {
+  const int kvh = qh / p.ratio, hin = qh % p.ratio;
+  const int hc = hin / kDecodeHeadsPerWarp, g = hin % kDecodeHeadsPerWarp;
+  int first_tile = 0, chunk = 0;
+  const int tiles = decode_visible_tiles(p.seq_lens[seq], p.attention_kind, p.window, first_tile);
+  MergeRows r;
+  r.nsplit = decode_num_splits(tiles, p.chunk_tiles, p.max_splits, chunk);
+  r.row0 = ((static_cast<size_t>(seq) * p.max_splits * p.num_kv_heads + kvh) * p.head_chunks + hc) *
+               kDecodeHeadsPerWarp +
+           g;
+  r.split_stride = static_cast<size_t>(p.num_kv_heads) * p.head_chunks * kDecodeHeadsPerWarp;
+  return r;
+}
+
 __device__ __forceinline__ float block_reduce(float v, bool is_max, float* scratch) {
   v = is_max ? warp_max(v) : warp_sum(v);
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
@@ -155,19 +179,10 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int tid = static_cast<int>(threadIdx.x);
   const int qh = static_cast<int>(blockIdx.x);
   const int seq = static_cast<int>(blockIdx.y);
-  const int kvh = qh / p.ratio, hin = qh % p.ratio;
-  const int hc = hin / kDecodeHeadsPerWarp, g = hin % kDecodeHeadsPerWarp;
-  int first_tile = 0, chunk = 0;
-  const int tiles = decode_visible_tiles(p.seq_lens[seq], p.attention_kind, p.window, first_tile);
-  const int nsplit = decode_num_splits(tiles, p.chunk_tiles, p.max_splits, chunk);
+  const MergeRows mr = merge_rows(p, seq, qh);
+  const int nsplit = mr.nsplit;
+  const size_t row0 = mr.row0, split_stride = mr.split_stride;
   if (nsplit == 1 && !p.unrotate) return;  // the split-KV kernel wrote this head's output
-  const size_t row0 =
-      ((static_cast<size_t>(seq) * p.max_splits * p.num_kv_heads + kvh) * p.head_chunks + hc) *
-          kDecodeHeadsPerWarp +
-      g;
-  // Rows of consecutive splits of this head are this far apart.
-  const size_t split_stride =
-      static_cast<size_t>(p.num_kv_heads) * p.head_chunks * kDecodeHeadsPerWarp;
 
   float mx = -__uint_as_float(kF32Inf);
   for (int s = tid; s < nsplit; s += kMergeThreads)
@@ -221,18 +236,10 @@ __global__ void __launch_bounds__(128)
   const int qh = static_cast<int>(blockIdx.x) * 4 + static_cast<int>(threadIdx.x >> 5);
   const int seq = static_cast<int>(blockIdx.y);
   if (qh >= p.num_q_heads) return;
-  const int kvh = qh / p.ratio, hin = qh % p.ratio;
-  const int hc = hin / kDecodeHeadsPerWarp, g = hin % kDecodeHeadsPerWarp;
-  int first_tile = 0, chunk = 0;
-  const int tiles = decode_visible_tiles(p.seq_lens[seq], p.attention_kind, p.window, first_tile);
-  const int nsplit = decode_num_splits(tiles, p.chunk_tiles, p.max_splits, chunk);
+  const MergeRows mr = merge_rows(p, seq, qh);
+  const int nsplit = mr.nsplit;
+  const size_t row0 = mr.row0, split_stride = mr.split_stride;
   if (nsplit == 1 && !p.unrotate) return;  // the split-KV kernel wrote this head's output
-  const size_t row0 =
-      ((static_cast<size_t>(seq) * p.max_splits * p.num_kv_heads + kvh) * p.head_chunks + hc) *
-          kDecodeHeadsPerWarp +
-      g;
-  const size_t split_stride =
-      static_cast<size_t>(p.num_kv_heads) * p.head_chunks * kDecodeHeadsPerWarp;
   float mx = -__uint_as_float(kF32Inf);
   for (int s = lane; s < nsplit; s += 32) mx = fmaxf(mx, p.part_ml[row0 + s * split_stride].x);
   mx = warp_max(mx);
@@ -264,61 +271,50 @@ __global__ void __launch_bounds__(128)
 // Which kernel launch_prep_merge starts.
 enum class Aux { kPrep, kMergeWarp, kMergeBlock };
 
-template <int HD>
-void launch_prep_merge(Aux which, const PrepParams& pp, const MergeParams& mp, dim3 grid,
-                       cudaStream_t stream) {
-  switch (which) {
-    case Aux::kPrep:
-      decode_prep_kernel<HD><<<grid, 32, 0, stream>>>(pp);
-      break;
-    case Aux::kMergeWarp:
-      decode_merge_warp_kernel<HD><<<grid, 128, 0, stream>>>(mp);
-      break;
-    case Aux::kMergeBlock:
-      decode_merge_kernel<HD><<<grid, kMergeThreads, 0, stream>>>(mp);
-      break;
-  }
-  KVQ_CUDA_CHECK_LAUNCH();
-}
-
 void launch_by_dim(int hd, Aux which, const PrepParams& pp, const MergeParams& mp, dim3 grid,
                    cudaStream_t stream) {
-  switch (hd) {
-    case 64:
-      return launch_prep_merge<64>(which, pp, mp, grid, stream);
-    case 128:
-      return launch_prep_merge<128>(which, pp, mp, grid, stream);
-    case 256:
-      return launch_prep_merge<256>(which, pp, mp, grid, stream);
-    default:
-      KVQ_CHECK(false, "cuda decode: head_dim " + std::to_string(hd) + " unsupported");
-  }
+  const bool known = with_head_dim(hd, [&](auto dim) {
+    constexpr int HD = decltype(dim)::value;
+    switch (which) {
+      case Aux::kPrep:
+        decode_prep_kernel<HD><<<grid, 32, 0, stream>>>(pp);
+        break;
+      case Aux::kMergeWarp:
+        decode_merge_warp_kernel<HD><<<grid, 128, 0, stream>>>(mp);
+        break;
+      case Aux::kMergeBlock:
+        decode_merge_kernel<HD><<<grid, kMergeThreads, 0, stream>>>(mp);
+        break;
+    }
+    KVQ_CUDA_CHECK_LAUNCH();
+  });
+  KVQ_CHECK(known, "cuda decode: head_dim " + std::to_string(hd) + " unsupported");
 }
 
-void launch_main(KvDtype d, const DecodeKernelParams& p, int hd, dim3 grid, cudaStream_t s) {
-  switch (d) {
-    case KvDtype::kFloat16:
-      return launch_decode_main<KvDtype::kFloat16>(p, hd, grid, s);
-    case KvDtype::kBFloat16:
-      return launch_decode_main<KvDtype::kBFloat16>(p, hd, grid, s);
-    case KvDtype::kFloat32:
-      return launch_decode_main<KvDtype::kFloat32>(p, hd, grid, s);
-    case KvDtype::kFp8E4M3:
-      return launch_decode_main<KvDtype::kFp8E4M3>(p, hd, grid, s);
-    case KvDtype::kFp8E5M2:
-      return launch_decode_main<KvDtype::kFp8E5M2>(p, hd, grid, s);
-    case KvDtype::kInt8PerTokenHead:
-      return launch_decode_main<KvDtype::kInt8PerTokenHead>(p, hd, grid, s);
-    case KvDtype::kFp8PerTokenHead:
-      return launch_decode_main<KvDtype::kFp8PerTokenHead>(p, hd, grid, s);
-    case KvDtype::kInt4PerTokenHead:
-      return launch_decode_main<KvDtype::kInt4PerTokenHead>(p, hd, grid, s);
-    case KvDtype::kNvfp4:
-      return launch_decode_main<KvDtype::kNvfp4>(p, hd, grid, s);
-    case KvDtype::kAuto:
-      break;
-  }
-  KVQ_CHECK(false, "cuda decode: unresolved KV dtype");
+// The mixed pairs of kv_pairs.h, each dispatched to its own instantiation.
+template <size_t... I>
+bool launch_mixed(KvDtype k, KvDtype v, const DecodeKernelParams& p, int hd, dim3 grid,
+                  cudaStream_t s, std::index_sequence<I...>) {
+  return ((k == kCudaMixedKvPairs[I].first && v == kCudaMixedKvPairs[I].second
+               ? (launch_decode_main<kCudaMixedKvPairs[I].first, kCudaMixedKvPairs[I].second>(
+                      p, hd, grid, s),
+                  true)
+               : false) ||
+          ...);
+}
+
+void launch_main(KvDtype k, KvDtype v, const DecodeKernelParams& p, int hd, dim3 grid,
+                 cudaStream_t s) {
+  const bool launched =
+      k == v ? with_kv_dtype(k,
+                             [&](auto d) {
+                               constexpr KvDtype D = decltype(d)::value;
+                               launch_decode_main<D, D>(p, hd, grid, s);
+                             })
+             : launch_mixed(k, v, p, hd, grid, s,
+                            std::make_index_sequence<std::size(kCudaMixedKvPairs)>{});
+  KVQ_CHECK(launched, "cuda decode: no kernel for the K/V pair " + std::string(to_string(k)) +
+                          " / " + std::string(to_string(v)));
 }
 
 DecodeSide make_side(const LayerKvSpec& spec, const LayerCacheView& cache, KvSide s) {
@@ -340,10 +336,16 @@ DecodeSide make_side(const LayerKvSpec& spec, const LayerCacheView& cache, KvSid
 
 std::vector<std::string> decode_unsupported_reasons(const LayerKvSpec& spec) {
   std::vector<std::string> r;
-  if (spec.k_dtype != spec.v_dtype)
-    r.push_back("K and V dtypes differ (" + std::string(to_string(spec.k_dtype)) + ", " +
-                std::string(to_string(spec.v_dtype)) + "); the CUDA decode kernels are built for " +
-                "K == V only");
+  const bool concrete = traits(spec.k_dtype).concrete && traits(spec.v_dtype).concrete;
+  if (concrete && !cuda_kv_pair_supported(spec.k_dtype, spec.v_dtype)) {
+    std::string accepted;
+    for (const auto& [k, v] : kCudaMixedKvPairs)
+      accepted += std::string(accepted.empty() ? "" : ", ") + std::string(to_string(k)) + "/" +
+                  std::string(to_string(v));
+    r.push_back("K/V dtype pair " + std::string(to_string(spec.k_dtype)) + "/" +
+                std::string(to_string(spec.v_dtype)) +
+                " has no CUDA decode kernel; built: K == V, and the mixed pairs (K/V) " + accepted);
+  }
   if (spec.head_dim_k != spec.head_dim_v)
     r.push_back("K head_dim " + std::to_string(spec.head_dim_k) + " differs from V head_dim " +
                 std::to_string(spec.head_dim_v));
@@ -355,6 +357,7 @@ std::vector<std::string> decode_unsupported_reasons(const LayerKvSpec& spec) {
     r.push_back("num_kv_heads " + std::to_string(spec.num_kv_heads) + " exceeds " +
                 std::to_string(kDecodeMaxKvHeads));
   if (!traits(spec.k_dtype).concrete) r.push_back("K dtype is unresolved (auto)");
+  if (!traits(spec.v_dtype).concrete) r.push_back("V dtype is unresolved (auto)");
   return r;
 }
 
@@ -488,7 +491,7 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
       dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * kDecodeHeadsPerWarp), seqs),
       stream);
   const int items = plan.max_splits * plan.head_chunks;
-  launch_main(spec.k_dtype, kp, hd,
+  launch_main(spec.k_dtype, spec.v_dtype, kp, hd,
               dim3(static_cast<unsigned>((items + kDecodeWarps - 1) / kDecodeWarps),
                    static_cast<unsigned>(spec.num_kv_heads), seqs),
               stream);

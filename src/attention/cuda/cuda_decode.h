@@ -10,7 +10,9 @@
 // from the paged cache into registers, dequantizes into fp16 (bf16 for bfloat16 / float32
 // caches) mma operands, and runs S = Q K^T and O += P V as m16n8k16 tensor-core MMAs with
 // fp32 accumulation and an fp32 online softmax. Q is kept as fp16 with a per-head power-of-two
-// scale (bf16 for bf16 / fp32 K); P is fp16 (bf16 for bf16 / fp32 V); nothing is fp8.
+// scale (bf16 for bf16 / fp32 K); P is fp16 (bf16 for bf16 / fp32 V); nothing is fp8. K and V
+// may differ (the mixed pairs of kv_pairs.h): the S = Q K^T side (Q's operand type, fragment
+// order and rotation) follows K, the O += P V side (P's type, V scales, un-rotation) follows V.
 // Scales are applied in fp32: per-tensor K scales fold into the logit factor, per-token K
 // scales multiply the logits, per-token V scales multiply P (normalized by the running
 // maximum scale of the warp's range so fp16 P cannot underflow), int4 zero points add
@@ -37,8 +39,9 @@ inline constexpr int kDecodeHeadsPerWarp = 8;
 inline constexpr int kDecodeMaxKvHeads = 128;
 inline constexpr int kDecodeMaxSplits = 1024;
 
-// What the kernels cannot run (empty: supported). The K == V dtype pairs, head_dim 64 / 128
-// / 256 (K and V equal), block_tokens a multiple of 16, at most 128 kv heads.
+// What the kernels cannot run (empty: supported). The (K, V) dtype pairs of kv_pairs.h
+// (cuda_kv_pair_supported), head_dim 64 / 128 / 256 (K and V equal), block_tokens a multiple
+// of 16, at most 128 kv heads.
 std::vector<std::string> decode_unsupported_reasons(const LayerKvSpec& spec);
 
 struct DecodeOptions {

@@ -1,6 +1,6 @@
-// The split-KV decode kernel (one instantiation per dtype x head_dim; included only by the
-// decode_<dtype>.cu files). See cuda_decode.h for the algorithm and decode_params.h for the
-// register layouts.
+// The split-KV decode kernel (one instantiation per (K dtype, V dtype) pair x head_dim;
+// included only by the decode_<dtype>.cu / decode_<k>__<v>.cu files). See cuda_decode.h for the
+// algorithm and decode_params.h for the register layouts.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,6 +11,7 @@
 #include "attention/cuda/cuda_decode.h"
 #include "attention/cuda/decode_params.h"
 #include "cache/cuda/cuda_check.h"
+#include "cache/cuda/dispatch.h"
 #include "kvq/core/error.h"
 
 namespace kvq::cuda {
@@ -98,25 +99,33 @@ struct Shape {
   static constexpr bool kNvfp4 = D == KvDtype::kNvfp4;
   static constexpr bool kTensorScale =
       D == KvDtype::kFp8E4M3 || D == KvDtype::kFp8E5M2 || D == KvDtype::kNvfp4;
-  // Keep the next tile's raw bytes in flight while computing this one, when they are few.
-  // Only where the second tile fits the register budget of kMinBlocks (no spills).
-  static constexpr bool kPrefetch = kCodeBytes <= 64;
-  static constexpr bool kQInRegs = HD <= 128;
-  // head_dim 256: V is loaded after S = Q K^T, so K and V bytes are never live together.
-  static constexpr bool kLateV = HD > 128;
   static_assert(kKWords >= 1 && kVWords >= 1 && kKChunk >= 4 && kVLoad >= 4);
 };
 
+// What depends on both sides: the K side (SK) feeds S = Q K^T, the V side (SV) feeds O += P V.
+template <KvDtype DK, KvDtype DV, int HD>
+struct PairShape {
+  using SK = Shape<DK, HD>;
+  using SV = Shape<DV, HD>;
+  // Keep the next tile's raw bytes in flight while computing this one, when they are few.
+  // Only where the second tile fits the register budget of kMinBlocks (no spills).
+  static constexpr bool kPrefetch = SK::kCodeBytes + SV::kCodeBytes <= 128;
+  static constexpr bool kQInRegs = HD <= 128;
+  // head_dim 256: V is loaded after S = Q K^T, so K and V bytes are never live together.
+  static constexpr bool kLateV = HD > 128;
+};
+
 // Raw bytes of one 16-token tile, as this lane loads them.
-template <KvDtype D, int HD>
+template <KvDtype DK, KvDtype DV, int HD>
 struct TileRaw {
-  using S = Shape<D, HD>;
-  uint32_t k[2][S::kKWords];    // tokens g and 8 + g
-  uint32_t v[4][S::kVWords];    // tokens 2c, 2c + 1, 2c + 8, 2c + 9
-  uint32_t ks[4];               // per-token K metadata of tokens 2c, 2c + 1, 2c + 8, 2c + 9
-  uint32_t vs[4];               // per-token V metadata, same tokens
-  uint32_t kb[2][S::kKChunks];  // nvfp4: K block-scale bytes per chunk
-  uint32_t vb[4];               // nvfp4: V block-scale bytes
+  using SK = Shape<DK, HD>;
+  using SV = Shape<DV, HD>;
+  uint32_t k[2][SK::kKWords];    // tokens g and 8 + g
+  uint32_t v[4][SV::kVWords];    // tokens 2c, 2c + 1, 2c + 8, 2c + 9
+  uint32_t ks[4];                // per-token K metadata of tokens 2c, 2c + 1, 2c + 8, 2c + 9
+  uint32_t vs[4];                // per-token V metadata, same tokens
+  uint32_t kb[2][SK::kKChunks];  // nvfp4: K block-scale bytes per chunk
+  uint32_t vb[4];                // nvfp4: V block-scale bytes
 };
 
 template <int W>
@@ -143,10 +152,11 @@ struct TileCtx {
 
 // Loads parts of a tile: K codes and metadata (kParts & 1), V codes and nvfp4 block scales
 // (kParts & 2), V per-token metadata (kParts & 4).
-template <KvDtype D, int HD, int kParts = 7>
-__device__ __forceinline__ void load_tile(TileRaw<D, HD>& r, const DecodeKernelParams& p,
+template <KvDtype DK, KvDtype DV, int HD, int kParts = 7>
+__device__ __forceinline__ void load_tile(TileRaw<DK, DV, HD>& r, const DecodeKernelParams& p,
                                           const TileCtx& x, int tile) {
-  using S = Shape<D, HD>;
+  using SK = Shape<DK, HD>;
+  using SV = Shape<DV, HD>;
   const int t0 = tile * kDecodeTileTokens;
   const int32_t block = x.blocks[t0 / p.block_tokens];
   const int off = t0 % p.block_tokens;
@@ -159,17 +169,17 @@ __device__ __forceinline__ void load_tile(TileRaw<D, HD>& r, const DecodeKernelP
       const bool vis = t0 + tt >= x.lo && t0 + tt < x.hi;
       const uint8_t* row = kh + static_cast<uint64_t>(off + tt) * p.k.row_bytes;
 #pragma unroll
-      for (int j = 0; j < S::kKChunks; ++j) {
-        uint32_t* dst = &r.k[n][j * (S::kKChunk / 4)];
+      for (int j = 0; j < SK::kKChunks; ++j) {
+        uint32_t* dst = &r.k[n][j * (SK::kKChunk / 4)];
         if (vis) {
-          load_words<S::kKChunk>(row + (x.c + 4 * j) * S::kKChunk, dst);
+          load_words<SK::kKChunk>(row + (x.c + 4 * j) * SK::kKChunk, dst);
         } else {
 #pragma unroll
-          for (int w = 0; w < S::kKChunk / 4; ++w) dst[w] = 0;
+          for (int w = 0; w < SK::kKChunk / 4; ++w) dst[w] = 0;
         }
-        if constexpr (S::kNvfp4) {
-          const uint8_t* sc = row + HD / 2 + ((x.c + 4 * j) * S::kKEpb) / 16;
-          if constexpr (S::kKEpb >= 32)
+        if constexpr (SK::kNvfp4) {
+          const uint8_t* sc = row + HD / 2 + ((x.c + 4 * j) * SK::kKEpb) / 16;
+          if constexpr (SK::kKEpb >= 32)
             r.kb[n][j] = vis ? __ldg(reinterpret_cast<const unsigned short*>(sc)) : 0u;
           else
             r.kb[n][j] = vis ? __ldg(sc) : 0u;
@@ -184,16 +194,16 @@ __device__ __forceinline__ void load_tile(TileRaw<D, HD>& r, const DecodeKernelP
       const bool vis = t0 + tt >= x.lo && t0 + tt < x.hi;
       const uint8_t* row = vh + static_cast<uint64_t>(off + tt) * p.v.row_bytes;
 #pragma unroll
-      for (int l = 0; l < S::kVPart / S::kVLoad; ++l) {
-        uint32_t* dst = &r.v[i][l * (S::kVLoad / 4)];
+      for (int l = 0; l < SV::kVPart / SV::kVLoad; ++l) {
+        uint32_t* dst = &r.v[i][l * (SV::kVLoad / 4)];
         if (vis) {
-          load_words<S::kVLoad>(row + x.g * S::kVPart + l * S::kVLoad, dst);
+          load_words<SV::kVLoad>(row + x.g * SV::kVPart + l * SV::kVLoad, dst);
         } else {
 #pragma unroll
-          for (int w = 0; w < S::kVLoad / 4; ++w) dst[w] = 0;
+          for (int w = 0; w < SV::kVLoad / 4; ++w) dst[w] = 0;
         }
       }
-      if constexpr (S::kNvfp4) {
+      if constexpr (SV::kNvfp4) {
         const uint8_t* sc = row + HD / 2 + (x.g * (HD / 8)) / 16;
         if constexpr (HD / 8 >= 32)
           r.vb[i] = vis ? __ldg(reinterpret_cast<const unsigned short*>(sc)) : 0u;
@@ -202,20 +212,20 @@ __device__ __forceinline__ void load_tile(TileRaw<D, HD>& r, const DecodeKernelP
       }
     }
   }
-  if constexpr (S::kRowScale) {
+  if constexpr (SK::kRowScale || SV::kRowScale) {
     // Metadata of tokens (2c, 2c + 1) and (2c + 8, 2c + 9): one 8-byte load each.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int tt = 2 * x.c + 8 * h;
       const bool v0 = t0 + tt >= x.lo && t0 + tt < x.hi;
       const bool v1 = t0 + tt + 1 >= x.lo && t0 + tt + 1 < x.hi;
-      if constexpr ((kParts & 1) != 0) {
+      if constexpr (SK::kRowScale && (kParts & 1) != 0) {
         const uint2 ka = __ldg(reinterpret_cast<const uint2*>(kh + p.k.values_bytes +
                                                               static_cast<uint64_t>(off + tt) * 4));
         r.ks[2 * h] = v0 ? ka.x : 0u;
         r.ks[2 * h + 1] = v1 ? ka.y : 0u;
       }
-      if constexpr ((kParts & 4) != 0) {
+      if constexpr (SV::kRowScale && (kParts & 4) != 0) {
         const uint2 va = __ldg(reinterpret_cast<const uint2*>(vh + p.v.values_bytes +
                                                               static_cast<uint64_t>(off + tt) * 4));
         r.vs[2 * h] = v0 ? va.x : 0u;
@@ -305,13 +315,17 @@ __device__ __forceinline__ float quad_sum(float v) {
 // Blocks (of 4 warps) per SM the register budget is set for: more resident warps hide more
 // load latency. 16/32-bit dtypes and head_dim 256 keep the compiler's natural allocation
 // (capping them spills).
-template <KvDtype D, int HD>
-constexpr int kMinBlocks = kv_value_bits(D) > 8 ? 1 : (HD == 64 ? 4 : (HD == 128 ? 3 : 1));
+template <KvDtype DK, KvDtype DV, int HD>
+constexpr int kMinBlocks = cmax(kv_value_bits(DK), kv_value_bits(DV)) > 8
+                               ? 1
+                               : (HD == 64 ? 4 : (HD == 128 ? 3 : 1));
 
-template <KvDtype D, int HD>
-__global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
+template <KvDtype DK, KvDtype DV, int HD>
+__global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD>)
     decode_main_kernel(const __grid_constant__ DecodeKernelParams p) {
-  using S = Shape<D, HD>;
+  using P = PairShape<DK, DV, HD>;
+  using SK = Shape<DK, HD>;  // S = Q K^T: operand type, K scales, K zero points
+  using SV = Shape<DV, HD>;  // O += P V: operand type of P, V scales, V zero points
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int warp = static_cast<int>(threadIdx.x >> 5);
   const int seq = static_cast<int>(blockIdx.z);
@@ -340,12 +354,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
       (static_cast<size_t>(seq) * p.num_kv_heads + kvh) * p.head_chunks + static_cast<size_t>(hc);
   // Q's A-operand registers; for head_dim 256 they are re-read from L1 each tile instead of
   // pinning 32 registers (the accumulators already take 64).
-  const uint2* qf = p.qfrag + qbase * S::kKSteps * 32 + lane;
-  constexpr int kQRegs = S::kQInRegs ? S::kKSteps : 1;
+  const uint2* qf = p.qfrag + qbase * SK::kKSteps * 32 + lane;
+  constexpr int kQRegs = P::kQInRegs ? SK::kKSteps : 1;
   uint32_t qa0[kQRegs], qa2[kQRegs];
-  if constexpr (S::kQInRegs) {
+  if constexpr (P::kQInRegs) {
 #pragma unroll
-    for (int s = 0; s < S::kKSteps; ++s) {
+    for (int s = 0; s < SK::kKSteps; ++s) {
       const uint2 v = qf[s * 32];
       qa0[s] = v.x;
       qa2[s] = v.y;
@@ -356,22 +370,22 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
   const bool capped = p.soft_cap != 0.0f;
   const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
 
-  float o[S::kNTiles][2];
+  float o[SV::kNTiles][2];
 #pragma unroll
-  for (int j = 0; j < S::kNTiles; ++j) o[j][0] = o[j][1] = 0.0f;
+  for (int j = 0; j < SV::kNTiles; ++j) o[j][0] = o[j][1] = 0.0f;
   float m = -__uint_as_float(kF32Inf);  // running max, log2 units
   float l = 0.0f;                       // this lane's share of the running sum
   float s_run = 0.0f;                   // running max of the per-token V scales
   float zacc = 0.0f;                    // int4: this lane's share of sum(p * zero point)
 
-  auto process = [&](TileRaw<D, HD>& cur, int tile) {
+  auto process = [&](TileRaw<DK, DV, HD>& cur, int tile) {
     const int t0 = tile * kDecodeTileTokens;
     // ---- S = Q K^T for tokens 0-7 (n = 0) and 8-15 (n = 1) of the tile ----
     float sc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll
-    for (int s = 0; s < S::kKSteps; ++s) {
+    for (int s = 0; s < SK::kKSteps; ++s) {
       uint32_t q0, q2;
-      if constexpr (S::kQInRegs) {
+      if constexpr (P::kQInRegs) {
         q0 = qa0[s];
         q2 = qa2[s];
       } else {
@@ -379,10 +393,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
         q0 = v.x;
         q2 = v.y;
       }
-      mma<S::kBf16>(sc[0][0], sc[0][1], q0, q2, k_pair<D, HD>(cur.k[0], cur.kb[0], 2 * s),
-                    k_pair<D, HD>(cur.k[0], cur.kb[0], 2 * s + 1));
-      mma<S::kBf16>(sc[1][0], sc[1][1], q0, q2, k_pair<D, HD>(cur.k[1], cur.kb[1], 2 * s),
-                    k_pair<D, HD>(cur.k[1], cur.kb[1], 2 * s + 1));
+      mma<SK::kBf16>(sc[0][0], sc[0][1], q0, q2, k_pair<DK, HD>(cur.k[0], cur.kb[0], 2 * s),
+                     k_pair<DK, HD>(cur.k[0], cur.kb[0], 2 * s + 1));
+      mma<SK::kBf16>(sc[1][0], sc[1][1], q0, q2, k_pair<DK, HD>(cur.k[1], cur.kb[1], 2 * s),
+                     k_pair<DK, HD>(cur.k[1], cur.kb[1], 2 * s + 1));
     }
 
     // ---- logits of tokens 2c, 2c + 1, 2c + 8, 2c + 9 (the lane's C-fragment entries) ----
@@ -390,10 +404,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       float r = sc[i >> 1][i & 1];
-      if constexpr (S::kInt4) {
+      if constexpr (SK::kInt4) {
         const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.ks[i]));
         r = fmaf(r, sz.x, sz.y * qsum);
-      } else if constexpr (S::kRowScale) {
+      } else if constexpr (SK::kRowScale) {
         r *= __uint_as_float(cur.ks[i]);
       }
       r *= qfactor;
@@ -409,11 +423,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
     for (int i = 0; i < 4; ++i) pr[i] = exp2f(xs[i] - m_use);
     l = l * corr + ((pr[0] + pr[1]) + (pr[2] + pr[3]));
     m = m_new;
-    if constexpr (S::kRowScale) {
+    if constexpr (SV::kRowScale) {
       float sv[4], zv[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        if constexpr (S::kInt4) {
+        if constexpr (SV::kInt4) {
           const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.vs[i]));
           sv[i] = sz.x;
           zv[i] = sz.y;
@@ -425,7 +439,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
       const float smax = quad_max(fmaxf(fmaxf(sv[0], sv[1]), fmaxf(sv[2], sv[3])));
       const float s_new = fmaxf(s_run, smax);
       const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
-      if constexpr (S::kInt4)
+      if constexpr (SV::kInt4)
         zacc = zacc * corr + ((pr[0] * zv[0] + pr[1] * zv[1]) + (pr[2] * zv[2] + pr[3] * zv[3]));
       corr *= s_new > 0.0f ? s_run * inv_s : 1.0f;
       s_run = s_new;
@@ -435,9 +449,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
 
     // ---- O = O * corr + P V ----
     // head_dim 256: V codes only now, so K and V codes are never live together.
-    if constexpr (S::kLateV) load_tile<D, HD, 2>(cur, p, x, tile);
+    if constexpr (P::kLateV) load_tile<DK, DV, HD, 2>(cur, p, x, tile);
     uint32_t pa0, pa2;
-    if constexpr (S::kBf16) {
+    if constexpr (SV::kBf16) {
       pa0 = f32x2_to_bf16x2f(pr[0], pr[1]);
       pa2 = f32x2_to_bf16x2f(pr[2], pr[3]);
     } else {
@@ -445,47 +459,47 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
       pa2 = f32x2_to_f16x2(pr[2], pr[3]);
     }
 #pragma unroll
-    for (int j = 0; j < S::kNTiles; ++j) {
+    for (int j = 0; j < SV::kNTiles; ++j) {
       o[j][0] *= corr;
       o[j][1] *= corr;
-      mma<S::kBf16>(o[j][0], o[j][1], pa0, pa2,
-                    v_pair<D, HD>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], j),
-                    v_pair<D, HD>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], j));
+      mma<SV::kBf16>(o[j][0], o[j][1], pa0, pa2,
+                     v_pair<DV, HD>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], j),
+                     v_pair<DV, HD>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], j));
     }
   };
 
-  TileRaw<D, HD> cur;
-  if constexpr (S::kLateV) {
+  TileRaw<DK, DV, HD> cur;
+  if constexpr (P::kLateV) {
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
-      load_tile<D, HD, 5>(cur, p, x, tile);
+      load_tile<DK, DV, HD, 5>(cur, p, x, tile);
       process(cur, tile);
     }
-  } else if constexpr (S::kPrefetch) {
-    load_tile<D, HD>(cur, p, x, tb);
+  } else if constexpr (P::kPrefetch) {
+    load_tile<DK, DV, HD>(cur, p, x, tb);
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
-      TileRaw<D, HD> nxt;
-      if (tile + 1 < te) load_tile<D, HD>(nxt, p, x, tile + 1);
+      TileRaw<DK, DV, HD> nxt;
+      if (tile + 1 < te) load_tile<DK, DV, HD>(nxt, p, x, tile + 1);
       process(cur, tile);
       cur = nxt;
     }
   } else {
-    load_tile<D, HD>(cur, p, x, tb);
+    load_tile<DK, DV, HD>(cur, p, x, tb);
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
       process(cur, tile);
-      if (tile + 1 < te) load_tile<D, HD>(cur, p, x, tile + 1);
+      if (tile + 1 < te) load_tile<DK, DV, HD>(cur, p, x, tile + 1);
     }
   }
 
   // ---- the warp's partial: o normalized by its own sum, with (max, sum) to merge ----
   const float l_tot = quad_sum(l);
   float scale_o = 1.0f;
-  if constexpr (S::kRowScale) scale_o = s_run;
-  if constexpr (S::kTensorScale) scale_o = p.v.tensor_scale[kvh];
+  if constexpr (SV::kRowScale) scale_o = s_run;
+  if constexpr (SV::kTensorScale) scale_o = p.v.tensor_scale[kvh];
   const float inv_l = 1.0f / l_tot;
-  const float zterm = S::kInt4 ? quad_sum(zacc) : 0.0f;
+  const float zterm = SV::kInt4 ? quad_sum(zacc) : 0.0f;
   const int rows = min(kDecodeHeadsPerWarp, p.ratio - hc * kDecodeHeadsPerWarp);
   // A sequence with a single split is final here (when V is not rotated): write the output.
   const bool direct = p.out != nullptr && nsplit == 1;
@@ -500,7 +514,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
                                       HD
                         : p.part_o + row * HD;
 #pragma unroll
-    for (int j = 0; j < S::kNTiles; ++j) {
+    for (int j = 0; j < SV::kNTiles; ++j) {
       dst[(2 * x.c) * (HD / 8) + j] = (o[j][0] * scale_o + zterm) * inv_l;
       dst[(2 * x.c + 1) * (HD / 8) + j] = (o[j][1] * scale_o + zterm) * inv_l;
     }
@@ -510,24 +524,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<D, HD>)
 
 }  // namespace decode_detail
 
-template <KvDtype D>
+template <KvDtype DK, KvDtype DV>
 void launch_decode_main(const DecodeKernelParams& p, int head_dim, dim3 grid, cudaStream_t stream) {
-  const dim3 block(kDecodeWarps * 32);
-  switch (head_dim) {
-    case 64:
-      decode_detail::decode_main_kernel<D, 64><<<grid, block, 0, stream>>>(p);
-      break;
-    case 128:
-      decode_detail::decode_main_kernel<D, 128><<<grid, block, 0, stream>>>(p);
-      break;
-    case 256:
-      decode_detail::decode_main_kernel<D, 256><<<grid, block, 0, stream>>>(p);
-      break;
-    default:
-      KVQ_CHECK(false,
-                "cuda decode: head_dim " + std::to_string(head_dim) + " not in {64, 128, 256}");
-  }
-  KVQ_CUDA_CHECK_LAUNCH();
+  const bool known = with_head_dim(head_dim, [&](auto hd) {
+    decode_detail::decode_main_kernel<DK, DV, decltype(hd)::value>
+        <<<grid, dim3(kDecodeWarps * 32), 0, stream>>>(p);
+    KVQ_CUDA_CHECK_LAUNCH();
+  });
+  KVQ_CHECK(known, "cuda decode: head_dim " + std::to_string(head_dim) + " not in {64, 128, 256}");
 }
 
 }  // namespace kvq::cuda

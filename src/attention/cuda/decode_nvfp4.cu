@@ -3,6 +3,6 @@
 #include "attention/cuda/decode_kernel.cuh"
 
 namespace kvq::cuda {
-template void launch_decode_main<KvDtype::kNvfp4>(const DecodeKernelParams&, int, dim3,
-                                                  cudaStream_t);
+template void launch_decode_main<KvDtype::kNvfp4, KvDtype::kNvfp4>(const DecodeKernelParams&, int,
+                                                                   dim3, cudaStream_t);
 }  // namespace kvq::cuda

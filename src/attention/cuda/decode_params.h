@@ -57,6 +57,9 @@ __host__ __device__ constexpr int kv_load_align(KvDtype d, int hd) {
 __host__ __device__ constexpr int cmin(int a, int b) {
   return a < b ? a : b;
 }
+__host__ __device__ constexpr int cmax(int a, int b) {
+  return a > b ? a : b;
+}
 // Operand type of the tensor-core MMAs for a dtype: bf16 where fp16 could not hold the
 // values (bfloat16, float32), fp16 everywhere else (every quantized code is exact in fp16).
 __host__ __device__ constexpr bool kv_bf16_operands(KvDtype d) {
@@ -114,8 +117,9 @@ struct DecodeKernelParams {
   float soft_cap;  // 0: off
 };
 
-// One instantiation per dtype (K == V), defined in decode_<dtype>.cu.
-template <KvDtype D>
+// One instantiation per (K, V) pair of kv_pairs.h, defined in decode_<dtype>.cu (K == V) or
+// decode_<k>__<v>.cu (mixed).
+template <KvDtype DK, KvDtype DV>
 void launch_decode_main(const DecodeKernelParams& p, int head_dim, dim3 grid, cudaStream_t stream);
 
 }  // namespace kvq::cuda

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cache/cuda/cuda_check.h"
+#include "cache/cuda/dispatch.h"
 #include "cache/cuda/kv_codec_device.cuh"
 #include "kvq/cache/device_kv_cache.h"
 #include "kvq/core/error.h"
@@ -35,6 +36,7 @@ struct WriteSideParams {
   uint64_t block_bytes, head_stride, values_bytes, row_data_bytes, row_scale_bytes;
   const float* src;  // [n][num_kv_heads][head_dim]
   const int64_t* slots;
+  unsigned long long* bad_token;  // optional: lowest token whose slot is past the blocks
   int64_t n;
   int64_t num_slots;
   int num_kv_heads;
@@ -84,7 +86,13 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
   const int64_t t = row / p.num_kv_heads;
   const int h = static_cast<int>(row - t * p.num_kv_heads);
   const int64_t slot = p.slots[t];
-  if (slot < 0 || slot >= p.num_slots) return;
+  if (slot < 0) return;  // padding
+  if (slot >= p.num_slots) {
+    // Never written (a kernel cannot throw): recorded for check_write_kv_cuda.
+    if (p.bad_token != nullptr && lane == 0)
+      atomicMin(p.bad_token, static_cast<unsigned long long>(t));
+    return;
+  }
   const int64_t block = slot / p.block_tokens;
   const int64_t off = slot - block * p.block_tokens;
   uint8_t* head = reinterpret_cast<uint8_t*>(p.base) + block * p.block_bytes + h * p.head_stride;
@@ -219,50 +227,19 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
   }
 }
 
-template <KvDtype D>
-void launch_side(const WriteSideParams& p, int head_dim, unsigned blocks, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64:
-      write_side_kernel<D, 2><<<blocks, kWriteWarps * 32, 0, stream>>>(p);
-      break;
-    case 128:
-      write_side_kernel<D, 4><<<blocks, kWriteWarps * 32, 0, stream>>>(p);
-      break;
-    case 256:
-      write_side_kernel<D, 8><<<blocks, kWriteWarps * 32, 0, stream>>>(p);
-      break;
-    default:
-      KVQ_CHECK(false,
-                "write_kv_cuda: head_dim " + std::to_string(head_dim) + " not in {64, 128, 256}");
-  }
-  KVQ_CUDA_CHECK_LAUNCH();
-}
-
-void launch_for_dtype(KvDtype dtype, const WriteSideParams& p, int head_dim, unsigned blocks,
-                      cudaStream_t stream) {
-  switch (dtype) {
-    case KvDtype::kFloat16:
-      return launch_side<KvDtype::kFloat16>(p, head_dim, blocks, stream);
-    case KvDtype::kBFloat16:
-      return launch_side<KvDtype::kBFloat16>(p, head_dim, blocks, stream);
-    case KvDtype::kFloat32:
-      return launch_side<KvDtype::kFloat32>(p, head_dim, blocks, stream);
-    case KvDtype::kFp8E4M3:
-      return launch_side<KvDtype::kFp8E4M3>(p, head_dim, blocks, stream);
-    case KvDtype::kFp8E5M2:
-      return launch_side<KvDtype::kFp8E5M2>(p, head_dim, blocks, stream);
-    case KvDtype::kInt8PerTokenHead:
-      return launch_side<KvDtype::kInt8PerTokenHead>(p, head_dim, blocks, stream);
-    case KvDtype::kFp8PerTokenHead:
-      return launch_side<KvDtype::kFp8PerTokenHead>(p, head_dim, blocks, stream);
-    case KvDtype::kInt4PerTokenHead:
-      return launch_side<KvDtype::kInt4PerTokenHead>(p, head_dim, blocks, stream);
-    case KvDtype::kNvfp4:
-      return launch_side<KvDtype::kNvfp4>(p, head_dim, blocks, stream);
-    case KvDtype::kAuto:
-      break;
-  }
-  KVQ_CHECK(false, "write_kv_cuda: unresolved KV dtype");
+void launch_write(KvDtype dtype, const WriteSideParams& p, int head_dim, unsigned blocks,
+                  cudaStream_t stream) {
+  bool known_dim = true;
+  const bool known_dtype = with_kv_dtype(dtype, [&](auto d) {
+    known_dim = with_head_dim(head_dim, [&](auto hd) {
+      write_side_kernel<decltype(d)::value, decltype(hd)::value / 32>
+          <<<blocks, kWriteWarps * 32, 0, stream>>>(p);
+      KVQ_CUDA_CHECK_LAUNCH();
+    });
+  });
+  KVQ_CHECK(known_dtype, "write_kv_cuda: unresolved KV dtype");
+  KVQ_CHECK(known_dim,
+            "write_kv_cuda: head_dim " + std::to_string(head_dim) + " not in {64, 128, 256}");
 }
 
 }  // namespace
@@ -271,7 +248,8 @@ void launch_for_dtype(KvDtype dtype, const WriteSideParams& p, int head_dim, uns
 namespace kvq {
 
 void write_kv_cuda(const LayerKvSpec& spec, const LayerCacheView& cache, const int64_t* slots,
-                   int64_t n, const float* k, const float* v, CUstream_st* stream) {
+                   int64_t n, const float* k, const float* v, CUstream_st* stream,
+                   uint64_t* bad_token) {
   using namespace kvq::cuda;
   const int block_tokens = spec.block_tokens;
   KVQ_CHECK(block_tokens > 0, "write_kv_cuda: block_tokens must be positive");
@@ -301,6 +279,8 @@ void write_kv_cuda(const LayerKvSpec& spec, const LayerCacheView& cache, const i
   const int64_t blocks = (rows + kWriteWarps - 1) / kWriteWarps;
   KVQ_CHECK(blocks <= INT_MAX, "write_kv_cuda: too many tokens in one call");
   const HadamardSigns signs = make_hadamard_signs();
+  const auto cs = reinterpret_cast<cudaStream_t>(stream);
+  if (bad_token) KVQ_CUDA_CHECK(cudaMemsetAsync(bad_token, 0xFF, sizeof(uint64_t), cs));
   for (KvSide s : {KvSide::kK, KvSide::kV}) {
     const KvSideLayout& l = cache.layout(s);
     WriteSideParams p{};
@@ -312,15 +292,31 @@ void write_kv_cuda(const LayerKvSpec& spec, const LayerCacheView& cache, const i
     p.row_scale_bytes = l.row_scale_bytes;
     p.src = s == KvSide::kK ? k : v;
     p.slots = slots;
+    p.bad_token = reinterpret_cast<unsigned long long*>(bad_token);
     p.n = n;
     p.num_slots = static_cast<int64_t>(cache.num_blocks) * block_tokens;
     p.num_kv_heads = spec.num_kv_heads;
     p.block_tokens = block_tokens;
     p.signs = signs;
     for (int h = 0; h < spec.num_kv_heads; ++h) p.tensor_scale[h] = spec.scale(s).for_head(h);
-    launch_for_dtype(l.dtype, p, l.head_dim, static_cast<unsigned>(blocks),
-                     reinterpret_cast<cudaStream_t>(stream));
+    launch_write(l.dtype, p, l.head_dim, static_cast<unsigned>(blocks), cs);
   }
+}
+
+void check_write_kv_cuda(const LayerCacheView& cache, const int64_t* slots,
+                         const uint64_t* bad_token, CUstream_st* stream) {
+  KVQ_CHECK(slots && bad_token, "check_write_kv_cuda: null pointer");
+  const auto cs = reinterpret_cast<cudaStream_t>(stream);
+  uint64_t t = 0;
+  KVQ_CUDA_CHECK(cudaMemcpyAsync(&t, bad_token, sizeof t, cudaMemcpyDeviceToHost, cs));
+  KVQ_CUDA_CHECK(cudaStreamSynchronize(cs));
+  if (t == UINT64_MAX) return;
+  int64_t slot = 0;
+  KVQ_CUDA_CHECK(cudaMemcpy(&slot, slots + t, sizeof slot, cudaMemcpyDeviceToHost));
+  const int64_t num_slots = static_cast<int64_t>(cache.num_blocks) * cache.k_layout.block_tokens;
+  KVQ_CHECK(false, "write_kv_cuda: slot " + std::to_string(slot) + " of token " +
+                       std::to_string(t) + " out of range (" + std::to_string(num_slots) +
+                       " slots); the row was not written");
 }
 
 }  // namespace kvq

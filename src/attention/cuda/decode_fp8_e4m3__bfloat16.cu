@@ -1,0 +1,8 @@
+// Decode kernels for K fp8_e4m3 over V bfloat16 (head_dim 64, 128, 256): one (K, V) pair
+// per file keeps each compilation unit small.
+#include "attention/cuda/decode_kernel.cuh"
+
+namespace kvq::cuda {
+template void launch_decode_main<KvDtype::kFp8E4M3, KvDtype::kBFloat16>(const DecodeKernelParams&,
+                                                                        int, dim3, cudaStream_t);
+}  // namespace kvq::cuda
