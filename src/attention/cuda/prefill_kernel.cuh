@@ -61,11 +61,27 @@ __host__ __device__ constexpr int cmax(int a, int b) {
   return a > b ? a : b;
 }
 
+// How a side's staged bytes reach the tensor cores: 16-bit caches are ldmatrix'ed straight
+// from the cp.async staging tile; 8-bit caches are ldmatrix'ed as bytes and converted in
+// registers (with a permuted head dim, see below); fp32 and 4-bit caches are dequantized into
+// a 16-bit shared-memory tile first (an extra pass and barrier per tile).
+enum class Mode { kDirect16, kReg8, kDequant };
+__host__ __device__ constexpr Mode side_mode(KvDtype d) {
+  return (d == KvDtype::kFloat16 || d == KvDtype::kBFloat16) ? Mode::kDirect16
+         : value_bits(d) == 8                                ? Mode::kReg8
+                                                             : Mode::kDequant;
+}
+
 // Shared-memory plan of one block (byte offsets).
 template <KvDtype DK, KvDtype DV, int HD>
 struct Cfg {
   static constexpr int kRowK = row_bytes(DK, HD);
   static constexpr int kRowV = row_bytes(DV, HD);
+  static constexpr Mode kModeK = side_mode(DK);
+  static constexpr Mode kModeV = side_mode(DV);
+  static constexpr bool kDeqK = kModeK == Mode::kDequant;
+  static constexpr bool kDeqV = kModeV == Mode::kDequant;
+  static constexpr bool kAnyDeq = kDeqK || kDeqV;
   // 16-row MMA tiles per warp: two where the accumulators fit (each K / V fragment read
   // from shared memory then serves twice the rows), one at head_dim 256.
   static constexpr int kMT = prefill_rows_per_block(HD) / (kWarps * 16);
@@ -75,6 +91,9 @@ struct Cfg {
   static constexpr int kBc = (HD <= 64 && (kRowK + kRowV) * 64 * 2 <= 65536) ? 64 : 32;
   static constexpr int kStride = HD + 8;  // 16-bit elements per smem row: +16 B breaks bank
                                           // conflicts of ldmatrix
+  // Staged row pitch: +16 B where ldmatrix reads the staged rows (bank conflicts).
+  static constexpr int kPitchK = kDeqK ? kRowK : kRowK + 16;
+  static constexpr int kPitchV = kDeqV ? kRowV : kRowV + 16;
   static constexpr bool kMetaK = row_scaled(DK);
   static constexpr bool kMetaV = row_scaled(DV);
   static constexpr bool kInt4K = DK == KvDtype::kInt4PerTokenHead;
@@ -84,22 +103,26 @@ struct Cfg {
   static constexpr bool kBf16K = bf16_operands(DK);
   static constexpr bool kBf16V = bf16_operands(DV);
 
-  static constexpr int kQs = 0;                           // [kRows][kStride] Q operands
-  static constexpr int kKs = kQs + kRows * kStride * 2;   // [kBc][kStride] K operands
-  static constexpr int kVs = kKs + kBc * kStride * 2;     // [kBc][kStride] V operands
-  static constexpr int kScale = kVs + kBc * kStride * 2;  // ksc, kzp, vsc, vzp [kBc] fp32
-  static constexpr int kRowMeta = kScale + 4 * kBc * 4;   // factor, qsum [kRows] fp32
-  static constexpr int kRaw = kRowMeta + 2 * kRows * 4;   // two raw staging buffers
-  static constexpr int kRawK = kBc * kRowK;               // within a raw buffer
-  static constexpr int kRawV = kRawK + kBc * kRowV;       // offset of V's metadata..
-  static constexpr int kRawMetaK = kRawV;                 // K metadata (per-token scales)
+  static constexpr int kQs = 0;                                      // [kRows][kStride] Q
+  static constexpr int kKs = kQs + kRows * kStride * 2;              // [kBc][kStride] K (dequant)
+  static constexpr int kVs = kKs + (kDeqK ? kBc * kStride * 2 : 0);  // [kBc][kStride] V (dequant)
+  static constexpr int kRowMeta = kVs + (kDeqV ? kBc * kStride * 2 : 0);  // factor, qsum [kRows]
+  static constexpr int kRaw = kRowMeta + 2 * kRows * 4;  // kStages raw staging buffers
+  static constexpr int kRawK = kBc * kPitchK;            // within a raw buffer
+  static constexpr int kRawV = kRawK + kBc * kPitchV;    // offset of the metadata..
+  static constexpr int kRawMetaK = kRawV;                // K metadata (per-token scales)
   static constexpr int kRawMetaV = kRawMetaK + (kMetaK ? kBc * 4 : 0);
   static constexpr int kRawBuf = kRawMetaV + (kMetaV ? kBc * 4 : 0);
-  static constexpr int kMain = kRaw + 2 * kRawBuf;
+  // Three stages (loads of tile j + 2 overlap compute of j) where two blocks per SM still fit
+  // (one at head_dim 256).
+  static constexpr int kStages = kRaw + 3 * kRawBuf <= (HD == 256 ? 200 : 110) * 1024 ? 3 : 2;
+  static constexpr int kMain = kRaw + kStages * kRawBuf;
   static constexpr int kEpiStride = HD + 4;  // fp32 per row of the un-rotation staging
   static constexpr int kEpi = kRotV ? kRows * kEpiStride * 4 : 0;
   static constexpr int kSmem = cmax(kMain, kEpi);
   static_assert(kRowMeta % 16 == 0 && kRaw % 16 == 0 && kRawBuf % 16 == 0 && kRawK % 16 == 0);
+  static_assert(kDeqK || kRowK % 16 == 0);
+  static_assert(kDeqV || kRowV % 16 == 0);
 };
 
 // ---- PTX wrappers -----------------------------------------------------------------------------
@@ -255,14 +278,15 @@ __device__ __forceinline__ float quad_sum(float v) {
 }
 
 // Starts the cp.async copies of one side's bytes for kv tokens [t0, t0 + kBc): UNIT bytes per
-// token (a row, or a row's metadata), 16-token segments (never split across cache blocks,
-// since block_tokens is a multiple of 16). Segments outside [lo, hi) are not read: their
-// blocks may not exist.
-template <int UNIT, int kBc>
+// token (a row, or a row's metadata) landing PITCH bytes apart, 16-token segments (never split
+// across cache blocks, since block_tokens is a multiple of 16). Segments outside [lo, hi) are
+// not read: their blocks may not exist.
+template <int UNIT, int PITCH, int kBc>
 __device__ __forceinline__ void issue_side(uint32_t dst, const uint8_t* head, uint64_t block_bytes,
                                            const int32_t* blocks, int block_tokens, int t0, int lo,
                                            int hi, int tid) {
   constexpr int kChunks = (kBc / 16) * UNIT;  // 16-byte chunks; UNIT per segment
+  static_assert(PITCH == UNIT || UNIT % 16 == 0);
 #pragma unroll 4
   for (int ch = tid; ch < kChunks; ch += kThreads) {
     const int seg = ch / UNIT, w = ch - seg * UNIT;
@@ -271,8 +295,40 @@ __device__ __forceinline__ void issue_side(uint32_t dst, const uint8_t* head, ui
     const int32_t block = __ldg(blocks + tok / block_tokens);
     const uint8_t* src = head + static_cast<uint64_t>(block) * block_bytes +
                          static_cast<uint64_t>(tok % block_tokens) * UNIT + 16 * w;
-    cp_async16(dst + 16 * ch, src);
+    if constexpr (PITCH == UNIT) {
+      cp_async16(dst + 16 * ch, src);
+    } else {
+      constexpr int kPerRow = UNIT / 16;
+      const int row = 16 * seg + w / kPerRow;
+      cp_async16(dst + row * PITCH + 16 * (w % kPerRow), src);
+    }
   }
+}
+
+// Two fp8 / int8 codes (bits 0-7 and 16-23 of w) -> an f16x2 operand pair (exact).
+template <KvDtype D>
+__device__ __forceinline__ uint32_t cvt8_pair02(uint32_t w) {
+  if constexpr (D == KvDtype::kInt8PerTokenHead)
+    return int8_pair(w);
+  else
+    return fp8x2_to_f16x2<D == KvDtype::kFp8E5M2>(__byte_perm(w, 0u, 0x0020));
+}
+// Two 8-bit codes (bits 0-15 of w) -> an f16x2 operand pair (exact).
+template <KvDtype D>
+__device__ __forceinline__ uint32_t cvt8_pair01(uint32_t w) {
+  if constexpr (D == KvDtype::kInt8PerTokenHead)
+    return int8_pair(__byte_perm(w, 0u, 0x0100));
+  else
+    return fp8x2_to_f16x2<D == KvDtype::kFp8E5M2>(w);
+}
+
+// Reg8 K: one ldmatrix (b16 view of the byte rows) hands lane (g, c) bytes 4c .. 4c + 3 of a
+// 16-dim group of token g; they become MMA k indices 2c, 2c + 1, 2c + 8, 2c + 9. Q is stored
+// with that permutation of each 16-dim group, so the dot product is unchanged: the 16-bit
+// column of stored dim d (d % 16 = 2p + i) is 16 (d / 16) + 2 ((p % 2) * 4 + p / 2) + i.
+__device__ __forceinline__ int q_col_reg8(int d) {
+  const int p = (d & 15) >> 1;
+  return (d & ~15) + 2 * ((p & 1) * 4 + (p >> 1)) + (d & 1);
 }
 
 template <KvDtype DK, KvDtype DV, int HD>
@@ -285,8 +341,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
   constexpr int kBc = C::kBc;
   constexpr int kMT = C::kMT;
   constexpr int kRows = C::kRows;
+  constexpr int kS = C::kStages;
   constexpr int kWarpRows = 16 * kMT;
   constexpr int kRowStride = C::kStride * 2;  // bytes
+  constexpr bool kReg8K = C::kModeK == Mode::kReg8;
+  constexpr bool kReg8V = C::kModeV == Mode::kReg8;
+  // Pitch (bytes) of the rows ldmatrix reads: the dequantized tile or the staged bytes.
+  constexpr int kKPitch = C::kDeqK ? kRowStride : C::kPitchK;
+  constexpr int kVPitch = C::kDeqV ? kRowStride : C::kPitchV;
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31, warp = tid >> 5;
@@ -318,29 +380,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
   const uint8_t* k_head = p.k.base + static_cast<uint64_t>(kvh) * p.k.head_stride;
   const uint8_t* v_head = p.v.base + static_cast<uint64_t>(kvh) * p.v.head_stride;
   const uint32_t s_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  float* ksc = reinterpret_cast<float*>(smem + C::kScale);
-  float* kzp = ksc + kBc;
-  float* vsc = kzp + kBc;
-  float* vzp = vsc + kBc;
   float* rfac = reinterpret_cast<float*>(smem + C::kRowMeta);
   float* rqsum = rfac + kRows;
 
-  auto issue = [&](int tile, int buf) {
-    const int t0 = tile * kBc;
-    const uint32_t raw = s_base + C::kRaw + buf * C::kRawBuf;
-    issue_side<C::kRowK, kBc>(raw, k_head, p.k.block_bytes, blocks, p.block_tokens, t0, lo, hi,
-                              tid);
-    issue_side<C::kRowV, kBc>(raw + C::kRawK, v_head, p.v.block_bytes, blocks, p.block_tokens, t0,
-                              lo, hi, tid);
-    if constexpr (C::kMetaK)
-      issue_side<4, kBc>(raw + C::kRawMetaK, k_head + p.k.values_bytes, p.k.block_bytes, blocks,
-                         p.block_tokens, t0, lo, hi, tid);
-    if constexpr (C::kMetaV)
-      issue_side<4, kBc>(raw + C::kRawMetaV, v_head + p.v.values_bytes, p.v.block_bytes, blocks,
-                         p.block_tokens, t0, lo, hi, tid);
+  // Every stage commits one cp.async group (possibly empty) so the wait counts are fixed.
+  auto issue = [&](int tile) {
+    if (tile < tile_e) {
+      const int t0 = tile * kBc;
+      const uint32_t raw = s_base + C::kRaw + ((tile - tile_b) % kS) * C::kRawBuf;
+      issue_side<C::kRowK, C::kPitchK, kBc>(raw, k_head, p.k.block_bytes, blocks, p.block_tokens,
+                                            t0, lo, hi, tid);
+      issue_side<C::kRowV, C::kPitchV, kBc>(raw + C::kRawK, v_head, p.v.block_bytes, blocks,
+                                            p.block_tokens, t0, lo, hi, tid);
+      if constexpr (C::kMetaK)
+        issue_side<4, 4, kBc>(raw + C::kRawMetaK, k_head + p.k.values_bytes, p.k.block_bytes,
+                              blocks, p.block_tokens, t0, lo, hi, tid);
+      if constexpr (C::kMetaV)
+        issue_side<4, 4, kBc>(raw + C::kRawMetaV, v_head + p.v.values_bytes, p.v.block_bytes,
+                              blocks, p.block_tokens, t0, lo, hi, tid);
+    }
     cp_async_commit();
   };
-  issue(tile_b, 0);
+#pragma unroll
+  for (int st = 0; st < kS - 1; ++st) issue(tile_b + st);
 
   // ---- Q: each warp its 16 rows (rotated for a rotated K), as 16-bit operands in smem ----
   {
@@ -384,7 +446,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
           const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pr));
           qsum += f.x + f.y;
         }
-        *reinterpret_cast<uint32_t*>(qs + lr * C::kStride + lane * E + e) = pr;
+        const int col = kReg8K ? q_col_reg8(lane * E + e) : lane * E + e;
+        *reinterpret_cast<uint32_t*>(qs + lr * C::kStride + col) = pr;
       }
       qsum = warp_sum(qsum);
       if (lane == 0) {
@@ -424,97 +487,134 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
   }
   float s_run = 0.0f;
 
-  // ldmatrix lane addresses (bytes): Q rows of this warp, K rows (tokens), V rows (tokens).
+  // ldmatrix lane offsets (bytes): Q rows of this warp, K rows (tokens), V rows (tokens).
   const uint32_t q_addr = s_base + C::kQs +
                           (warp * kWarpRows + (lane & 7) + 8 * ((lane >> 3) & 1)) * kRowStride +
                           16 * (lane >> 4);
-  const uint32_t k_addr =
-      s_base + C::kKs + ((lane & 7) + 8 * (lane >> 4)) * kRowStride + 16 * ((lane >> 3) & 1);
-  const uint32_t v_addr =
-      s_base + C::kVs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kRowStride + 16 * (lane >> 4);
+  const uint32_t k_off = ((lane & 7) + 8 * (lane >> 4)) * kKPitch + 16 * ((lane >> 3) & 1);
+  const uint32_t v_off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * kVPitch + 16 * (lane >> 4);
 
 #pragma unroll 1
   for (int tile = tile_b; tile < tile_e; ++tile) {
-    const int buf = (tile - tile_b) & 1;
-    if (tile + 1 < tile_e) {
-      issue(tile + 1, buf ^ 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // this tile's bytes landed; everyone is done with the last tile's operands
+    cp_async_wait<kS - 2>();
+    __syncthreads();       // this tile's bytes landed; everyone is done with the last tile's
+    issue(tile + kS - 1);  // into the buffer the last tile used
 
-    // ---- dequantize the staged bytes into 16-bit operand rows (zeros outside [lo, hi)) ----
     const int t0 = tile * kBc;
-    {
-      const uint8_t* raw = smem + C::kRaw + buf * C::kRawBuf;
+    const uint8_t* raw = smem + C::kRaw + ((tile - tile_b) % kS) * C::kRawBuf;
+    const uint32_t raw_s = s_base + C::kRaw + ((tile - tile_b) % kS) * C::kRawBuf;
+    const bool edge = t0 < lo || t0 + kBc > hi;
+    // ---- fp32 / 4-bit sides: dequantize into 16-bit operand rows (zeros outside [lo, hi));
+    //      staged 8 / 16-bit V rows outside [lo, hi) are zeroed (P is 0 there, but 0 x NaN
+    //      is not) ----
+    if constexpr (C::kAnyDeq) {
 #pragma unroll 2
       for (int idx = tid; idx < kBc * HD / 8; idx += kThreads) {
         const int t = idx / (HD / 8), u = idx - t * (HD / 8);
         const bool vis = t0 + t >= lo && t0 + t < hi;
-        uint4 kq = make_uint4(0, 0, 0, 0), vq = make_uint4(0, 0, 0, 0);
-        if (vis) {
-          kq = dequant8<DK, HD>(raw + t * C::kRowK, u);
-          vq = dequant8<DV, HD>(raw + C::kRawK + t * C::kRowV, u);
+        if constexpr (C::kDeqK) {
+          uint4 kq = make_uint4(0, 0, 0, 0);
+          if (vis) kq = dequant8<DK, HD>(raw + t * C::kRowK, u);
+          *reinterpret_cast<uint4*>(smem + C::kKs + t * kRowStride + 16 * u) = kq;
         }
-        *reinterpret_cast<uint4*>(smem + C::kKs + t * kRowStride + 16 * u) = kq;
-        *reinterpret_cast<uint4*>(smem + C::kVs + t * kRowStride + 16 * u) = vq;
-      }
-      if constexpr (C::kMetaK || C::kMetaV) {
-        for (int t = tid; t < kBc; t += kThreads) {
-          const bool vis = t0 + t >= lo && t0 + t < hi;
-          if constexpr (C::kMetaK) {
-            const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + C::kRawMetaK + 4 * t);
-            if constexpr (C::kInt4K) {
-              const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&w));
-              ksc[t] = vis ? sz.x : 0.0f;
-              kzp[t] = vis ? sz.y : 0.0f;
-            } else {
-              ksc[t] = vis ? __uint_as_float(w) : 0.0f;
-            }
-          }
-          if constexpr (C::kMetaV) {
-            const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + C::kRawMetaV + 4 * t);
-            if constexpr (C::kInt4V) {
-              const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&w));
-              vsc[t] = vis ? sz.x : 0.0f;
-              vzp[t] = vis ? sz.y : 0.0f;
-            } else {
-              vsc[t] = vis ? __uint_as_float(w) : 0.0f;
-            }
-          }
+        if constexpr (C::kDeqV) {
+          uint4 vq = make_uint4(0, 0, 0, 0);
+          if (vis) vq = dequant8<DV, HD>(raw + C::kRawK + t * C::kRowV, u);
+          *reinterpret_cast<uint4*>(smem + C::kVs + t * kRowStride + 16 * u) = vq;
         }
       }
     }
-    __syncthreads();
+    if constexpr (!C::kDeqV) {
+      if (edge) {
+        constexpr int kPerRow = C::kRowV / 16;
+        for (int idx = tid; idx < kBc * kPerRow; idx += kThreads) {
+          const int t = idx / kPerRow, w = idx - t * kPerRow;
+          if (t0 + t < lo || t0 + t >= hi)
+            *reinterpret_cast<uint4*>(smem + C::kRaw + ((tile - tile_b) % kS) * C::kRawBuf +
+                                      C::kRawK + t * C::kPitchV + 16 * w) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    if (C::kAnyDeq || (!C::kDeqV && edge)) __syncthreads();
 
-    // ---- S = Q K^T: 16 rows x kBc tokens per warp ----
+    // Per-token metadata of the columns this lane touches (8j + 2c + b), 0 outside [lo, hi).
+    auto meta = [&](int off, int col) -> uint32_t {
+      const bool vis = t0 + col >= lo && t0 + col < hi;
+      return vis ? *reinterpret_cast<const uint32_t*>(raw + off + 4 * col) : 0u;
+    };
+
+    // ---- S = Q K^T: 16 rows x kBc tokens per MMA tile ----
+    const uint32_t k_addr = (C::kDeqK ? s_base + C::kKs : raw_s) + k_off;
+    const uint32_t v_addr = (C::kDeqV ? s_base + C::kVs : raw_s + C::kRawK) + v_off;
     float s[kMT][kBc / 8][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int j = 0; j < kBc / 8; ++j)
         s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
+    if constexpr (kReg8K) {
+      // One ldmatrix: 2 n-tiles x 2 k-steps of bytes (32 dims of 16 tokens).
 #pragma unroll
-    for (int ks = 0; ks < HD / 16; ++ks) {
-      uint32_t a[kMT][4];
+      for (int ks2 = 0; ks2 < HD / 32; ++ks2) {
+        uint32_t a[kMT][2][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-        ldsm_x4(q_addr + mt * 16 * kRowStride + 32 * ks, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+        for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int np = 0; np < kBc / 16; ++np) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4(k_addr + np * 16 * kRowStride + 32 * ks, b0, b1, b2, b3);
+          for (int h = 0; h < 2; ++h)
+            ldsm_x4(q_addr + mt * 16 * kRowStride + 32 * (2 * ks2 + h), a[mt][h][0], a[mt][h][1],
+                    a[mt][h][2], a[mt][h][3]);
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          mma<C::kBf16K>(s[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
-          mma<C::kBf16K>(s[mt][2 * np + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+        for (int np = 0; np < kBc / 16; ++np) {
+          uint32_t w[4];
+          ldsm_x4(k_addr + np * 16 * kKPitch + 32 * ks2, w[0], w[1], w[2], w[3]);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const uint32_t b0 = cvt8_pair01<DK>(w[q]), b1 = cvt8_pair01<DK>(w[q] >> 16);
+            const int nt = 2 * np + (q >> 1), h = q & 1;
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+              mma<false>(s[mt][nt], a[mt][h][0], a[mt][h][1], a[mt][h][2], a[mt][h][3], b0, b1);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < HD / 16; ++ks) {
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+          ldsm_x4(q_addr + mt * 16 * kRowStride + 32 * ks, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+#pragma unroll
+        for (int np = 0; np < kBc / 16; ++np) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(k_addr + np * 16 * kKPitch + 32 * ks, b0, b1, b2, b3);
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            mma<C::kBf16K>(s[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+            mma<C::kBf16K>(s[mt][2 * np + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+          }
         }
       }
     }
 
     // ---- logits (log2 units), mask, online softmax ----
     const bool need_mask = !(t0 >= all_lo && t0 + kBc <= all_hi);
+    float ksc[kBc / 4], kzp[kBc / 4];  // per column 8j + 2c + b: index 2j + b
+    if constexpr (C::kMetaK) {
+#pragma unroll
+      for (int j = 0; j < kBc / 8; ++j)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          const uint32_t w = meta(C::kRawMetaK, 8 * j + 2 * c + b);
+          if constexpr (C::kInt4K) {
+            const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&w));
+            ksc[2 * j + b] = sz.x;
+            kzp[2 * j + b] = sz.y;
+          } else {
+            ksc[2 * j + b] = __uint_as_float(w);
+          }
+        }
+    }
     float mx[kLR];
 #pragma unroll
     for (int i = 0; i < kLR; ++i) mx[i] = -__uint_as_float(kF32Inf);
@@ -528,9 +628,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
           const int col = 8 * j + 2 * c + (e & 1);
           float x = s[mt][j][e];
           if constexpr (C::kInt4K) {
-            x = fmaf(x, ksc[col], kzp[col] * qsm[i]);
+            x = fmaf(x, ksc[2 * j + (e & 1)], kzp[2 * j + (e & 1)] * qsm[i]);
           } else if constexpr (C::kMetaK) {
-            x *= ksc[col];
+            x *= ksc[2 * j + (e & 1)];
           }
           x *= fac[i];
           if (capped) x = cap * tanhf(x * inv_cap) * kLog2e;
@@ -566,8 +666,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
 
     if constexpr (C::kMetaV) {
       // P *= s_v(token) / (running max of s_v): fp16 P stays in [0, 1].
-      float vmx = vsc[lane];
-      if constexpr (kBc > 32) vmx = fmaxf(vmx, vsc[lane + 32]);
+      auto vscale = [&](int col) -> float2 {
+        const uint32_t w = meta(C::kRawMetaV, col);
+        if constexpr (C::kInt4V)
+          return __half22float2(*reinterpret_cast<const __half2*>(&w));
+        else
+          return make_float2(__uint_as_float(w), 0.0f);
+      };
+      float vmx = vscale(lane).x;
+      if constexpr (kBc > 32) vmx = fmaxf(vmx, vscale(lane + 32).x);
       vmx = warp_max(vmx);
       const float s_new = fmaxf(s_run, vmx);
       const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
@@ -575,15 +682,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
 #pragma unroll
       for (int i = 0; i < kLR; ++i) zs[i] = 0.0f;
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
+      for (int j = 0; j < kBc / 8; ++j)
 #pragma unroll
-        for (int j = 0; j < kBc / 8; ++j) {
+        for (int b = 0; b < 2; ++b) {
+          const float2 sz = vscale(8 * j + 2 * c + b);
+          const float f = sz.x * inv_s;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = 8 * j + 2 * c + (e & 1);
-            if constexpr (C::kInt4V) zs[2 * mt + (e >> 1)] += s[mt][j][e] * vzp[col];
-            s[mt][j][e] *= vsc[col] * inv_s;
-          }
+          for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+              if constexpr (C::kInt4V) zs[2 * mt + hf] += s[mt][j][2 * hf + b] * sz.y;
+              s[mt][j][2 * hf + b] *= f;
+            }
         }
       const float rescale = s_new > 0.0f ? s_run * inv_s : 1.0f;
 #pragma unroll
@@ -614,14 +724,34 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
         a[mt][2] = pack2<C::kBf16V>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
         a[mt][3] = pack2<C::kBf16V>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
       }
+      if constexpr (kReg8V) {
+        // One transposed ldmatrix: 16 tokens x 32 dims of bytes. Lane (g, c) gets tokens
+        // (2c, 2c + 1) x dims (2g, 2g + 1) per 8 x 16 block: n-tile 4dq + q holds dims
+        // 32dq + 16 (q / 2) + 2n + (q % 2), so lane c's outputs are 4 adjacent dims.
 #pragma unroll
-      for (int dp = 0; dp < HD / 16; ++dp) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_trans(v_addr + kk * 16 * kRowStride + 32 * dp, b0, b1, b2, b3);
+        for (int dq = 0; dq < HD / 32; ++dq) {
+          uint32_t w[4];
+          ldsm_x4_trans(v_addr + kk * 16 * kVPitch + 32 * dq, w[0], w[1], w[2], w[3]);
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          mma<C::kBf16V>(o[mt][2 * dp], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
-          mma<C::kBf16V>(o[mt][2 * dp + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+          for (int q = 0; q < 4; ++q) {
+            const uint32_t lo16 = w[2 * (q >> 1)] >> (8 * (q & 1));
+            const uint32_t hi16 = w[2 * (q >> 1) + 1] >> (8 * (q & 1));
+            const uint32_t b0 = cvt8_pair02<DV>(lo16), b1 = cvt8_pair02<DV>(hi16);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+              mma<false>(o[mt][4 * dq + q], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int dp = 0; dp < HD / 16; ++dp) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_trans(v_addr + kk * 16 * kVPitch + 32 * dp, b0, b1, b2, b3);
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            mma<C::kBf16V>(o[mt][2 * dp], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+            mma<C::kBf16V>(o[mt][2 * dp + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+          }
         }
       }
     }
@@ -637,6 +767,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
     inv_l[i] = 1.0f / quad_sum(l[i]);
     zt[i] = C::kInt4V ? quad_sum(zacc[i]) : 0.0f;
   }
+  // Output dims of accumulator o[mt][j][2 hf + b]: 8j + 2c + b, or for a Reg8 V (pairs of
+  // n-tiles 2u, 2u + 1) 16u + 4c + 2b + (j % 2).
   if constexpr (!C::kRotV) {
 #pragma unroll
     for (int i = 0; i < kLR; ++i) {
@@ -644,16 +776,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
       const int r = r0 + warp * kWarpRows + 16 * mt + g + 8 * hf;
       if (r >= rows_total) continue;
       const int t = r / p.ratio, h = r - t * p.ratio;
-      float* dst = p.out +
-                   (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
-                   2 * c;
+      float* dst =
+          p.out + (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD;
+      auto fin = [&](float x) { return (x * scale_o + zt[i]) * inv_l[i]; };
+      if constexpr (kReg8V) {
 #pragma unroll
-      for (int j = 0; j < HD / 8; ++j)
-        *reinterpret_cast<float2*>(dst + 8 * j) =
-            make_float2((o[mt][j][2 * hf] * scale_o + zt[i]) * inv_l[i],
-                        (o[mt][j][2 * hf + 1] * scale_o + zt[i]) * inv_l[i]);
+        for (int u = 0; u < HD / 16; ++u)
+          *reinterpret_cast<float4*>(dst + 16 * u + 4 * c) =
+              make_float4(fin(o[mt][2 * u][2 * hf]), fin(o[mt][2 * u + 1][2 * hf]),
+                          fin(o[mt][2 * u][2 * hf + 1]), fin(o[mt][2 * u + 1][2 * hf + 1]));
+      } else {
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j)
+          *reinterpret_cast<float2*>(dst + 8 * j + 2 * c) =
+              make_float2(fin(o[mt][j][2 * hf]), fin(o[mt][j][2 * hf + 1]));
+      }
     }
   } else {
+    static_assert(!kReg8V, "a rotated V is 4-bit (dequantized in shared memory)");
     constexpr int E = HD / 32;
     __syncthreads();  // every warp is done with the operand tiles this staging reuses
     float* epi = reinterpret_cast<float*>(smem) + warp * kWarpRows * C::kEpiStride;
