@@ -51,6 +51,7 @@ struct Smem {
   u64 cross_bin;
   int count;
   int thr_count[16];
+  float thr_dist[16];
 };
 
 // Orders floats as unsigned integers (larger float, larger key).
@@ -84,6 +85,27 @@ __device__ __forceinline__ float gumbel(u64 base, int id) {
   // 23 bits: u in [2^-24, 1 - 2^-24], both exact in float, so neither log is 0 or -inf.
   const float u = (static_cast<float>(static_cast<uint32_t>(h >> 41)) + 0.5f) * (1.0f / 8388608.0f);
   return -logf(-logf(u));
+}
+
+// Calls f(i, x, live) for this thread's elements i = t, t + kThreads, ..., loading kUnroll of
+// them before using any: the passes are bound by memory latency otherwise. Trip counts are
+// warp-uniform (live is false past the end, x then 0), so f may use warp collectives.
+constexpr int kUnroll = 4;
+template <class F>
+__device__ __forceinline__ void for_each_element(const float* __restrict__ row, int n, F f) {
+  for (int i0 = 0; i0 < n; i0 += kUnroll * kThreads) {
+    float x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = i0 + u * kThreads + static_cast<int>(threadIdx.x);
+      x[u] = i < n ? __ldg(row + i) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = i0 + u * kThreads + static_cast<int>(threadIdx.x);
+      f(i, x[u], i < n);
+    }
+  }
 }
 
 __device__ Best block_argmax(Smem& sm, float v, int id) {
@@ -133,13 +155,10 @@ __device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, Targe
     for (int b = threadIdx.x; b < kBins; b += kThreads) sm.hist[b] = 0;
     __syncthreads();
     // Logits crowd into few bins: lanes of a warp that hit the same bin add once, together.
-#pragma unroll 2
-    for (int i0 = 0; i0 < n; i0 += kThreads) {  // warp-uniform trip count
-      const int i = i0 + static_cast<int>(threadIdx.x);
+    for_each_element(row, n, [&](int i, float x, bool live) {
       uint32_t key = 0;
       u64 w = 0;
-      const bool hit =
-          i < n && elem(i, __ldg(row + i), key, w) && w != 0 && (key & prefix_mask) == prefix;
+      const bool hit = live && elem(i, x, key, w) && w != 0 && (key & prefix_mask) == prefix;
       const unsigned active = __ballot_sync(0xFFFFFFFFu, hit);
       if (hit) {
         const uint32_t bin = (key >> shift) & dmask;
@@ -150,7 +169,7 @@ __device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, Targe
         if ((threadIdx.x & 31) == static_cast<unsigned>(__ffs(peers) - 1))
           atomicAdd(&sm.hist[bin], (static_cast<u64>(hi) << 21) + lo);
       }
-    }
+    });
     __syncthreads();
     // Thread t holds bins kBins-1-kPer*t down to kBins-kPer*(t+1): thread order is descending
     // key order.
@@ -210,11 +229,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (!(p.temperature > 0.0f) || p.top_k == 1) {  // greedy: one pass
     float bv = -INFINITY;
     int bid = INT_MAX;
-#pragma unroll 4
-    for (int i = t; i < n; i += kThreads) {
-      const float x = __ldg(row + i);
-      if (!isnan(x) && better(x, i, bv, bid)) bv = x, bid = i;
-    }
+    for_each_element(row, n, [&](int i, float x, bool live) {
+      if (live && !isnan(x) && better(x, i, bv, bid)) bv = x, bid = i;
+    });
     const Best b = block_argmax(sm, bv, bid);
     if (t == 0) out[blockIdx.x] = b.id == INT_MAX ? 0 : b.id;
     return;
@@ -238,11 +255,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (p.top_k > 0 && p.top_k <= kMaxGather) {
     float mx = -INFINITY;
     int valid = 0;
-#pragma unroll 4
-    for (int i = t; i < n; i += kThreads) {
-      const float x = __ldg(row + i);
-      if (!isnan(x)) mx = fmaxf(mx, scaled(x)), ++valid;
-    }
+    for_each_element(row, n, [&](int, float x, bool live) {
+      if (live && !isnan(x)) mx = fmaxf(mx, scaled(x)), ++valid;
+    });
     s_max = block_argmax(sm, mx, 0).v;
     if (t < 16) sm.thr_count[t] = 0;
     if (t == 0) sm.count = 0;
@@ -255,45 +270,61 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (p.top_k >= valid) {
       k_off = true;
     } else if (isfinite(s_max)) {
-      int c[16];
+      // Counts of candidates within each distance of sm.thr_dist (one pass) into thr_count.
+      auto count_within = [&] {
+        float dist[16];
+        int c[16];
 #pragma unroll
-      for (int j = 0; j < 16; ++j) c[j] = 0;
-      for (int i = t; i < n; i += kThreads) {
-        const float x = __ldg(row + i);
-        if (isnan(x)) continue;
-        const float d = s_max - scaled(x);
+        for (int j = 0; j < 16; ++j) dist[j] = sm.thr_dist[j], c[j] = 0;
+        for_each_element(row, n, [&](int, float x, bool live) {
+          if (!live || isnan(x)) return;
+          const float d = s_max - scaled(x);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) c[j] += d <= gather_distance(j) ? 1 : 0;
-      }
+          for (int j = 0; j < 16; ++j) c[j] += d <= dist[j] ? 1 : 0;
+        });
+        __syncthreads();  // every thread has read thr_dist
+        if (t < 16) sm.thr_count[t] = 0;
+        __syncthreads();
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int w = __reduce_add_sync(0xFFFFFFFFu, c[j]);
-        if ((t & 31) == 0) atomicAdd(&sm.thr_count[j], w);
-      }
+        for (int j = 0; j < 16; ++j) {
+          const int w = __reduce_add_sync(0xFFFFFFFFu, c[j]);
+          if ((t & 31) == 0) atomicAdd(&sm.thr_count[j], w);
+        }
+        __syncthreads();
+        int first = -1;  // the smallest distance holding k
+        for (int j = 15; j >= 0; --j)
+          if (sm.thr_count[j] >= p.top_k) first = j;
+        return first;
+      };
+      // Coarse: 2^-6 .. 2^9 below the max; then, when the first distance holding k holds too
+      // many to sort in shared memory, 16 even steps inside that octave.
+      if (t < 16) sm.thr_dist[t] = gather_distance(t);
       __syncthreads();
-      int pick = -1;
-      for (int j = 15; j >= 0; --j)
-        if (sm.thr_count[j] >= p.top_k && sm.thr_count[j] <= kBins) pick = j;
-      if (pick >= 0 && (pick == 0 || sm.thr_count[pick - 1] < p.top_k)) {
-        const float dist = gather_distance(pick);
+      int pick = count_within();
+      if (pick >= 0 && sm.thr_count[pick] > kBins) {
+        const float lo = pick == 0 ? 0.0f : gather_distance(pick - 1), hi = gather_distance(pick);
+        __syncthreads();
+        if (t < 16) sm.thr_dist[t] = lo + (hi - lo) * static_cast<float>(t + 1) / 16.0f;
+        __syncthreads();
+        pick = count_within();
+      }
+      if (pick >= 0 && sm.thr_count[pick] <= kBins) {
+        const float dist = sm.thr_dist[pick];
+        __syncthreads();
         if (t == 0) sm.count = 0;
         __syncthreads();
-        for (int i0 = 0; i0 < n; i0 += kThreads) {  // warp-uniform trip count
-          const int i = i0 + t;
+        for_each_element(row, n, [&](int i, float x, bool live) {
           float sv = 0.0f;
           bool hit = false;
-          if (i < n) {
-            const float x = __ldg(row + i);
-            if (!isnan(x)) sv = scaled(x), hit = s_max - sv <= dist;
-          }
+          if (live && !isnan(x)) sv = scaled(x), hit = s_max - sv <= dist;
           const unsigned b = __ballot_sync(0xFFFFFFFFu, hit);
-          if (b == 0) continue;
+          if (b == 0) return;
           int at = 0;
           if ((t & 31) == 0) at = atomicAdd(&sm.count, __popc(b));
           at = __shfl_sync(0xFFFFFFFFu, at, 0) + __popc(b & ((1u << (t & 31)) - 1u));
           if (hit && at < kBins)
             sm.hist[at] = (static_cast<u64>(order_key(sv)) << 32) | ~static_cast<uint32_t>(i);
-        }
+        });
         __syncthreads();
         const int m = min(sm.count, kBins);
         int size = 2;
@@ -364,14 +395,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (!ranked) {
       if (t == 0) sm.count = 0;
       __syncthreads();
-      for (int i = t; i < n; i += kThreads) {
-        const float x = __ldg(row + i);
-        if (isnan(x)) continue;
+      for_each_element(row, n, [&](int i, float x, bool live) {
+        if (!live || isnan(x)) return;
         const float s = scaled(x);
-        if (!in_k(order_key(s), i)) continue;
+        if (!in_k(order_key(s), i)) return;
         const int slot = atomicAdd(&sm.count, 1);
         if (slot < kMaxGather) sm.cand_s[slot] = s, sm.cand_id[slot] = i;
-      }
+      });
       __syncthreads();
       const int mg = min(sm.count, kMaxGather);
       if (t < mg) {
@@ -408,11 +438,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   // General path: top-p and min-p need exp(s - max) (s_max is known already when k_off).
   if (!k_off && (p.top_p < 1.0f || p.min_p > 0.0f)) {
     float bv = -INFINITY;
-#pragma unroll 4
-    for (int i = t; i < n; i += kThreads) {
-      const float x = __ldg(row + i);
-      if (!isnan(x)) bv = fmaxf(bv, scaled(x));
-    }
+    for_each_element(row, n, [&](int, float x, bool live) {
+      if (live && !isnan(x)) bv = fmaxf(bv, scaled(x));
+    });
     s_max = block_argmax(sm, bv, 0).v;
   }
   auto weight = [s_max](float s) {
@@ -469,17 +497,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   const float min_p = p.min_p;
   float bv = -INFINITY;
   int bid = INT_MAX;
-#pragma unroll 4
-  for (int i = t; i < n; i += kThreads) {
-    const float x = __ldg(row + i);
-    if (isnan(x)) continue;
+  for_each_element(row, n, [&](int i, float x, bool live) {
+    if (!live || isnan(x)) return;
     const float s = scaled(x);
     const uint32_t key = order_key(s);
-    if (!in_k(key, i) || (p_on && !within(key, i, p_key, p_id))) continue;
-    if (min_p > 0.0f && !(weight(s) >= min_p)) continue;
+    if (!in_k(key, i) || (p_on && !within(key, i, p_key, p_id))) return;
+    if (min_p > 0.0f && !(weight(s) >= min_p)) return;
     const float v = s + gumbel(base, i);
     if (better(v, i, bv, bid)) bv = v, bid = i;
-  }
+  });
   const Best b = block_argmax(sm, bv, bid);
   if (t == 0) out[blockIdx.x] = b.id == INT_MAX ? 0 : b.id;
 }
