@@ -277,32 +277,49 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(kFullMask, v, 2);
 }
 
-// Starts the cp.async copies of one side's bytes for kv tokens [t0, t0 + kBc): UNIT bytes per
-// token (a row, or a row's metadata) landing PITCH bytes apart, 16-token segments (never split
-// across cache blocks, since block_tokens is a multiple of 16). Segments outside [lo, hi) are
-// not read: their blocks may not exist.
+// Where the 16-token segments of one kv tile live: cache block id (-1: outside [lo, hi), not
+// read: the block may not exist) and the first token's row within the block. Computed once
+// per tile and shared by K, V and their metadata (one integer division per segment).
+template <int kSegs>
+struct TileSegs {
+  int32_t block[kSegs];
+  int32_t row[kSegs];
+};
+
+// Starts the cp.async copies of one side's bytes for one tile: UNIT bytes per token (a row,
+// or a row's metadata) landing PITCH bytes apart, 16-token segments (never split across cache
+// blocks, since block_tokens is a multiple of 16).
 template <int UNIT, int PITCH, int kBc>
 __device__ __forceinline__ void issue_side(uint32_t dst, const uint8_t* head, uint64_t block_bytes,
-                                           const int32_t* blocks, int block_tokens, int t0, int lo,
-                                           int hi, int tid) {
+                                           const TileSegs<kBc / 16>& sg, int tid) {
   constexpr int kChunks = (kBc / 16) * UNIT;  // 16-byte chunks; UNIT per segment
   static_assert(PITCH == UNIT || UNIT % 16 == 0);
-#pragma unroll 4
-  for (int ch = tid; ch < kChunks; ch += kThreads) {
+#pragma unroll
+  for (int k = 0; k < (kChunks + kThreads - 1) / kThreads; ++k) {
+    const int ch = tid + k * kThreads;
+    if (kChunks % kThreads != 0 && ch >= kChunks) break;
     const int seg = ch / UNIT, w = ch - seg * UNIT;
-    const int tok = t0 + 16 * seg;
-    if (tok >= hi || tok + 16 <= lo) continue;
-    const int32_t block = __ldg(blocks + tok / block_tokens);
+    int32_t block = sg.block[0], row = sg.row[0];
+#pragma unroll
+    for (int q = 1; q < kBc / 16; ++q)
+      if (seg == q) block = sg.block[q], row = sg.row[q];
+    if (block < 0) continue;
     const uint8_t* src = head + static_cast<uint64_t>(block) * block_bytes +
-                         static_cast<uint64_t>(tok % block_tokens) * UNIT + 16 * w;
+                         static_cast<uint64_t>(row) * UNIT + 16 * w;
     if constexpr (PITCH == UNIT) {
       cp_async16(dst + 16 * ch, src);
     } else {
       constexpr int kPerRow = UNIT / 16;
-      const int row = 16 * seg + w / kPerRow;
-      cp_async16(dst + row * PITCH + 16 * (w % kPerRow), src);
+      const int r = 16 * seg + w / kPerRow;
+      cp_async16(dst + r * PITCH + 16 * (w % kPerRow), src);
     }
   }
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = 0
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
 }
 
 // Two fp8 / int8 codes (bits 0-7 and 16-23 of w) -> an f16x2 operand pair (exact).
@@ -388,16 +405,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
     if (tile < tile_e) {
       const int t0 = tile * kBc;
       const uint32_t raw = s_base + C::kRaw + ((tile - tile_b) % kS) * C::kRawBuf;
-      issue_side<C::kRowK, C::kPitchK, kBc>(raw, k_head, p.k.block_bytes, blocks, p.block_tokens,
-                                            t0, lo, hi, tid);
-      issue_side<C::kRowV, C::kPitchV, kBc>(raw + C::kRawK, v_head, p.v.block_bytes, blocks,
-                                            p.block_tokens, t0, lo, hi, tid);
+      TileSegs<kBc / 16> sg;
+#pragma unroll
+      for (int q = 0; q < kBc / 16; ++q) {
+        const int tok = t0 + 16 * q;
+        const int b = tok / p.block_tokens;
+        sg.row[q] = tok - b * p.block_tokens;
+        sg.block[q] = (tok >= hi || tok + 16 <= lo) ? -1 : __ldg(blocks + b);
+      }
+      issue_side<C::kRowK, C::kPitchK, kBc>(raw, k_head, p.k.block_bytes, sg, tid);
+      issue_side<C::kRowV, C::kPitchV, kBc>(raw + C::kRawK, v_head, p.v.block_bytes, sg, tid);
       if constexpr (C::kMetaK)
-        issue_side<4, 4, kBc>(raw + C::kRawMetaK, k_head + p.k.values_bytes, p.k.block_bytes,
-                              blocks, p.block_tokens, t0, lo, hi, tid);
+        issue_side<4, 4, kBc>(raw + C::kRawMetaK, k_head + p.k.values_bytes, p.k.block_bytes, sg,
+                              tid);
       if constexpr (C::kMetaV)
-        issue_side<4, 4, kBc>(raw + C::kRawMetaV, v_head + p.v.values_bytes, p.v.block_bytes,
-                              blocks, p.block_tokens, t0, lo, hi, tid);
+        issue_side<4, 4, kBc>(raw + C::kRawMetaV, v_head + p.v.values_bytes, p.v.block_bytes, sg,
+                              tid);
     }
     cp_async_commit();
   };
@@ -648,7 +671,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
       rs[i] = 0.0f;
       const float m_new = fmaxf(m[i], quad_max(mx[i]));
       mu[i] = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
-      corr[i] = exp2f(m[i] - mu[i]);
+      corr[i] = fast_exp2(m[i] - mu[i]);
       m[i] = m_new;
     }
 #pragma unroll
@@ -657,7 +680,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
       for (int j = 0; j < kBc / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[mt][j][e] = exp2f(s[mt][j][e] - mu[2 * mt + (e >> 1)]);
+          s[mt][j][e] = fast_exp2(s[mt][j][e] - mu[2 * mt + (e >> 1)]);
           rs[2 * mt + (e >> 1)] += s[mt][j][e];
         }
       }
@@ -695,7 +718,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
               s[mt][j][2 * hf + b] *= f;
             }
         }
-      const float rescale = s_new > 0.0f ? s_run * inv_s : 1.0f;
+      const float rescale = s_new > 0.0f && s_new != s_run ? s_run * inv_s : 1.0f;
 #pragma unroll
       for (int i = 0; i < kLR; ++i) {
         if constexpr (C::kInt4V) zacc[i] = zacc[i] * corr[i] + zs[i];
@@ -704,16 +727,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
       s_run = s_new;
     }
 
-    // ---- O = O * corr + P V ----
+    // ---- O = O * corr + P V (the rescale skipped when no row of the warp needs it: once the
+    //      running maxima settle, most tiles) ----
+    bool rescale_o = false;
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+    for (int i = 0; i < kLR; ++i) rescale_o |= corr[i] != 1.0f;
+    if (__any_sync(kFullMask, rescale_o))
 #pragma unroll
-      for (int j = 0; j < HD / 8; ++j) {
-        o[mt][j][0] *= corr[2 * mt];
-        o[mt][j][1] *= corr[2 * mt];
-        o[mt][j][2] *= corr[2 * mt + 1];
-        o[mt][j][3] *= corr[2 * mt + 1];
-      }
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+          o[mt][j][0] *= corr[2 * mt];
+          o[mt][j][1] *= corr[2 * mt];
+          o[mt][j][2] *= corr[2 * mt + 1];
+          o[mt][j][3] *= corr[2 * mt + 1];
+        }
 #pragma unroll
     for (int kk = 0; kk < kBc / 16; ++kk) {
       uint32_t a[kMT][4];
