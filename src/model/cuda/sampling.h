@@ -8,18 +8,22 @@
 //     lower id first on ties); keep the first top_k; then the shortest prefix whose softmax
 //     mass (renormalized over the top-k) reaches top_p; then those with
 //     p >= min_p * p(first); draw one from what is left, in proportion to exp(s).
-// The kept set is a prefix of that order, found by radix select on the float's bits (3 passes
-// of 11/11/10 bits; weighted by fixed-point exp(s - max) for top-p, so sums are exact and the
-// result reproducible), never by sorting the vocabulary. The draw is a Gumbel-max over the kept
-// set: argmax(s + G), G from a counter-based hash of (seed, step, token id), so a row's token
-// depends only on its logits and (seed, step), not on its position in the batch.
-// Passes over a row (each reads vocab floats; 256 x 152k fp32 is 156 MB a pass):
-//   greedy 1; temperature only 1;
-//   0 < top_k <= 512: 3 (select) + 1 (gather); top_p / min_p then cost nothing more: the k
-//     candidates are ranked in shared memory;
-//   top_k off or > 512: [3 select, when top_k is on] + [1 max, with top_p or min_p]
-//     + [3 weighted select, with top_p] + 1 draw: at most 8 (top_k 2000 + top_p + min_p).
-// Ties straddling a cut add 3 passes (an id select), rare for real logits.
+// The kept set is a prefix of that order; the vocabulary is never sorted.
+//   - 0 < top_k <= 512: one pass finds the max, one counts the candidates within 16 distances
+//     below it (2^-6 .. 2^9; a second count inside the octave when the first holding k holds
+//     more than 2048), one gathers them; they are sorted in shared memory and top-p / min-p
+//     are applied there exactly. Flat rows (more than 2048 within the finest distance) fall
+//     back to the radix select below.
+//   - otherwise: radix select on the float's bits (3 passes of 11/11/10 bits) finds the top-k
+//     cut; top-p is a second radix select weighted by exp(s - max) in 2^-42 fixed point (exact,
+//     order-free sums, so the same (seed, step) gives the same token on every run).
+//   - ties straddling a cut: 3 more passes (an id select), rare for real logits.
+// The draw is a Gumbel-max over the kept set, argmax(s + G), G from a counter-based hash of
+// (seed, step, token id): a row's token depends only on its logits and (seed, step), not on
+// its position in the batch (two rows with equal logits and (seed, step) draw the same token).
+// Measured on one H100, 256 rows x 151936 (156 MB of logits a pass), per call: greedy 63 us;
+// temperature only 212 us; top_k 50 (+ top_p / min_p) 422 us; min_p 188 us; top_p 0.9 without
+// top_k 1.7 ms; top_k 2000 + top_p + min_p 1.9 ms (the radix passes are compute-bound).
 // +inf logits are kept in the order but their probabilities are undefined (as on the CPU); the
 // draw then picks the lowest-id +inf logit.
 #pragma once
