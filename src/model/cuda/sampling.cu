@@ -141,12 +141,13 @@ struct Cut {
   u64 target = 0;
 };
 
-// Radix select over elem(i, x, key, w) (false: not a candidate): the key at which the weight
-// of candidates with key >= it first reaches target_of(total weight), going down from the
-// largest key. false (no cut) when target_of returns 0.
-template <class Elem, class TargetOf>
-__device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, TargetOf target_of,
-                             Cut& cut) {
+// Radix select over the candidates elem(i, x, key) accepts, each weighing weight_of(key)
+// (asked only of those still in the running, as it may cost an exp): the key at which the
+// weight of candidates with key >= it first reaches target_of(total weight), going down from
+// the largest key. false (no cut) when target_of returns 0.
+template <class Elem, class WeightOf, class TargetOf>
+__device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, WeightOf weight_of,
+                             TargetOf target_of, Cut& cut) {
   uint32_t prefix = 0, prefix_mask = 0;
   u64 above = 0, target = 0;
   for (int pass = 0; pass < 3; ++pass) {
@@ -158,7 +159,8 @@ __device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, Targe
     for_each_element(row, n, [&](int i, float x, bool live) {
       uint32_t key = 0;
       u64 w = 0;
-      const bool hit = live && elem(i, x, key, w) && w != 0 && (key & prefix_mask) == prefix;
+      bool hit = live && elem(i, x, key) && (key & prefix_mask) == prefix;
+      if (hit) w = weight_of(key), hit = w != 0;
       const unsigned active = __ballot_sync(0xFFFFFFFFu, hit);
       if (hit) {
         const uint32_t bin = (key >> shift) & dmask;
@@ -363,13 +365,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     Cut c;
     k_on = radix_select(
         sm, row, n,
-        [&](int, float x, uint32_t& key, u64& w) {
+        [&](int, float x, uint32_t& key) {
           if (isnan(x)) return false;
           key = order_key(scaled(x));
-          w = 1;
           return true;
         },
-        [k](u64 total) { return k < total ? k : 0ull; }, c);
+        [](uint32_t) { return 1ull; }, [k](u64 total) { return k < total ? k : 0ull; }, c);
     if (k_on) {
       k_key = c.key;
       const u64 need = k - c.above;
@@ -377,13 +378,12 @@ __global__ void __launch_bounds__(kThreads, 2)
         Cut ci;
         radix_select(
             sm, row, n,
-            [&](int i, float x, uint32_t& key, u64& w) {
+            [&](int i, float x, uint32_t& key) {
               if (isnan(x) || order_key(scaled(x)) != k_key) return false;
               key = ~static_cast<uint32_t>(i);
-              w = 1;
               return true;
             },
-            [need](u64) { return need; }, ci);
+            [](uint32_t) { return 1ull; }, [need](u64) { return need; }, ci);
         k_id = static_cast<int>(~ci.key);
       }
     }
@@ -456,14 +456,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     Cut c;
     p_on = radix_select(
         sm, row, n,
-        [&](int i, float x, uint32_t& key, u64& w) {
+        [&](int i, float x, uint32_t& key) {
           if (isnan(x)) return false;
-          const float s = scaled(x);
-          key = order_key(s);
-          if (!in_k(key, i)) return false;
-          w = to_fixed(weight(s));
-          return true;
+          key = order_key(scaled(x));
+          return in_k(key, i);
         },
+        [&](uint32_t key) { return to_fixed(weight(key_float(key))); },
         [top_p](u64 total) {
           const double want = ceil(top_p * static_cast<double>(total));
           const u64 target = want < 1.0 ? 1ull : static_cast<u64>(want);
@@ -479,15 +477,14 @@ __global__ void __launch_bounds__(kThreads, 2)
         Cut ci;
         radix_select(
             sm, row, n,
-            [&](int i, float x, uint32_t& key, u64& w) {
+            [&](int i, float x, uint32_t& key) {
               if (isnan(x)) return false;
               const uint32_t kx = order_key(scaled(x));
               if (kx != p_key || !in_k(kx, i)) return false;
               key = ~static_cast<uint32_t>(i);
-              w = 1;
               return true;
             },
-            [need](u64) { return need; }, ci);
+            [](uint32_t) { return 1ull; }, [need](u64) { return need; }, ci);
         p_id = static_cast<int>(~ci.key);
       }
     }
