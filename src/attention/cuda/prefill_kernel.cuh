@@ -485,14 +485,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
   constexpr int kLR = 2 * kMT;
   const bool capped = p.soft_cap != 0.0f;
   const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
-  int rlo[kLR], rhi[kLR];
+  // The visible range of row i, recomputed where a tile needs masking (few tiles; keeps
+  // registers for the accumulators).
+  auto row_pos = [&](int i) {
+    const int lr = warp * kWarpRows + 16 * (i >> 1) + g + 8 * (i & 1);
+    return first_pos + min(r0 + lr, rows_total - 1) / p.ratio;
+  };
   float fac[kLR], qsm[kLR];
 #pragma unroll
   for (int i = 0; i < kLR; ++i) {
     const int lr = warp * kWarpRows + 16 * (i >> 1) + g + 8 * (i & 1);
-    const int pos = first_pos + min(r0 + lr, rows_total - 1) / p.ratio;
-    rlo[i] = sliding ? pos - p.window + 1 : 0;
-    rhi[i] = noncausal ? kv_len : pos + 1;
     fac[i] = rfac[lr] * (capped ? 1.0f : kLog2e);
     qsm[i] = rqsum[lr];
   }
@@ -514,7 +516,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
   const uint32_t q_addr = s_base + C::kQs +
                           (warp * kWarpRows + (lane & 7) + 8 * ((lane >> 3) & 1)) * kRowStride +
                           16 * (lane >> 4);
-  const uint32_t k_off = ((lane & 7) + 8 * (lane >> 4)) * kKPitch + 16 * ((lane >> 3) & 1);
+  const uint32_t k_off =
+      kReg8K ? lane * kKPitch : ((lane & 7) + 8 * (lane >> 4)) * kKPitch + 16 * ((lane >> 3) & 1);
   const uint32_t v_off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * kVPitch + 16 * (lane >> 4);
 
 #pragma unroll 1
@@ -576,27 +579,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
       for (int j = 0; j < kBc / 8; ++j)
         s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
     if constexpr (kReg8K) {
-      // One ldmatrix: 2 n-tiles x 2 k-steps of bytes (32 dims of 16 tokens).
+      // One ldmatrix: 4 n-tiles (32 tokens) x one k-step of bytes (16 dims).
 #pragma unroll
-      for (int ks2 = 0; ks2 < HD / 32; ++ks2) {
-        uint32_t a[kMT][2][4];
+      for (int ks = 0; ks < HD / 16; ++ks) {
+        uint32_t a[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
+          ldsm_x4(q_addr + mt * 16 * kRowStride + 32 * ks, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            ldsm_x4(q_addr + mt * 16 * kRowStride + 32 * (2 * ks2 + h), a[mt][h][0], a[mt][h][1],
-                    a[mt][h][2], a[mt][h][3]);
-#pragma unroll
-        for (int np = 0; np < kBc / 16; ++np) {
+        for (int n4 = 0; n4 < kBc / 32; ++n4) {
           uint32_t w[4];
-          ldsm_x4(k_addr + np * 16 * kKPitch + 32 * ks2, w[0], w[1], w[2], w[3]);
+          ldsm_x4(k_addr + n4 * 32 * kKPitch + 16 * ks, w[0], w[1], w[2], w[3]);
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             const uint32_t b0 = cvt8_pair01<DK>(w[q]), b1 = cvt8_pair01<DK>(w[q] >> 16);
-            const int nt = 2 * np + (q >> 1), h = q & 1;
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
-              mma<false>(s[mt][nt], a[mt][h][0], a[mt][h][1], a[mt][h][2], a[mt][h][3], b0, b1);
+              mma<false>(s[mt][4 * n4 + q], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
           }
         }
       }
@@ -648,7 +647,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = 2 * mt + (e >> 1);
-          const int col = 8 * j + 2 * c + (e & 1);
           float x = s[mt][j][e];
           if constexpr (C::kInt4K) {
             x = fmaf(x, ksc[2 * j + (e & 1)], kzp[2 * j + (e & 1)] * qsm[i]);
@@ -657,14 +655,32 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
           }
           x *= fac[i];
           if (capped) x = cap * tanhf(x * inv_cap) * kLog2e;
-          if (need_mask) {
-            const int tok = t0 + col;
-            if (!(tok >= rlo[i] && tok < rhi[i])) x = -__uint_as_float(kF32Inf);
-          }
           s[mt][j][e] = x;
-          mx[i] = fmaxf(mx[i], x);
         }
       }
+    if (need_mask) {
+#pragma unroll
+      for (int i = 0; i < kLR; ++i) {
+        const int pos = row_pos(i);
+        const int rlo = sliding ? pos - p.window + 1 : 0;
+        const int rhi = noncausal ? kv_len : pos + 1;
+#pragma unroll
+        for (int j = 0; j < kBc / 8; ++j)
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const int tok = t0 + 8 * j + 2 * c + b;
+            if (!(tok >= rlo && tok < rhi))
+              s[i >> 1][j][2 * (i & 1) + b] = -__uint_as_float(kF32Inf);
+          }
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < kBc / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          mx[2 * mt + (e >> 1)] = fmaxf(mx[2 * mt + (e >> 1)], s[mt][j][e]);
     float corr[kLR], mu[kLR], rs[kLR];
 #pragma unroll
     for (int i = 0; i < kLR; ++i) {
