@@ -13,9 +13,11 @@
 // row-major, so one K/V tile serves the whole group. Each warp owns 32 rows (16 at head_dim
 // 256), so each K / V fragment it reads from shared memory serves two MMA row tiles. Per tile
 // of 32 kv tokens (64 at head_dim 64) the block stages the raw cache bytes of K and V (and their
-// per-token scales) in shared memory with cp.async, double-buffered, dequantizes them there
-// into fp16 (bf16 for bfloat16 / float32 sides) rows, and runs S = Q K^T and O += P V as
-// m16n8k16 MMAs from ldmatrix fragments with fp32 accumulation and an fp32 online softmax.
+// per-token scales) in shared memory with cp.async (2-3 stages, one barrier per tile); 16-bit
+// sides are ldmatrix'ed straight from the staged rows, 8-bit sides are ldmatrix'ed as bytes and
+// converted to fp16 in registers (head dim permuted to make that cheap), fp32 / 4-bit sides
+// are dequantized into a 16-bit tile first. S = Q K^T and O += P V run as m16n8k16 MMAs
+// with fp32 accumulation and an fp32 online softmax.
 // Tiles wholly outside every row's visible range are skipped (causal / sliding window); only
 // the boundary tiles are masked per element.
 //
