@@ -145,9 +145,13 @@ struct Cut {
 // (asked only of those still in the running, as it may cost an exp): the key at which the
 // weight of candidates with key >= it first reaches target_of(total weight), going down from
 // the largest key. false (no cut) when target_of returns 0.
-template <class Elem, class WeightOf, class TargetOf>
+// kCounts: every weight is 1 (weight_of is not called). Only 32-bit shared atomics are used:
+// sm_90's 64-bit shared atomic add is a compare-and-swap loop, and warp-aggregating with
+// __reduce_add_sync over __match_any_sync groups serializes.
+template <bool kCounts, class Elem, class WeightOf, class TargetOf>
 __device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, WeightOf weight_of,
                              TargetOf target_of, Cut& cut) {
+  unsigned* const counts = reinterpret_cast<unsigned*>(sm.hist);
   uint32_t prefix = 0, prefix_mask = 0;
   u64 above = 0, target = 0;
   for (int pass = 0; pass < 3; ++pass) {
@@ -155,21 +159,22 @@ __device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, Weigh
     const uint32_t dmask = pass == 2 ? 0x3FFu : 0x7FFu;
     for (int b = threadIdx.x; b < kBins; b += kThreads) sm.hist[b] = 0;
     __syncthreads();
-    // Logits crowd into few bins: lanes of a warp that hit the same bin add once, together.
     for_each_element(row, n, [&](int i, float x, bool live) {
       uint32_t key = 0;
-      u64 w = 0;
       bool hit = live && elem(i, x, key) && (key & prefix_mask) == prefix;
-      if (hit) w = weight_of(key), hit = w != 0;
-      const unsigned active = __ballot_sync(0xFFFFFFFFu, hit);
-      if (hit) {
-        const uint32_t bin = (key >> shift) & dmask;
-        const unsigned peers = __match_any_sync(active, bin);
-        // w < 2^43: 21-bit halves summed over at most 32 lanes fit 32 bits.
-        const unsigned lo = __reduce_add_sync(peers, static_cast<unsigned>(w & 0x1FFFFFu));
-        const unsigned hi = __reduce_add_sync(peers, static_cast<unsigned>(w >> 21));
-        if ((threadIdx.x & 31) == static_cast<unsigned>(__ffs(peers) - 1))
-          atomicAdd(&sm.hist[bin], (static_cast<u64>(hi) << 21) + lo);
+      if constexpr (kCounts) {
+        if (hit) atomicAdd(&counts[(key >> shift) & dmask], 1u);
+      } else {
+        // 64-bit sums from 32-bit atomics: low words, and high words plus the carry of each
+        // low add that wrapped (the adder sees it in the old value). Exact and order-free.
+        if (hit) {
+          const u64 w = weight_of(key);
+          const uint32_t bin = (key >> shift) & dmask;
+          const unsigned wl = static_cast<unsigned>(w), wh = static_cast<unsigned>(w >> 32);
+          const unsigned old = wl != 0 ? atomicAdd(&counts[bin], wl) : 0u;
+          const unsigned carry = old > 0xFFFFFFFFu - wl ? 1u : 0u;
+          if (wh + carry != 0) atomicAdd(&counts[kBins + bin], wh + carry);
+        }
       }
     });
     __syncthreads();
@@ -178,7 +183,9 @@ __device__ bool radix_select(Smem& sm, const float* row, int n, Elem elem, Weigh
     const int d_top = kBins - 1 - kPer * static_cast<int>(threadIdx.x);
     u64 h[kPer], local = 0;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) local += h[j] = sm.hist[d_top - j];
+    for (int j = 0; j < kPer; ++j)
+      local += h[j] = static_cast<u64>(counts[d_top - j]) +
+                      (kCounts ? 0ull : static_cast<u64>(counts[kBins + d_top - j]) << 32);
     u64 before, total;
     ScanU64(sm.scan.u).ExclusiveSum(local, before, total);
     if (pass == 0) {
@@ -363,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (p.top_k > 0 && !ranked && !k_off) {
     const u64 k = static_cast<u64>(p.top_k);
     Cut c;
-    k_on = radix_select(
+    k_on = radix_select<true>(
         sm, row, n,
         [&](int, float x, uint32_t& key) {
           if (isnan(x)) return false;
@@ -376,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       const u64 need = k - c.above;
       if (need < c.eq) {  // ties straddle the cut: keep the `need` lowest ids among them
         Cut ci;
-        radix_select(
+        radix_select<true>(
             sm, row, n,
             [&](int i, float x, uint32_t& key) {
               if (isnan(x) || order_key(scaled(x)) != k_key) return false;
@@ -454,7 +461,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (p.top_p < 1.0f) {
     const double top_p = p.top_p;
     Cut c;
-    p_on = radix_select(
+    p_on = radix_select<false>(
         sm, row, n,
         [&](int i, float x, uint32_t& key) {
           if (isnan(x)) return false;
@@ -475,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       const u64 need = fw > 0 ? (c.target - c.above + fw - 1) / fw : 1;
       if (fw > 0 && need < c.eq / fw) {
         Cut ci;
-        radix_select(
+        radix_select<true>(
             sm, row, n,
             [&](int i, float x, uint32_t& key) {
               if (isnan(x)) return false;
