@@ -45,6 +45,13 @@
 #else
 #define KVQ_MODEL_CUDA_PREFILL 0
 #endif
+// Device sampling (temperature, top-k/p, min-p) comes from sampling.cu; without it, greedy only.
+#if __has_include("model/cuda/sampling.h") && __has_include("model/cuda/sampling.cu")
+#include "model/cuda/sampling.h"
+#define KVQ_MODEL_CUDA_SAMPLING 1
+#else
+#define KVQ_MODEL_CUDA_SAMPLING 0
+#endif
 
 namespace kvq {
 
@@ -350,6 +357,7 @@ class CudaDecoderModel final : public CudaModel {
   void* h_ = nullptr;  // GEMM inputs (bf16 or fp32)
   double* inv_freq_ = nullptr;
   void* attn_ws_ = nullptr;
+  void* sample_ws_ = nullptr;
   size_t attn_ws_bytes_ = 0;
   int32_t* d_ids_ = nullptr;
   // Step staging: the same layout in pinned host memory and on the device.
@@ -521,6 +529,9 @@ void CudaDecoderModel::allocate_buffers() {
   cs_ = static_cast<float*>(buf_.alloc(T * d_ * 4));
   logits_ = static_cast<float*>(buf_.alloc(static_cast<size_t>(R_cap_) * vocab_ * 4));
   d_ids_ = static_cast<int32_t*>(buf_.alloc(T * 4));
+#if KVQ_MODEL_CUDA_SAMPLING
+  sample_ws_ = buf_.alloc(cuda::sampling_workspace_bytes(R_cap_, vocab_));
+#endif
   const std::vector<double> inv = model::rope_inv_freq(d_, arch_.rope_theta, arch_.rope_scaling);
   inv_freq_ = static_cast<double*>(buf_.alloc(inv.size() * sizeof(double)));
   KVQ_CUDA_CHECK(
@@ -950,11 +961,13 @@ void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache
                                          std::to_string(R) + " logit rows");
   KVQ_CHECK(per_row.size() == R || per_row.size() == 1,
             "forward_sample: per_row needs one entry per logit row or exactly one");
+#if !KVQ_MODEL_CUDA_SAMPLING
   for (const DeviceSampling& p : per_row)
     if (p.temperature != 0.0f)
       throw InputError(
           "device sampling with temperature > 0 is not built yet in this CUDA model; use "
           "temperature 0 (greedy)");
+#endif
   std::lock_guard<std::mutex> lock(mu_);
   if (b.tokens.empty()) return;
   const Step st = stage(b, cache, per_row);
@@ -962,7 +975,12 @@ void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache
   for (int r0 = 0; r0 < st.R; r0 += R_cap_) {
     const int n = std::min(R_cap_, st.R - r0);
     if (!st.decode) logits_rows(r0, n);
+#if KVQ_MODEL_CUDA_SAMPLING
+    cuda::sample_tokens(logits_, n, vocab_, d_at<DeviceSampling>(off_.params) + r0, d_ids_ + r0,
+                        sample_ws_, stream_);
+#else
     cuda_model::argmax_rows(logits_, n, vocab_, d_ids_ + r0, stream_);
+#endif
   }
   KVQ_CUDA_CHECK(
       cudaMemcpyAsync(h_ids_, d_ids_, R * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
