@@ -35,10 +35,13 @@ Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed ? *p.seed : std::
 int32_t Sampler::sample(std::span<const float> logits) {
   const int32_t n = static_cast<int32_t>(logits.size());
   if (p_.temperature == 0.0f || p_.top_k == 1) {
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; ++i)
-      if (logits[static_cast<size_t>(i)] > logits[static_cast<size_t>(best)]) best = i;
-    return best;
+    // NaN never wins (comparisons with NaN are false, so a NaN at id 0 must not seed it).
+    int32_t best = -1;
+    for (int32_t i = 0; i < n; ++i) {
+      const float l = logits[static_cast<size_t>(i)];
+      if (!std::isnan(l) && (best < 0 || l > logits[static_cast<size_t>(best)])) best = i;
+    }
+    return best < 0 ? 0 : best;
   }
   // Candidates sorted by logit, descending (ties: lower id first), then truncated by
   // top-k, top-p and min-p, in that order, as vLLM and transformers do.

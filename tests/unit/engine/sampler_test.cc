@@ -31,6 +31,19 @@ TEST(Sampler, GreedyIsArgmaxWithLowestIdOnTies) {
   }
   std::vector<float> tie = {1.0f, 3.0f, 3.0f, 2.0f};
   EXPECT_EQ(s.sample(tie), 1);
+  // NaN logits never win, wherever they sit (id 0 included).
+  for (int t = 0; t < 50; ++t) {
+    auto l = random_logits(rng, 31);
+    std::vector<float> clean = l;
+    for (size_t i = 0; i < l.size(); ++i)
+      if (rng() % 3 == 0 || i == 0) {
+        l[i] = std::nanf("");
+        clean[i] = -INFINITY;
+      }
+    const auto want = std::max_element(clean.begin(), clean.end()) - clean.begin();
+    if (clean[static_cast<size_t>(want)] == -INFINITY) continue;
+    EXPECT_EQ(s.sample(l), want) << "seed " << seed;
+  }
 }
 
 TEST(Sampler, TopKOnlyReturnsTheKBest) {
