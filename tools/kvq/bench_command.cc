@@ -183,8 +183,23 @@ Action add_bench_command(CLI::App& app) {
                        " KV blocks; " + std::to_string(max_blocks) + " fit, so at most " +
                        std::to_string(largest_batch) +
                        " sequences (raise --gpu-memory-utilization or lower the batch or lengths)");
+    // The memory picture before the cache takes its share (kv_budget is what is left).
+    nlohmann::json mem = nullptr;
+    size_t weight_bytes = 0;
+#ifdef KVQ_WITH_CUDA
+    if (const auto* cm = dynamic_cast<const CudaModel*>(model.get())) {
+      const CudaMemoryReport r = cm->memory();
+      weight_bytes = r.weights;
+      mem = {{"device_total", r.device_total},
+             {"free_at_load", r.free_at_load},
+             {"weights", r.weights},
+             {"activations", r.activations},
+             {"kv_budget", r.kv_budget}};
+    }
+#endif
     const std::unique_ptr<PagedKvCache> cache =
         model->create_cache(static_cast<int32_t>(B * per_seq));
+    if (!mem.is_null()) mem["kv_allocated"] = cache->bytes_allocated();
 
     std::mt19937_64 rng(static_cast<uint64_t>(st->seed));
     std::uniform_int_distribution<int32_t> pick(0, model->vocab_size() - 1);
@@ -312,17 +327,6 @@ Action add_bench_command(CLI::App& app) {
     // over the measured copy bandwidth.
     const double kv_token_bytes = static_cast<double>(plan.bytes_per_token());
     const double mean_ctx = L + (skip + 1 + static_cast<double>(step_ms.size())) / 2.0;
-    size_t weight_bytes = 0;
-    nlohmann::json mem = nullptr;
-#ifdef KVQ_WITH_CUDA
-    if (const auto* cm = dynamic_cast<const CudaModel*>(model.get())) {
-      const CudaMemoryReport r = cm->memory();
-      weight_bytes = r.weights;
-      mem = {{"device_total", r.device_total}, {"free_at_load", r.free_at_load},
-             {"weights", r.weights},           {"activations", r.activations},
-             {"kv_budget", r.kv_budget},       {"kv_allocated", cache->bytes_allocated()}};
-    }
-#endif
     const double kv_read = static_cast<double>(B) * mean_ctx * kv_token_bytes;
     const double floor_ms =
         bandwidth > 0 ? (static_cast<double>(weight_bytes) + kv_read) / bandwidth * 1e3 : 0.0;
