@@ -20,10 +20,8 @@ namespace kvq::cuda {
 
 namespace {
 
-// Work items (warps) per SM the automatic chunking aims for (several per resident slot, so
-// the last wave is short), and the fewest tiles per item (a partial row of 8 heads costs 4 KB
-// to write and read back; 8 tiles of fp8 K/V at head_dim 128 are 32 KB).
-constexpr int kItemsPerSm = 32;
+// The fewest tiles per work item (a partial row of 8 heads costs 4 KB to write and read
+// back; 8 tiles of fp8 K/V at head_dim 128 are 32 KB).
 constexpr int kMinChunkTiles = 8;
 constexpr size_t kAlign = 256;
 
@@ -71,6 +69,7 @@ __global__ void __launch_bounds__(32) decode_prep_kernel(const __grid_constant__
   const int lane = static_cast<int>(threadIdx.x);
   const int r = static_cast<int>(blockIdx.x);
   const int seq = static_cast<int>(blockIdx.y);
+  allow_next_kernel();  // the split-KV kernel waits for this grid's writes before reading Q
   const int g = r % kDecodeHeadsPerWarp;
   const int hc = (r / kDecodeHeadsPerWarp) % p.head_chunks;
   const int kvh = r / (kDecodeHeadsPerWarp * p.head_chunks);
@@ -179,6 +178,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int tid = static_cast<int>(threadIdx.x);
   const int qh = static_cast<int>(blockIdx.x);
   const int seq = static_cast<int>(blockIdx.y);
+  wait_for_previous_kernel();  // the split-KV kernel's partials
   const MergeRows mr = merge_rows(p, seq, qh);
   const int nsplit = mr.nsplit;
   const size_t row0 = mr.row0, split_stride = mr.split_stride;
@@ -236,6 +236,7 @@ __global__ void __launch_bounds__(128)
   const int qh = static_cast<int>(blockIdx.x) * 4 + static_cast<int>(threadIdx.x >> 5);
   const int seq = static_cast<int>(blockIdx.y);
   if (qh >= p.num_q_heads) return;
+  wait_for_previous_kernel();  // the split-KV kernel's partials
   const MergeRows mr = merge_rows(p, seq, qh);
   const int nsplit = mr.nsplit;
   const size_t row0 = mr.row0, split_stride = mr.split_stride;
@@ -271,50 +272,122 @@ __global__ void __launch_bounds__(128)
 // Which kernel launch_prep_merge starts.
 enum class Aux { kPrep, kMergeWarp, kMergeBlock };
 
+// Launches `kernel` on `stream`; `dependent`: with programmatic dependent launch, so it can
+// be scheduled while the previous kernel (which must allow it) finishes.
+template <typename Params>
+void launch(void (*kernel)(Params), dim3 grid, unsigned threads, const Params& params,
+            bool dependent, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = dependent ? 1 : 0;
+  KVQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, params));
+}
+
 void launch_by_dim(int hd, Aux which, const PrepParams& pp, const MergeParams& mp, dim3 grid,
                    cudaStream_t stream) {
   const bool known = with_head_dim(hd, [&](auto dim) {
     constexpr int HD = decltype(dim)::value;
     switch (which) {
       case Aux::kPrep:
-        decode_prep_kernel<HD><<<grid, 32, 0, stream>>>(pp);
+        launch(decode_prep_kernel<HD>, grid, 32, pp, false, stream);
         break;
       case Aux::kMergeWarp:
-        decode_merge_warp_kernel<HD><<<grid, 128, 0, stream>>>(mp);
+        launch(decode_merge_warp_kernel<HD>, grid, 128, mp, true, stream);
         break;
       case Aux::kMergeBlock:
-        decode_merge_kernel<HD><<<grid, kMergeThreads, 0, stream>>>(mp);
+        launch(decode_merge_kernel<HD>, grid, kMergeThreads, mp, true, stream);
         break;
     }
-    KVQ_CUDA_CHECK_LAUNCH();
   });
   KVQ_CHECK(known, "cuda decode: head_dim " + std::to_string(hd) + " unsupported");
 }
 
-// The mixed pairs of kv_pairs.h, each dispatched to its own instantiation.
+// The mixed pairs of kv_pairs.h, each with its own instantiation.
 template <size_t... I>
-bool launch_mixed(KvDtype k, KvDtype v, const DecodeKernelParams& p, int hd, dim3 grid,
-                  cudaStream_t s, std::index_sequence<I...>) {
-  return ((k == kCudaMixedKvPairs[I].first && v == kCudaMixedKvPairs[I].second
-               ? (launch_decode_main<kCudaMixedKvPairs[I].first, kCudaMixedKvPairs[I].second>(
-                      p, hd, grid, s),
-                  true)
-               : false) ||
-          ...);
+DecodeMainKernel mixed_kernel(KvDtype k, KvDtype v, int hd, std::index_sequence<I...>) {
+  DecodeMainKernel f = nullptr;
+  ((k == kCudaMixedKvPairs[I].first && v == kCudaMixedKvPairs[I].second
+        ? (f = decode_main_kernel_for<kCudaMixedKvPairs[I].first, kCudaMixedKvPairs[I].second>(hd),
+           true)
+        : false) ||
+   ...);
+  return f;
 }
 
-void launch_main(KvDtype k, KvDtype v, const DecodeKernelParams& p, int hd, dim3 grid,
-                 cudaStream_t s) {
-  const bool launched =
-      k == v ? with_kv_dtype(k,
-                             [&](auto d) {
-                               constexpr KvDtype D = decltype(d)::value;
-                               launch_decode_main<D, D>(p, hd, grid, s);
-                             })
-             : launch_mixed(k, v, p, hd, grid, s,
-                            std::make_index_sequence<std::size(kCudaMixedKvPairs)>{});
-  KVQ_CHECK(launched, "cuda decode: no kernel for the K/V pair " + std::string(to_string(k)) +
-                          " / " + std::string(to_string(v)));
+DecodeMainKernel main_kernel(KvDtype k, KvDtype v, int hd) {
+  DecodeMainKernel f = nullptr;
+  if (k == v)
+    with_kv_dtype(k, [&](auto d) {
+      constexpr KvDtype D = decltype(d)::value;
+      f = decode_main_kernel_for<D, D>(hd);
+    });
+  else
+    f = mixed_kernel(k, v, hd, std::make_index_sequence<std::size(kCudaMixedKvPairs)>{});
+  KVQ_CHECK(f != nullptr, "cuda decode: no kernel for the K/V pair " + std::string(to_string(k)) +
+                              " / " + std::string(to_string(v)) + " at head_dim " +
+                              std::to_string(hd));
+  return f;
+}
+
+// Tiles per work item. A warp of the split-KV kernel is latency-bound: its time per tile
+// depends little on how many others run (ncu on an H100: a launch whose last round of blocks
+// was 60% full took as long as 3 full rounds, docs/notes/decode-tuning.md), so a launch takes
+// about (rounds of resident blocks) x (tiles per item). Pick the chunk that minimizes that
+// product (the model overrates rounds of mostly idle warps, which run faster); ties go to the
+// larger chunk (fewer partial rows to merge). A block holds kDecodeWarps consecutive items of
+// one (sequence, kv head).
+int choose_chunk_tiles(std::span<const int> tiles, int kv_heads, int head_chunks,
+                       int64_t resident_blocks) {
+  int max_tiles = 0;
+  for (int t : tiles) max_tiles = std::max(max_tiles, t);
+  if (max_tiles <= kMinChunkTiles || resident_blocks <= 0) return kMinChunkTiles;
+  auto blocks = [&](int c) {
+    int64_t b = 0;
+    for (int t : tiles) {
+      int chunk = 0;
+      const int splits = decode_num_splits(t, c, kDecodeMaxSplits, chunk);
+      b += (static_cast<int64_t>(splits) * head_chunks + kDecodeWarps - 1) / kDecodeWarps;
+    }
+    return b * kv_heads;
+  };
+  auto cost = [&](int c) {
+    const int64_t rounds = (blocks(c) + resident_blocks - 1) / resident_blocks;
+    return rounds * std::max(c, (max_tiles + kDecodeMaxSplits - 1) / kDecodeMaxSplits);
+  };
+  // The best chunk overall, and the best one whose sequences need at most
+  // kMergeWarpMaxSplits splits (the cheap warp-per-head merge).
+  const int warp_merge_min =
+      std::max(kMinChunkTiles, (max_tiles + kMergeWarpMaxSplits - 1) / kMergeWarpMaxSplits);
+  int best = max_tiles, best_warp = max_tiles;
+  int64_t best_cost = cost(max_tiles), best_warp_cost = best_cost;
+  for (int64_t rounds = 1; rounds <= 8; ++rounds) {
+    // The smallest chunk whose blocks fit in `rounds` rounds (blocks fall as the chunk grows).
+    if (blocks(max_tiles) > rounds * resident_blocks) continue;
+    int lo = kMinChunkTiles, hi = max_tiles;
+    while (lo < hi) {
+      const int mid = lo + (hi - lo) / 2;
+      if (blocks(mid) <= rounds * resident_blocks)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    const int64_t c = cost(lo);
+    if (c < best_cost || (c == best_cost && lo > best)) best = lo, best_cost = c;
+    const int w = std::max(lo, warp_merge_min);
+    const int64_t cw = cost(w);
+    if (cw < best_warp_cost || (cw == best_warp_cost && w > best_warp))
+      best_warp = w, best_warp_cost = cw;
+  }
+  // The block-per-head merge costs more than the model counts where there are many heads
+  // (B 128 x 64 query heads, 12 splits: 8192 merge blocks; measured 16% slower than 4
+  // splits at fp8, docs/notes/decode-tuning.md): prefer the warp merge within 10%.
+  return best_warp_cost * 10 <= best_cost * 11 ? best_warp : best;
 }
 
 DecodeSide make_side(const LayerKvSpec& spec, const LayerCacheView& cache, KvSide s) {
@@ -377,20 +450,22 @@ DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_len
     KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
   }
   const int kind = static_cast<int>(spec.attention);
-  int64_t total_tiles = 0;
+  std::vector<int> tiles;
+  tiles.reserve(seq_lens.size());
   for (int32_t len : seq_lens) {
     KVQ_CHECK(len >= 1, "plan_decode: a decode sequence needs at least one cached token, got " +
                             std::to_string(len));
     int first = 0;
-    total_tiles += decode_visible_tiles(len, kind, spec.sliding_window, first);
+    tiles.push_back(decode_visible_tiles(len, kind, spec.sliding_window, first));
   }
-  total_tiles *= static_cast<int64_t>(spec.num_kv_heads) * plan.head_chunks;
   if (options.chunk_tiles > 0) {
     plan.chunk_tiles = options.chunk_tiles;
   } else {
-    const int64_t target = static_cast<int64_t>(num_sms) * kItemsPerSm;
-    plan.chunk_tiles = static_cast<int32_t>(
-        std::max<int64_t>(kMinChunkTiles, (total_tiles + target - 1) / target));
+    int per_sm = 0;
+    KVQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, main_kernel(spec.k_dtype, spec.v_dtype, spec.head_dim_k), kDecodeWarps * 32, 0));
+    plan.chunk_tiles = choose_chunk_tiles(tiles, spec.num_kv_heads, plan.head_chunks,
+                                          static_cast<int64_t>(num_sms) * per_sm);
   }
   plan.max_splits = 1;
   for (int32_t len : seq_lens) {
@@ -491,10 +566,10 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
       dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * kDecodeHeadsPerWarp), seqs),
       stream);
   const int items = plan.max_splits * plan.head_chunks;
-  launch_main(spec.k_dtype, spec.v_dtype, kp, hd,
-              dim3(static_cast<unsigned>((items + kDecodeWarps - 1) / kDecodeWarps),
-                   static_cast<unsigned>(spec.num_kv_heads), seqs),
-              stream);
+  launch(main_kernel(spec.k_dtype, spec.v_dtype, hd),
+         dim3(static_cast<unsigned>((items + kDecodeWarps - 1) / kDecodeWarps),
+              static_cast<unsigned>(spec.num_kv_heads), seqs),
+         kDecodeWarps * 32, kp, true, stream);
   // Sequences with a single split were written by the split-KV kernel (unless V is rotated);
   // the merge handles the rest: a warp per head for a few splits, a block for many.
   if (plan.max_splits == 1 && !mp.unrotate) return;

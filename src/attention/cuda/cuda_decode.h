@@ -3,7 +3,8 @@
 // The device-level entry points behind the "cuda" backend (decode batches), for callers that
 // keep the block table on the device (benchmarks, a future graph-captured engine step):
 //   plan_decode  host-side scheduling from the host copy of the sequence lengths;
-//   run_decode   three launches on `stream`: Q preparation, the split-KV kernel, the merge.
+//   run_decode   three launches on `stream`: Q preparation, the split-KV kernel, the merge
+//                (the last two with programmatic dependent launch, to overlap launch gaps).
 //
 // Work split: one warp owns (sequence, kv head, up to 8 query heads of its GQA group, a
 // contiguous range of 16-token tiles). Per tile it issues 16-byte loads of K and V straight
@@ -45,7 +46,7 @@ inline constexpr int kDecodeMaxSplits = 1024;
 std::vector<std::string> decode_unsupported_reasons(const LayerKvSpec& spec);
 
 struct DecodeOptions {
-  int chunk_tiles = 0;  // tiles per work item; 0: chosen to fill the device
+  int chunk_tiles = 0;  // tiles per work item; 0: chosen from the kernel's occupancy
   int num_sms = 0;      // 0: read from the current device
 };
 

@@ -3,6 +3,5 @@
 #include "attention/cuda/decode_kernel.cuh"
 
 namespace kvq::cuda {
-template void launch_decode_main<KvDtype::kBFloat16, KvDtype::kFp8E4M3>(const DecodeKernelParams&,
-                                                                        int, dim3, cudaStream_t);
+template DecodeMainKernel decode_main_kernel_for<KvDtype::kBFloat16, KvDtype::kFp8E4M3>(int);
 }  // namespace kvq::cuda

@@ -3,6 +3,5 @@
 #include "attention/cuda/decode_kernel.cuh"
 
 namespace kvq::cuda {
-template void launch_decode_main<KvDtype::kFp8E4M3, KvDtype::kBFloat16>(const DecodeKernelParams&,
-                                                                        int, dim3, cudaStream_t);
+template DecodeMainKernel decode_main_kernel_for<KvDtype::kFp8E4M3, KvDtype::kBFloat16>(int);
 }  // namespace kvq::cuda

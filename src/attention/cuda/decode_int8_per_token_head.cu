@@ -3,6 +3,6 @@
 #include "attention/cuda/decode_kernel.cuh"
 
 namespace kvq::cuda {
-template void launch_decode_main<KvDtype::kInt8PerTokenHead, KvDtype::kInt8PerTokenHead>(
-    const DecodeKernelParams&, int, dim3, cudaStream_t);
+template DecodeMainKernel
+decode_main_kernel_for<KvDtype::kInt8PerTokenHead, KvDtype::kInt8PerTokenHead>(int);
 }  // namespace kvq::cuda

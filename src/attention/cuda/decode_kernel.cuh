@@ -109,6 +109,8 @@ struct PairShape {
   using SV = Shape<DV, HD>;
   // Keep the next tile's raw bytes in flight while computing this one, when they are few.
   // Only where the second tile fits the register budget of kMinBlocks (no spills).
+  // (Tried for 8-bit rows at head_dim 128 too: 196 registers, 2 blocks/SM instead of 3, and
+  // 5-15% slower at large batches; see docs/notes/decode-tuning.md, version 1.)
   static constexpr bool kPrefetch = SK::kCodeBytes + SV::kCodeBytes <= 128;
   static constexpr bool kQInRegs = HD <= 128;
   // head_dim 256: V is loaded after S = Q K^T, so K and V bytes are never live together.
@@ -350,6 +352,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD>)
   x.k_head = p.k.base + static_cast<uint64_t>(kvh) * p.k.head_stride;
   x.v_head = p.v.base + static_cast<uint64_t>(kvh) * p.v.head_stride;
 
+  // Q's fragments come from the prep kernel, which may still be finishing.
+  wait_for_previous_kernel();
   const size_t qbase =
       (static_cast<size_t>(seq) * p.num_kv_heads + kvh) * p.head_chunks + static_cast<size_t>(hc);
   // Q's A-operand registers; for head_dim 256 they are re-read from L1 each tile instead of
@@ -493,6 +497,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD>)
     }
   }
 
+  allow_next_kernel();  // the merge may get scheduled; it waits for this grid's writes
+
   // ---- the warp's partial: o normalized by its own sum, with (max, sum) to merge ----
   const float l_tot = quad_sum(l);
   float scale_o = 1.0f;
@@ -525,13 +531,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD>)
 }  // namespace decode_detail
 
 template <KvDtype DK, KvDtype DV>
-void launch_decode_main(const DecodeKernelParams& p, int head_dim, dim3 grid, cudaStream_t stream) {
-  const bool known = with_head_dim(head_dim, [&](auto hd) {
-    decode_detail::decode_main_kernel<DK, DV, decltype(hd)::value>
-        <<<grid, dim3(kDecodeWarps * 32), 0, stream>>>(p);
-    KVQ_CUDA_CHECK_LAUNCH();
+DecodeMainKernel decode_main_kernel_for(int head_dim) {
+  DecodeMainKernel k = nullptr;
+  with_head_dim(head_dim, [&](auto hd) {
+    k = decode_detail::decode_main_kernel<DK, DV, decltype(hd)::value>;
   });
-  KVQ_CHECK(known, "cuda decode: head_dim " + std::to_string(head_dim) + " not in {64, 128, 256}");
+  return k;
 }
 
 }  // namespace kvq::cuda

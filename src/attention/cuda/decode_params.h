@@ -117,9 +117,23 @@ struct DecodeKernelParams {
   float soft_cap;  // 0: off
 };
 
-// One instantiation per (K, V) pair of kv_pairs.h, defined in decode_<dtype>.cu (K == V) or
-// decode_<k>__<v>.cu (mixed).
+// The split-KV kernel of one (K, V) pair of kv_pairs.h for head_dim 64 / 128 / 256 (nullptr
+// for another head_dim): one instantiation per pair, defined in decode_<dtype>.cu (K == V) or
+// decode_<k>__<v>.cu (mixed). The host launches it (with programmatic dependent launch) and
+// reads its occupancy for the work split.
+using DecodeMainKernel = void (*)(DecodeKernelParams);
 template <KvDtype DK, KvDtype DV>
-void launch_decode_main(const DecodeKernelParams& p, int head_dim, dim3 grid, cudaStream_t stream);
+DecodeMainKernel decode_main_kernel_for(int head_dim);
+
+// Programmatic dependent launch (sm_90): a kernel launched with the attribute may start
+// while the previous one on the stream finishes; it waits here before reading that kernel's
+// output. A no-op for a kernel launched without the attribute.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+// Lets the next kernel on the stream (launched with the attribute) start being scheduled.
+__device__ __forceinline__ void allow_next_kernel() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 }  // namespace kvq::cuda
