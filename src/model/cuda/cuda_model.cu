@@ -9,7 +9,7 @@
 // the device in one copy from a pinned staging buffer whose layout is fixed at load, so a decode
 // step can be replayed from a CUDA graph: decode batches are padded to a batch bucket (dummy
 // sequences with slot -1 and seq_len 0, which the write and decode kernels skip), and the decode
-// attention is planned for a context bucket (the power of two >= the longest sequence), never
+// attention is planned for a context bucket (2^k or 3 x 2^(k-1) >= the longest sequence), never
 // for this step's lengths; the kernels derive each sequence's splits from the device seq_lens,
 // which stays within a plan made for longer sequences. Graphs on or off run the same plans and
 // GEMM shapes, so they give identical results.
@@ -79,6 +79,17 @@ int pow2_at_least(int64_t n) {
   int p = 1;
   while (p < n) p <<= 1;
   return p;
+}
+
+// Context buckets of decode graphs: two per octave (2^k and 3 * 2^(k-1)), so a step's
+// attention plan is made for at most 1.5x its longest sequence (a plan for a longer context
+// gives each sequence fewer splits than it could use).
+int context_bucket(int64_t n) {
+  const int p = pow2_at_least(n);
+  return p >= 4 && 3 * (p / 4) >= n ? 3 * (p / 4) : p;
+}
+int next_context_bucket(int b) {
+  return context_bucket(static_cast<int64_t>(b) + 1);
 }
 
 constexpr int kMinContextBucket = 16;
@@ -496,14 +507,14 @@ void CudaDecoderModel::allocate_buffers() {
   const int max_len =
       std::max(plan_.model.max_position_embeddings > 0 ? plan_.model.max_position_embeddings : 8192,
                kMinContextBucket);
-  max_context_bucket_ = pow2_at_least(max_len);
+  max_context_bucket_ = context_bucket(max_len);
   const int bt = plan_.layers.front().block_tokens;
   idx_cap_ = static_cast<size_t>(S_cap_) * static_cast<size_t>((max_len + bt - 1) / bt + 1);
 
   // The decode workspace for the largest plan any step can make: every sequence count up to
   // max_num_seqs (decode buckets and prefill-fallback chunks) and every context bucket.
   for (size_t g = 0; g < group_spec_.size(); ++g)
-    for (int ctx = kMinContextBucket; ctx <= max_context_bucket_; ctx <<= 1)
+    for (int ctx = kMinContextBucket; ctx <= max_context_bucket_; ctx = next_context_bucket(ctx))
       for (int n = 1; n <= S_cap_; ++n)
         attn_ws_bytes_ =
             std::max(attn_ws_bytes_, decode_plan(static_cast<int>(g), n, ctx).workspace_bytes);
@@ -730,7 +741,7 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
   st.decode = decode;
   if (decode) {
     st.S = st.T = *std::lower_bound(batch_buckets_.begin(), batch_buckets_.end(), S);
-    st.context = std::max(kMinContextBucket, pow2_at_least(max_len));
+    st.context = std::max(kMinContextBucket, context_bucket(max_len));
   } else {
     st.S = S;
     st.T = T;
@@ -775,7 +786,7 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
         fb_max = std::max(fb_max, el[j]);
       }
     }
-    st.fallback_context = std::max(kMinContextBucket, pow2_at_least(fb_max));
+    st.fallback_context = std::max(kMinContextBucket, context_bucket(fb_max));
 #if KVQ_MODEL_CUDA_PREFILL
     for (const LayerKvSpec& s : group_spec_) {
       st.prefill_plans.push_back(cuda::plan_prefill(
