@@ -24,9 +24,11 @@ size_t bytes_per_block(const KvPlan& plan) {
 }
 
 // Runs the new tokens [begin, end) of a single sequence; returns logits of the last one, or of
-// every one when `all_logits`.
-void step(const Model& model, PagedKvCache& cache, SequenceId seq, std::span<const int32_t> tokens,
-          int32_t first_position, bool all_logits, std::vector<float>& logits) {
+// every one when `all_logits`. With `rule` (a model that samples on its device, last row only)
+// it returns the sampled next token instead and leaves `logits` alone.
+int32_t step(const Model& model, PagedKvCache& cache, SequenceId seq,
+             std::span<const int32_t> tokens, int32_t first_position, bool all_logits,
+             std::vector<float>& logits, const DeviceSampling* rule = nullptr) {
   const int32_t n = static_cast<int32_t>(tokens.size());
   std::vector<int64_t> slots = cache.append(seq, n);
   if (slots.empty()) throw InternalError("KV cache has no free block for the sequence");
@@ -43,9 +45,16 @@ void step(const Model& model, PagedKvCache& cache, SequenceId seq, std::span<con
   } else {
     rows = {n - 1};
   }
-  logits.resize(rows.size() * static_cast<size_t>(model.vocab_size()));
   ForwardBatch batch{tokens, positions, q_indptr, slots, table, rows};
+  if (rule != nullptr && !all_logits) {
+    int32_t id = 0;
+    model.forward_sample(batch, cache, std::span<const DeviceSampling>(rule, 1),
+                         std::span<int32_t>(&id, 1));
+    return id;
+  }
+  logits.resize(rows.size() * static_cast<size_t>(model.vocab_size()));
   model.forward(batch, cache, logits);
+  return -1;
 }
 
 int32_t blocks_for_tokens(int64_t tokens, int32_t block_tokens) {
@@ -97,23 +106,28 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
   GenerationResult result;
   result.prompt_tokens = prompt_len;
   std::vector<float> logits;
+  Sampler sampler(params);
+  // A model that samples on its device returns only the next id (logits stay there).
+  const bool on_device = model.samples_on_device();
+  DeviceSampling rule;
+  int32_t next = -1;
   const auto t0 = Clock::now();
   const int32_t chunk = std::max<int32_t>(1, options.prefill_chunk);
   for (int32_t begin = 0; begin < prompt_len; begin += chunk) {
     const int32_t end = std::min(prompt_len, begin + chunk);
-    step(model, cache, seq,
-         prompt.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)), begin, false,
-         logits);
+    rule = sampler.device_rule(0);
+    next = step(model, cache, seq,
+                prompt.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)), begin,
+                false, logits, on_device && end == prompt_len ? &rule : nullptr);
   }
   result.prefill_seconds = seconds_since(t0);
 
-  Sampler sampler(params);
   TextStream stream(tokenizer, params);
   result.finish_reason = "length";
   const auto t1 = Clock::now();
   bool cancelled = false;
   for (int32_t i = 0; i < max_new; ++i) {
-    const int32_t id = sampler.sample(logits);
+    const int32_t id = on_device ? next : sampler.sample(logits);
     result.output_ids.push_back(id);
     const TextStream::Step out = stream.push(id);
     if (on_token && out.has_text && !on_token(out.text, id)) cancelled = true;
@@ -122,8 +136,9 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
       break;
     }
     if (cancelled || i + 1 == max_new) break;
-    step(model, cache, seq, std::span<const int32_t>(&result.output_ids.back(), 1), prompt_len + i,
-         false, logits);
+    rule = sampler.device_rule(static_cast<uint64_t>(i) + 1);
+    next = step(model, cache, seq, std::span<const int32_t>(&result.output_ids.back(), 1),
+                prompt_len + i, false, logits, on_device ? &rule : nullptr);
   }
   if (result.finish_reason == "length") {
     const std::string_view rest = stream.finish();

@@ -282,9 +282,23 @@ void LlmEngine::Impl::schedule_and_forward() {
   PagedKvCache::BlockTableStorage storage;
   const BlockTableView table = blocks.cache().block_table(ids, storage);
   const size_t vocab = static_cast<size_t>(model->vocab_size());
-  logits.resize(rows.size() * vocab);
-  model->forward(ForwardBatch{tokens, positions, q_indptr, slots, table, rows}, blocks.cache(),
-                 logits);
+  const ForwardBatch fb{tokens, positions, q_indptr, slots, table, rows};
+  // A model that samples on its device sends back only the ids, unless a request in the batch
+  // wants log-probabilities (those need whole rows on the host).
+  bool on_device = model->samples_on_device();
+  for (const Request* r : sampled) on_device = on_device && !r->want_logprobs;
+  std::vector<int32_t> ids_out;
+  if (on_device) {
+    std::vector<DeviceSampling> rules;
+    rules.reserve(sampled.size());
+    for (const Request* r : sampled)
+      rules.push_back(r->sampler.device_rule(static_cast<uint64_t>(r->generated())));
+    ids_out.resize(sampled.size());
+    model->forward_sample(fb, blocks.cache(), rules, ids_out);
+  } else {
+    logits.resize(rows.size() * vocab);
+    model->forward(fb, blocks.cache(), logits);
+  }
 
   for (const Scheduled& s : batch) {
     s.r->computed += s.n;
@@ -292,15 +306,17 @@ void LlmEngine::Impl::schedule_and_forward() {
   }
   for (size_t i = 0; i < sampled.size(); ++i) {
     Request& r = *sampled[i];
-    const std::span<const float> row(logits.data() + i * vocab, vocab);
-    const int32_t id = r.sampler.sample(row);
+    const int32_t id =
+        on_device ? ids_out[i]
+                  : r.sampler.sample(std::span<const float>(logits.data() + i * vocab, vocab));
     r.tokens.push_back(id);
     ++counters.generation_tokens_total;
     const TextStream::Step out = r.stream.push(id);
     RequestOutput o = base_output(r);
     o.token_ids = {id};
     if (out.has_text) o.text = std::string(out.text);
-    if (r.want_logprobs) o.logprobs = {{id, logprob_of(row, id)}};
+    if (r.want_logprobs)
+      o.logprobs = {{id, logprob_of(std::span<const float>(logits.data() + i * vocab, vocab), id)}};
     events.push_back({&r, std::move(o)});
     if (out.stop) {
       finish(r, "stop");

@@ -30,7 +30,22 @@ std::vector<std::string> sampling_param_errors(const SamplingParams& p) {
   return e;
 }
 
-Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed ? *p.seed : std::random_device{}()) {}
+Sampler::Sampler(const SamplingParams& p)
+    : p_(p),
+      seed_(p.seed ? *p.seed : (uint64_t{std::random_device{}()} << 32 | std::random_device{}())),
+      rng_(seed_) {}
+
+DeviceSampling Sampler::device_rule(uint64_t step) const {
+  DeviceSampling d;
+  const bool greedy = p_.temperature == 0.0f || p_.top_k == 1;
+  d.temperature = greedy ? 0.0f : p_.temperature;
+  d.top_k = greedy ? 0 : p_.top_k;
+  d.top_p = p_.top_p;
+  d.min_p = p_.min_p;
+  d.seed = seed_;
+  d.step = step;
+  return d;
+}
 
 int32_t Sampler::sample(std::span<const float> logits) {
   const int32_t n = static_cast<int32_t>(logits.size());
@@ -52,7 +67,9 @@ int32_t Sampler::sample(std::span<const float> logits) {
     if (!std::isnan(l)) c.push_back({l / p_.temperature, i});
   }
   if (c.empty()) return 0;
-  auto desc = [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
+  auto desc = [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
   size_t keep = c.size();
   if (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < keep) {
     keep = static_cast<size_t>(p_.top_k);
@@ -64,7 +81,8 @@ int32_t Sampler::sample(std::span<const float> logits) {
   const float max_logit = c.front().first;
   std::vector<double> prob(keep);
   double total = 0.0;
-  for (size_t i = 0; i < keep; ++i) total += prob[i] = std::exp(static_cast<double>(c[i].first - max_logit));
+  for (size_t i = 0; i < keep; ++i)
+    total += prob[i] = std::exp(static_cast<double>(c[i].first - max_logit));
   for (auto& q : prob) q /= total;
   if (p_.top_p < 1.0f) {
     double cum = 0.0;

@@ -1,12 +1,18 @@
-// Model's default cache: host storage over the plan's layers.
+// Model's defaults: a cache in host storage over the plan's layers; no device sampling.
 #include <memory>
 
+#include "kvq/core/error.h"
 #include "kvq/model/model.h"
 
 namespace kvq {
 
 std::unique_ptr<PagedKvCache> Model::create_cache(int32_t num_blocks) const {
   return std::make_unique<PagedKvCache>(plan().layers, num_blocks);
+}
+
+void Model::forward_sample(const ForwardBatch&, PagedKvCache&, std::span<const DeviceSampling>,
+                           std::span<int32_t>) const {
+  throw InternalError("forward_sample called on a model that samples on the host");
 }
 
 }  // namespace kvq

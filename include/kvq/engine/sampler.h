@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "kvq/model/model.h"
+
 namespace kvq {
 
 struct SamplingParams {
@@ -32,9 +34,15 @@ class Sampler {
   explicit Sampler(const SamplingParams& p);
   // Picks a token from logits (fp32, vocab-sized). Greedy picks the lowest id among ties.
   int32_t sample(std::span<const float> logits);
+  // The same rule for a model that samples where its logits are (Model::forward_sample):
+  // temperature 0 or top_k 1 is greedy; the draw of token `step` is reproducible from the
+  // request's seed (or, without one, a seed drawn once per Sampler). The device's random
+  // stream differs from this class's, so seeded draws match run to run, not CPU to GPU.
+  DeviceSampling device_rule(uint64_t step) const;
 
  private:
   SamplingParams p_;
+  uint64_t seed_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, int32_t>> scratch_;
 };

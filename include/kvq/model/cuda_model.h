@@ -53,16 +53,6 @@ const std::vector<std::string>& synthetic_model_names();
 // InputError naming `flag` and listing the names for an unknown name.
 ModelConfig synthetic_model_config(std::string_view name, std::string_view flag = "--synthetic");
 
-// Sampling of one logit row on the device. temperature 0: greedy (argmax, lowest id on ties).
-struct DeviceSampling {
-  float temperature = 0.0f;
-  int top_k = 0;       // 0: off
-  float top_p = 1.0f;  // 1: off
-  float min_p = 0.0f;  // 0: off
-  uint64_t seed = 0;   // with `step`, makes the draw reproducible
-  uint64_t step = 0;
-};
-
 class CudaModel : public Model {
  public:
   // Loads a checkpoint (plan.model.dir) onto the current CUDA device. InputError when no
@@ -80,12 +70,11 @@ class CudaModel : public Model {
   virtual WeightPrecision weight_precision() const = 0;
   virtual CudaMemoryReport memory() const = 0;
 
-  // Like forward(), but samples the next token of each logit row on the device: next_tokens
-  // gets one id per logit row; only the ids cross to the host. per_row has one entry per
-  // logit row (or exactly one, applied to every row).
-  virtual void forward_sample(const ForwardBatch& batch, PagedKvCache& cache,
-                              std::span<const DeviceSampling> per_row,
-                              std::span<int32_t> next_tokens) const = 0;
+  bool samples_on_device() const override { return true; }
+  // forward() + sampling of each logit row on the device (Model::forward_sample).
+  void forward_sample(const ForwardBatch& batch, PagedKvCache& cache,
+                      std::span<const DeviceSampling> per_row,
+                      std::span<int32_t> next_tokens) const override = 0;
 
   // Copies whole blocks (every layer, K and V) inside a cache made by create_cache(): block
   // pairs (src, dst). Lets a benchmark fill many sequences from one real prefill.

@@ -64,6 +64,19 @@ struct ForwardBatch {
   std::span<const int32_t> logit_rows;  // indices into `tokens` whose logits are wanted, in order
 };
 
+// Sampling of one logit row where the logits are (Model::forward_sample). temperature 0:
+// greedy (argmax, lowest id on ties, NaN never wins); otherwise temperature, then top-k,
+// top-p and min-p filters, as the host Sampler applies them, drawn reproducibly from
+// (seed, step).
+struct DeviceSampling {
+  float temperature = 0.0f;
+  int top_k = 0;       // 0: off
+  float top_p = 1.0f;  // 1: off
+  float min_p = 0.0f;  // 0: off
+  uint64_t seed = 0;   // with `step`, makes the draw reproducible
+  uint64_t step = 0;
+};
+
 class Model {
  public:
   virtual ~Model() = default;
@@ -101,6 +114,16 @@ class Model {
   virtual std::unique_ptr<PagedKvCache> create_cache(int32_t num_blocks) const;
   // The most blocks create_cache() can give now; -1 when only host memory limits it.
   virtual int64_t max_cache_blocks() const { return -1; }
+
+  // True when forward_sample() picks tokens where the logits are, so only the ids cross to the
+  // host (a CUDA model). Callers that need whole logit rows (log-probabilities) use forward().
+  virtual bool samples_on_device() const { return false; }
+  // Like forward(), but samples the next token of each logit row: next_tokens gets one id per
+  // logit row. per_row has one entry per logit row (or exactly one, applied to every row).
+  // Only models with samples_on_device() implement it (InternalError otherwise).
+  virtual void forward_sample(const ForwardBatch& batch, PagedKvCache& cache,
+                              std::span<const DeviceSampling> per_row,
+                              std::span<int32_t> next_tokens) const;
 };
 
 }  // namespace kvq
