@@ -9,7 +9,9 @@
 //
 // The whitelist is what both paths run: K == V plus the mixed pairs of kv_pairs.h; a pair one
 // path cannot run yet gets that path's reasons (the union of decode_unsupported_reasons and
-// prefill_unsupported_reasons).
+// prefill_unsupported_reasons). Head dims the tensor-core kernels do not take (anything but
+// 64 / 128 / 256 with K == V, up to 256) run the generic kernel (cuda_generic.h) for decode and
+// prefill alike.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,6 +22,7 @@
 
 #include "attention/backends.h"
 #include "attention/cuda/cuda_decode.h"
+#include "attention/cuda/cuda_generic.h"
 #include "attention/cuda/cuda_prefill.h"
 #include "attention/cuda/kv_pairs.h"
 #include "cache/cuda/cuda_check.h"
@@ -39,7 +42,7 @@ class CudaBackend final : public AttentionBackend {
       if (t.concrete && t.valid_as_k && t.valid_as_v)
         caps_.kv_dtype_pairs.push_back({t.dtype, t.dtype});
     for (const auto& pr : cuda::kCudaMixedKvPairs) caps_.kv_dtype_pairs.push_back(pr);
-    caps_.head_dims = {64, 128, 256};
+    caps_.head_dims = {};  // any up to 256: 64 / 128 / 256 on tensor cores, the rest generic
     caps_.block_tokens = {16, 32};
     caps_.attention_kinds = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
                              AttentionKind::kNonCausal};
@@ -53,10 +56,15 @@ class CudaBackend final : public AttentionBackend {
 
  protected:
   std::vector<std::string> extra_reasons(const LayerKvSpec& spec) const override {
-    // Both paths must run the layer: the union of their reasons, each stated once.
-    std::vector<std::string> r = cuda::decode_unsupported_reasons(spec);
-    for (std::string& s : cuda::prefill_unsupported_reasons(spec))
-      if (std::find(r.begin(), r.end(), s) == r.end()) r.push_back(std::move(s));
+    std::vector<std::string> r;
+    if (cuda::uses_generic_attention(spec)) {
+      r = cuda::generic_unsupported_reasons(spec);
+    } else {
+      // Both paths must run the layer: the union of their reasons, each stated once.
+      r = cuda::decode_unsupported_reasons(spec);
+      for (std::string& s : cuda::prefill_unsupported_reasons(spec))
+        if (std::find(r.begin(), r.end(), s) == r.end()) r.push_back(std::move(s));
+    }
     static const int devices = cuda_device_count();
     if (devices == 0) r.push_back("no CUDA device is available");
     return r;
@@ -66,13 +74,18 @@ class CudaBackend final : public AttentionBackend {
     const BlockTableView& bt = args.block_table;
     const int32_t n = bt.num_seqs;
     if (n == 0) return;
+    const bool generic = cuda::uses_generic_attention(spec);
     bool decode = true;
     for (int32_t i = 0; i < n && decode; ++i) decode = args.q_indptr[i + 1] - args.q_indptr[i] == 1;
     const std::span<const int32_t> seq_lens(bt.seq_lens, static_cast<size_t>(n));
     cuda::DecodePlan dplan;
     cuda::PrefillPlan pplan;
+    cuda::GenericPlan gplan;
     size_t ws_bytes = 0;
-    if (decode) {
+    if (generic) {
+      gplan = cuda::plan_generic_prefill(
+          spec, std::span<const int32_t>(args.q_indptr, static_cast<size_t>(n) + 1), seq_lens);
+    } else if (decode) {
       dplan = cuda::plan_decode(spec, seq_lens);
       ws_bytes = dplan.workspace_bytes;
     } else {
@@ -113,7 +126,17 @@ class CudaBackend final : public AttentionBackend {
     dbt.indices = d_indices;
     dbt.seq_lens = d_seq_lens;
     void* workspace = static_cast<std::byte*>(buffer_) + ws_offset;
-    if (decode) {
+    if (generic) {
+      cuda::GenericArgs ga;
+      ga.q = args.q;
+      ga.out = args.out;
+      ga.q_indptr = d_q_indptr;
+      ga.block_table = dbt;
+      ga.cache = args.cache;
+      ga.softmax_scale = args.softmax_scale;
+      ga.logit_soft_cap = args.logit_soft_cap;
+      cuda::run_generic(spec, gplan, ga, stream);
+    } else if (decode) {
       cuda::DecodeArgs d;
       d.q = args.q;
       d.out = args.out;

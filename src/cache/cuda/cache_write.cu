@@ -1,7 +1,8 @@
 // write_kv_cuda: the device twin of write_kv_reference. One warp encodes one (token, kv head)
 // row of one side; lane l holds elements [l*E, l*E + E) (E = head_dim / 32), so the row's
 // reductions (absmax, min/max, the nvfp4 block maxima) and the Hadamard rotation are warp
-// shuffles. Every rounding follows src/quant/ref/ (see kv_codec_device.cuh).
+// shuffles. Other head dims (up to 256: small models) take one thread per row. Every rounding
+// follows src/quant/ref/ (see kv_codec_device.cuh).
 #include <cfloat>
 #include <climits>
 #include <cmath>
@@ -227,19 +228,147 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
   }
 }
 
-void launch_write(KvDtype dtype, const WriteSideParams& p, int head_dim, unsigned blocks,
+// Head dims other than 64 / 128 / 256 (up to 256): one thread encodes one row, in the
+// reference's element order (src/quant/ref/), so the bytes match it exactly. Slow per row, but
+// only small models have such head dims.
+constexpr int kSmallMaxHeadDim = 256;
+constexpr int kRowThreads = 128;
+
+template <KvDtype D>
+__global__ void __launch_bounds__(kRowThreads)
+    write_row_kernel(const __grid_constant__ WriteSideParams p, int hd) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x;
+  if (row >= p.n * p.num_kv_heads) return;
+  const int64_t t = row / p.num_kv_heads;
+  const int h = static_cast<int>(row - t * p.num_kv_heads);
+  const int64_t slot = p.slots[t];
+  if (slot < 0) return;  // padding
+  if (slot >= p.num_slots) {
+    if (p.bad_token != nullptr) atomicMin(p.bad_token, static_cast<unsigned long long>(t));
+    return;
+  }
+  const int64_t block = slot / p.block_tokens;
+  const int64_t off = slot - block * p.block_tokens;
+  uint8_t* head = reinterpret_cast<uint8_t*>(p.base) + block * p.block_bytes + h * p.head_stride;
+  uint8_t* vals = head + off * p.row_data_bytes;
+  uint8_t* meta = head + p.values_bytes + off * p.row_scale_bytes;
+  const float* x = p.src + row * hd;
+
+  if constexpr (D == KvDtype::kFloat32) {
+    for (int i = 0; i < hd; ++i)
+      reinterpret_cast<uint32_t*>(vals)[i] = __float_as_uint(x[i]);  // bits unchanged
+  } else if constexpr (D == KvDtype::kFloat16 || D == KvDtype::kBFloat16) {
+    for (int i = 0; i < hd; ++i)
+      reinterpret_cast<uint16_t*>(vals)[i] =
+          static_cast<uint16_t>(D == KvDtype::kFloat16 ? f32_to_f16_bits_satfinite(x[i], false)
+                                                       : f32_to_bf16_bits_satfinite(x[i]));
+  } else if constexpr (D == KvDtype::kFp8E4M3 || D == KvDtype::kFp8E5M2) {
+    const float ts = p.tensor_scale[h];
+    for (int i = 0; i < hd; ++i) {
+      const float y = __fdiv_rn(x[i], ts);
+      vals[i] = static_cast<uint8_t>(D == KvDtype::kFp8E4M3 ? enc_e4m3(y) : enc_e5m2(y));
+    }
+  } else if constexpr (D == KvDtype::kInt8PerTokenHead || D == KvDtype::kFp8PerTokenHead) {
+    float amax = 0.0f;
+    for (int i = 0; i < hd; ++i) {
+      const float a = fabsf(x[i]);
+      if (is_finite_f32(a) && a > amax) amax = a;
+    }
+    constexpr bool kInt8 = D == KvDtype::kInt8PerTokenHead;
+    float s = __fdiv_rn(amax, kInt8 ? 127.0f : 448.0f);
+    const float cap = kInt8 ? kInt8MaxScale : kFp8MaxScale;
+    if (cap < s) s = cap;  // std::min(s, cap)
+    *reinterpret_cast<float*>(meta) = s;
+    for (int i = 0; i < hd; ++i) {
+      uint32_t c = 0;
+      if (s != 0.0f) {
+        if constexpr (kInt8)
+          c = static_cast<uint32_t>(round_half_even_clamped(__fdiv_rn(x[i], s), -127, 127)) & 0xFFu;
+        else
+          c = enc_e4m3(__fdiv_rn(x[i], s));
+      }
+      vals[i] = static_cast<uint8_t>(c);
+    }
+  } else if constexpr (D == KvDtype::kInt4PerTokenHead) {
+    // hadamard_rotate: signs, the transform's stages h = 1, 2, 4, ..., then 1/sqrt(n).
+    float r[kSmallMaxHeadDim];
+    for (int i = 0; i < hd; ++i) r[i] = hadamard_negative(p.signs, i) ? -x[i] : x[i];
+    for (int hh = 1; hh < hd; hh <<= 1)
+      for (int i = 0; i < hd; i += 2 * hh)
+        for (int j = i; j < i + hh; ++j) {
+          const float a = r[j], b = r[j + hh];
+          r[j] = __fadd_rn(a, b);
+          r[j + hh] = __fsub_rn(a, b);
+        }
+    const float c = hadamard_inv_sqrt(__ffs(hd) - 1);
+    for (int i = 0; i < hd; ++i) r[i] = __fmul_rn(r[i], c);
+    bool any = false;
+    float lo = 0.0f, hi = 0.0f;
+    for (int i = 0; i < hd; ++i) {
+      const float v = r[i];
+      if (!is_finite_f32(v)) continue;
+      if (!any || v < lo) lo = v;
+      if (!any || v > hi) hi = v;
+      any = true;
+    }
+    const uint32_t s_bits = f32_to_f16_bits_satfinite(__fdiv_rn(__fsub_rn(hi, lo), 15.0f), true);
+    const uint32_t z_bits = f32_to_f16_bits_satfinite(lo, true);
+    *reinterpret_cast<uint32_t*>(meta) = s_bits | (z_bits << 16);
+    const float s = f16_bits_to_f32(s_bits);
+    const float z = f16_bits_to_f32(z_bits);
+    for (int i = 0; i < hd; i += 2) {
+      uint32_t q0 = 0, q1 = 0;
+      if (s != 0.0f) {
+        q0 =
+            static_cast<uint32_t>(round_half_even_clamped(__fdiv_rn(__fsub_rn(r[i], z), s), 0, 15));
+        q1 = static_cast<uint32_t>(
+            round_half_even_clamped(__fdiv_rn(__fsub_rn(r[i + 1], z), s), 0, 15));
+      }
+      vals[i / 2] = static_cast<uint8_t>(q0 | (q1 << 4));
+    }
+  } else if constexpr (D == KvDtype::kNvfp4) {
+    const float ts = p.tensor_scale[h];
+    const float d = __fmul_rn(6.0f, ts);
+    for (int b = 0; b < hd / 16; ++b) {
+      const float* blk = x + 16 * b;
+      float amax = 0.0f;
+      for (int i = 0; i < 16; ++i) {
+        const float a = fabsf(blk[i]);
+        if (is_finite_f32(a) && a > amax) amax = a;
+      }
+      const uint32_t sc = enc_e4m3(__fdiv_rn(amax, d));
+      vals[hd / 2 + b] = static_cast<uint8_t>(sc);
+      const float eff = __fmul_rn(dec_e4m3(sc), ts);
+      for (int i = 0; i < 16; i += 2) {
+        const uint32_t c0 = eff == 0.0f ? 0u : enc_e2m1(__fdiv_rn(blk[i], eff));
+        const uint32_t c1 = eff == 0.0f ? 0u : enc_e2m1(__fdiv_rn(blk[i + 1], eff));
+        vals[(16 * b + i) / 2] = static_cast<uint8_t>(c0 | (c1 << 4));
+      }
+    }
+  }
+}
+
+void launch_write(KvDtype dtype, const WriteSideParams& p, int head_dim, int64_t rows,
                   cudaStream_t stream) {
   bool known_dim = true;
   const bool known_dtype = with_kv_dtype(dtype, [&](auto d) {
     known_dim = with_head_dim(head_dim, [&](auto hd) {
       write_side_kernel<decltype(d)::value, decltype(hd)::value / 32>
-          <<<blocks, kWriteWarps * 32, 0, stream>>>(p);
+          <<<static_cast<unsigned>((rows + kWriteWarps - 1) / kWriteWarps), kWriteWarps * 32, 0,
+             stream>>>(p);
       KVQ_CUDA_CHECK_LAUNCH();
     });
+    if (!known_dim && head_dim >= 1 && head_dim <= kSmallMaxHeadDim) {
+      write_row_kernel<decltype(d)::value>
+          <<<static_cast<unsigned>((rows + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
+             stream>>>(p, head_dim);
+      KVQ_CUDA_CHECK_LAUNCH();
+      known_dim = true;
+    }
   });
   KVQ_CHECK(known_dtype, "write_kv_cuda: unresolved KV dtype");
   KVQ_CHECK(known_dim,
-            "write_kv_cuda: head_dim " + std::to_string(head_dim) + " not in {64, 128, 256}");
+            "write_kv_cuda: head_dim " + std::to_string(head_dim) + " is outside 1..256");
 }
 
 }  // namespace
@@ -299,7 +428,7 @@ void write_kv_cuda(const LayerKvSpec& spec, const LayerCacheView& cache, const i
     p.block_tokens = block_tokens;
     p.signs = signs;
     for (int h = 0; h < spec.num_kv_heads; ++h) p.tensor_scale[h] = spec.scale(s).for_head(h);
-    launch_write(l.dtype, p, l.head_dim, static_cast<unsigned>(blocks), cs);
+    launch_write(l.dtype, p, l.head_dim, rows, cs);
   }
 }
 
