@@ -4,14 +4,24 @@
 # `kvq generate` on the CPU and the GPU, and (with --bench) the issue-6 grid.
 #   here:   KVQ_BUNDLE_FILE=.carry/bundle-e2e.tar.xz bash scripts/gpu-bundle.sh build-cuda/kvq build-cuda/tests/kvq_cuda_model_tests
 #   device: KVQ_BUNDLE_FILE=.carry/bundle-e2e.tar.xz bash scripts/gpu-bundle.sh --run 'bash scripts/gpu-e2e-check.sh [--bench]'
+# KVQ_E2E_BUILD names the bundled build directory (default build-cuda). stories260K (head_dim 8,
+# the generic CUDA attention) is looked up in KVQ_STORIES260K_DIR, .carry/stories260K (carry it:
+# the GPU machine has no ../shared), then ../shared/models/stories260K; the model tests read the
+# same variable.
 set -uo pipefail
 OUT=${OUT:-$PWD/out-e2e}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu-e2e-check.log") 2>&1
-K=bundle/build-cuda/kvq
+B=bundle/${KVQ_E2E_BUILD:-build-cuda}
+K=$B/kvq
+STORIES=${KVQ_STORIES260K_DIR:-}
+for d in .carry/stories260K ../shared/models/stories260K; do
+  [ -z "$STORIES" ] && [ -f "$d/model.safetensors" ] && STORIES=$PWD/$d
+done
+export KVQ_STORIES260K_DIR=$STORIES
 step() { echo "=== [${SECONDS}s] $*"; }
 step "kvq_cuda_model_tests"
-bundle/build-cuda/tests/kvq_cuda_model_tests > "$OUT/model_tests.log" 2>&1; echo "rc=$?"
+$B/tests/kvq_cuda_model_tests > "$OUT/model_tests.log" 2>&1; echo "rc=$?"
 grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]" "$OUT/model_tests.log"
 step "greedy agreement, kvq-code-tiny, 64 tokens from 4 prompts"
 for prompt in "def main(" "import os" "class Config:" "    for i in range("; do
@@ -28,6 +38,24 @@ PY
     done
   done
 done
+step "greedy agreement, stories260K (head_dim 8: generic CUDA attention), 64 tokens"
+if [ -n "$STORIES" ]; then
+  for prompt in "" "Once upon a time" "Lily and Tom"; do
+    for kv in auto fp8 int8_per_token_head; do
+      cpu=$($K generate --model "$STORIES" --prompt "$prompt" --temperature 0 --max-tokens 64 --output-ids --kv-cache-dtype $kv 2>/dev/null)
+      gpu=$($K generate --model "$STORIES" --prompt "$prompt" --temperature 0 --max-tokens 64 --output-ids --kv-cache-dtype $kv --device cuda --dtype auto 2>/dev/null)
+      python3 - "$kv" "$prompt" "$cpu" "$gpu" <<'PY'
+import sys
+kv, prompt, a, b = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4].split()
+n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+ok = "identical" if a == b and a else "DIFFERENT"
+print(f"stories260K kv {kv:20s} prompt {prompt!r:20s} identical prefix {n}/{len(a)} tokens ({ok})")
+PY
+    done
+  done
+else
+  echo "stories260K not found (carry .carry/stories260K or set KVQ_STORIES260K_DIR): skipped"
+fi
 step "kvq eval on the GPU (float32 weights) vs the CPU"
 $K eval --model models/kvq-code-tiny --text models/kvq-code-tiny/heldout.txt --max-tokens 4096 --kv-cache-dtype fp8 --device cuda --dtype float32 2>&1 | tail -4
 $K eval --model models/kvq-code-tiny --text models/kvq-code-tiny/heldout.txt --max-tokens 4096 --kv-cache-dtype fp8 2>&1 | tail -4
