@@ -493,8 +493,13 @@ TEST(CudaDecodeBackend, RegisteredWithHonestWhitelists) {
   mixed.v_scale.kind = ScaleSourceKind::kCheckpoint;
   mixed.v_scale.values = {0.02f};
   EXPECT_FALSE(b->reasons_unsupported(mixed).empty());
+  // Head dims other than 64 / 128 / 256 run the generic kernel (cuda_generic.h), up to 256.
   LayerKvSpec odd = spec;
   odd.head_dim_k = odd.head_dim_v = 96;
+  if (cuda_device_count() > 0) {
+    EXPECT_TRUE(b->reasons_unsupported(odd, Device::kCuda).empty());
+  }
+  odd.head_dim_k = odd.head_dim_v = 512;
   EXPECT_FALSE(b->reasons_unsupported(odd).empty());
   LayerKvSpec small_blocks = spec;
   small_blocks.block_tokens = 8;

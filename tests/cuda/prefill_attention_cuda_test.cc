@@ -489,8 +489,13 @@ TEST(CudaBackend, RegisteredWithHonestWhitelists) {
   set_scale(unlisted.k_scale, KvDtype::kNvfp4, 1);
   set_scale(unlisted.v_scale, KvDtype::kFp8E5M2, 1);
   EXPECT_FALSE(b->reasons_unsupported(unlisted).empty());
+  // Head dims other than 64 / 128 / 256 run the generic kernel (cuda_generic.h), up to 256.
   LayerKvSpec odd = spec;
   odd.head_dim_k = odd.head_dim_v = 96;
+  if (cuda_device_count() > 0) {
+    EXPECT_TRUE(b->reasons_unsupported(odd, Device::kCuda).empty());
+  }
+  odd.head_dim_k = odd.head_dim_v = 512;
   EXPECT_FALSE(b->reasons_unsupported(odd).empty());
 }
 
