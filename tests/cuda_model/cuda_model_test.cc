@@ -121,9 +121,12 @@ void accumulate(Diff& d, const std::vector<float>& ref, const std::vector<float>
 
 // Runs the same chunked prefill (two chunks, the second ragged) and decode steps through both
 // models; every logit row compared. Returns the differences; greedy continuations of
-// `continuation` tokens are compared when asked.
+// `continuation` tokens are compared when asked. With tie_splits, a continuation whose ids
+// part where the CPU's logits of the two ids differ by at most tie_rel x max |logit| (a near
+// tie that rounding may flip) is counted in *tie_splits and not compared further.
 Diff compare_models(std::shared_ptr<const Model> cpu, std::shared_ptr<const Model> gpu,
-                    uint32_t seed, int continuation, int* same_ids, int* total_ids) {
+                    uint32_t seed, int continuation, int* same_ids, int* total_ids,
+                    double tie_rel = 0.0, int* tie_splits = nullptr) {
   std::mt19937 rng(seed);
   const int V = cpu->vocab_size();
   const std::vector<SequenceId> ids{11, 22, 33};
@@ -162,12 +165,21 @@ Diff compare_models(std::shared_ptr<const Model> cpu, std::shared_ptr<const Mode
   if (continuation > 0) {
     // Independent greedy runs: the CPU by argmax on the host, the GPU by forward_sample.
     std::vector<std::vector<int32_t>> nc = next, ng = next;
+    std::vector<bool> parted(ids.size(), false);
     for (int s = 0; s < continuation; ++s) {
       const auto l = c.step(ids, nc, false);
       const auto gi = g.sample(ids, ng);
       for (size_t i = 0; i < ids.size(); ++i) {
         nc[i] = {static_cast<int32_t>(argmax(l.data() + i * V, V))};
         ng[i] = {gi[i]};
+        if (parted[i]) continue;
+        const float* row = l.data() + i * V;
+        if (nc[i][0] != ng[i][0] && tie_splits != nullptr &&
+            double(row[nc[i][0]]) - row[ng[i][0]] <= tie_rel * d.max_ref) {
+          parted[i] = true;
+          ++*tie_splits;
+          continue;
+        }
         *same_ids += nc[i][0] == ng[i][0];
         ++*total_ids;
       }
@@ -198,16 +210,19 @@ TEST_P(Float32Weights, MatchCpuOnKvqCodeTiny) {
   std::shared_ptr<const CudaModel> gpu = CudaModel::load(plan, o);
   EXPECT_EQ(gpu->weight_precision(), WeightPrecision::kFloat32);
   EXPECT_EQ(CudaModel::load(plan, small_options())->weight_precision(), WeightPrecision::kBFloat16);
-  int same = 0, total = 0;
-  const Diff d = compare_models(cpu, gpu, seed, 32, &same, &total);
+  int same = 0, total = 0, ties = 0;
+  const double bound = GetParam() == KvDtype::kFloat16 ? 1e-3 : 5e-3;
+  // Greedy ids may part only at a near tie: two logits within twice the logit bound.
+  const Diff d = compare_models(cpu, gpu, seed, 32, &same, &total, 2 * bound, &ties);
   std::printf(
       "[ kvq-code-tiny fp32 weights, %s KV ] seed %u, prompts 280/45/19 in 2 chunks + 4 decode "
       "steps: %d rows, max |diff| %.3g, max |logit| %.3g (rel %.3g), top-1 %d/%d, greedy 32x3 "
-      "ids %d/%d\n",
+      "ids %d/%d (%d continuations parted at a near tie)\n",
       std::string(to_string(GetParam())).c_str(), seed, d.rows, d.max_abs, d.max_ref, d.rel(),
-      d.same_top1, d.rows, same, total);
-  EXPECT_LE(d.max_abs, (GetParam() == KvDtype::kFloat16 ? 1e-3 : 5e-3) * d.max_ref);
+      d.same_top1, d.rows, same, total, ties);
+  EXPECT_LE(d.max_abs, bound * d.max_ref);
   EXPECT_EQ(same, total);
+  EXPECT_LE(ties, 1) << "near ties are rare; more than one suggests a real difference";
 }
 
 INSTANTIATE_TEST_SUITE_P(CudaModel, Float32Weights,

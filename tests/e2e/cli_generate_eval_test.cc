@@ -3,8 +3,8 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "e2e/cli_test_util.h"
@@ -18,8 +18,9 @@ using nlohmann::json;
 const std::string kStories = std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K";
 const std::string kCode = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
 
-#define SKIP_WITHOUT(dir) \
-  if (!std::filesystem::exists(std::string(dir) + "/config.json")) GTEST_SKIP() << dir << " is absent; skipping"
+#define SKIP_WITHOUT(dir)                                          \
+  if (!std::filesystem::exists(std::string(dir) + "/config.json")) \
+  GTEST_SKIP() << dir << " is absent; skipping"
 
 void expect_error(const CommandResult& r, const std::string& needle) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
@@ -43,8 +44,8 @@ TEST(CliGenerate, Stories260KGreedyFromBosTellsTheKnownStory) {
 
 TEST(CliGenerate, PromptIdsAndOutputIdsAgreeWithTextMode) {
   SKIP_WITHOUT(kStories);
-  const auto ids = run_kvq({"generate", "--model", kStories, "--prompt-ids", "1", "--temperature", "0",
-                            "--max-tokens", "12", "--output-ids"});
+  const auto ids = run_kvq({"generate", "--model", kStories, "--prompt-ids", "1", "--temperature",
+                            "0", "--max-tokens", "12", "--output-ids"});
   ASSERT_EQ(ids.exit_code, 0) << ids.err;
   std::istringstream in(ids.out);
   std::vector<int> got;
@@ -53,8 +54,8 @@ TEST(CliGenerate, PromptIdsAndOutputIdsAgreeWithTextMode) {
   // Feeding the prompt plus the first 6 generated ids must continue with the remaining 6.
   std::string prompt = "1";
   for (size_t i = 0; i < 6; ++i) prompt += "," + std::to_string(got[i]);
-  const auto cont = run_kvq({"generate", "--model", kStories, "--prompt-ids", prompt, "--temperature", "0",
-                             "--max-tokens", "6", "--output-ids"});
+  const auto cont = run_kvq({"generate", "--model", kStories, "--prompt-ids", prompt,
+                             "--temperature", "0", "--max-tokens", "6", "--output-ids"});
   ASSERT_EQ(cont.exit_code, 0) << cont.err;
   std::istringstream in2(cont.out);
   std::vector<int> rest;
@@ -73,8 +74,8 @@ TEST(CliGenerate, StopStringEndsTheTextBeforeIt) {
 
 TEST(CliGenerate, StopTokenIdEndsGenerationAndIsReported) {
   SKIP_WITHOUT(kStories);
-  const auto all = run_kvq({"generate", "--model", kStories, "--prompt-ids", "1", "--temperature", "0",
-                            "--max-tokens", "10", "--output-ids"});
+  const auto all = run_kvq({"generate", "--model", kStories, "--prompt-ids", "1", "--temperature",
+                            "0", "--max-tokens", "10", "--output-ids"});
   ASSERT_EQ(all.exit_code, 0) << all.err;
   std::istringstream in(all.out);
   std::vector<int> ids;
@@ -83,21 +84,23 @@ TEST(CliGenerate, StopTokenIdEndsGenerationAndIsReported) {
   // Stop at the first occurrence of the 5th generated id.
   const int stop = ids[4];
   const size_t first = static_cast<size_t>(std::find(ids.begin(), ids.end(), stop) - ids.begin());
-  const auto r = run_kvq({"generate", "--model", kStories, "--prompt-ids", "1", "--temperature", "0",
-                          "--max-tokens", "10", "--output-ids", "--stop-token-ids", std::to_string(stop)});
+  const auto r =
+      run_kvq({"generate", "--model", kStories, "--prompt-ids", "1", "--temperature", "0",
+               "--max-tokens", "10", "--output-ids", "--stop-token-ids", std::to_string(stop)});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::istringstream in2(r.out);
   std::vector<int> got;
   for (int v; in2 >> v;) got.push_back(v);
-  EXPECT_EQ(got, std::vector<int>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(first) + 1));
+  EXPECT_EQ(got,
+            std::vector<int>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(first) + 1));
   EXPECT_NE(r.err.find("(stop)"), std::string::npos) << r.err;
 }
 
 TEST(CliGenerate, DefaultModelWritesCode) {
   SKIP_WITHOUT(kCode);
-  const auto r = run_kvq({"generate", "--model", kCode, "--prompt", "import os\n\n\ndef ", "--temperature",
-                          "0", "--max-tokens", "48", "--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers",
-                          "sliding_window"});
+  const auto r = run_kvq({"generate", "--model", kCode, "--prompt", "import os\n\n\ndef ",
+                          "--temperature", "0", "--max-tokens", "48", "--kv-cache-dtype", "fp8",
+                          "--kv-cache-dtype-skip-layers", "sliding_window"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("("), std::string::npos) << r.out;
   EXPECT_NE(r.out.find(":"), std::string::npos) << r.out;
@@ -119,7 +122,13 @@ TEST(CliGenerateBadInput, EachMistakeIsOneLineAndExitTwo) {
   expect_error(gen({"--prompt-ids", "1,x"}), "--prompt-ids: cannot parse 'x'");
   expect_error(gen({"--prompt-ids", "1,99999"}), "out of range");
   expect_error(gen({}), "--prompt");
-  expect_error(gen({"--prompt", "x", "--device", "cuda"}), "--device cuda");
+  // Without a CUDA build or device, --device cuda is refused naming the flag; with one,
+  // stories260K runs there (head_dim 8 takes the generic CUDA kernel).
+  if (const CommandResult cuda = gen({"--prompt", "x", "--device", "cuda", "--max-tokens", "4"});
+      cuda.exit_code != 0)
+    expect_error(cuda, "--device cuda");
+  else
+    EXPECT_FALSE(cuda.out.empty());
   std::string long_prompt = "1";
   for (int i = 0; i < 600; ++i) long_prompt += ",5";
   expect_error(gen({"--prompt-ids", long_prompt}), "the model's context is 512 tokens");
@@ -146,8 +155,9 @@ TEST(CliGenerateBadInput, BrokenModelFolders) {
 
 TEST(CliEval, JsonReportAgainstFloat32Reference) {
   SKIP_WITHOUT(kCode);
-  const auto r = run_kvq({"eval", "--model", kCode, "--text", kCode + "/heldout.txt", "--max-tokens", "1024",
-                          "--kv-cache-dtype", "int4_per_token_head", "--json"});
+  const auto r =
+      run_kvq({"eval", "--model", kCode, "--text", kCode + "/heldout.txt", "--max-tokens", "1024",
+               "--kv-cache-dtype", "int4_per_token_head", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const json j = json::parse(r.out);
   EXPECT_EQ(j["reference"]["kv_dtype"], "float32");
@@ -167,9 +177,10 @@ TEST(CliEval, JsonReportAgainstFloat32Reference) {
 TEST(CliEval, AllDtypesTableMarksWhatCannotRun) {
   SKIP_WITHOUT(kStories);
   const std::string text = fresh_dir("evaltext") + "/story.txt";
-  write_text(text,
-             "Once upon a time, there was a little boy named Tim. Tim liked to play with his red ball in "
-             "the park. One day, the sun was hot and Tim was sad because his ball was lost.");
+  write_text(
+      text,
+      "Once upon a time, there was a little boy named Tim. Tim liked to play with his red ball in "
+      "the park. One day, the sun was hot and Tim was sad because his ball was lost.");
   const auto r = run_kvq({"eval", "--model", kStories, "--text", text, "--all-dtypes", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const json j = json::parse(r.out);
@@ -200,7 +211,8 @@ namespace {
 
 TEST(CliServeBadInput, StartUpErrorsAreOneLineAndExitTwo) {
   SKIP_WITHOUT(kCode);
-  expect_error(run_kvq({"serve", "--model", kCode, "--kv-cache-dtype", "fp8_inc"}), "kvq does not support");
+  expect_error(run_kvq({"serve", "--model", kCode, "--kv-cache-dtype", "fp8_inc"}),
+               "kvq does not support");
   expect_error(run_kvq({"serve", "--model", kCode, "--device", "cuda"}), "--device cuda");
   expect_error(run_kvq({"serve", "--model", "/nonexistent/model"}), "not a directory");
   expect_error(run_kvq({"serve", "--model", kCode, "--kv-cache-dtype-skip-layers", "6"}),

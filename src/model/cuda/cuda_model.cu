@@ -12,7 +12,9 @@
 // attention is planned for a context bucket (2^k or 3 x 2^(k-1) >= the longest sequence), never
 // for this step's lengths; the kernels derive each sequence's splits from the device seq_lens,
 // which stays within a plan made for longer sequences. Graphs on or off run the same plans and
-// GEMM shapes, so they give identical results.
+// GEMM shapes, so they give identical results. With bf16 weights the GEMMs of a decode step
+// (<= 256 rows) use cuBLASLt algorithms timed once per batch bucket (gemm_tuner.h; the choice
+// is process-wide, so it too is the same with graphs on or off).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -27,11 +29,13 @@
 #include <vector>
 
 #include "attention/cuda/cuda_decode.h"
+#include "attention/cuda/cuda_generic.h"
 #include "cache/cuda/cuda_check.h"
 #include "kvq/cache/device_kv_cache.h"
 #include "kvq/core/error.h"
 #include "kvq/model/cuda_model.h"
 #include "model/checkpoint_reader.h"
+#include "model/cuda/gemm_tuner.h"
 #include "model/cuda/model_kernels.h"
 #include "model/kernels.h"
 #include "model/weight_layout.h"
@@ -94,6 +98,8 @@ int next_context_bucket(int b) {
 
 constexpr int kMinContextBucket = 16;
 constexpr size_t kCublasWorkspace = 32u << 20;
+// Decode steps up to this many rows run GEMMs with timed cuBLASLt algorithms (gemm_tuner.h).
+constexpr int kMaxTunedRows = 256;
 
 // Device allocations released together (weights, buffers); never throws on release.
 class DeviceArena {
@@ -271,8 +277,11 @@ std::shared_ptr<DeviceWeights> synthetic_weights(const KvPlan& plan, const Archi
   return w;
 }
 
-// What the CUDA kernels cannot run for one layer (decode, the cache write, prefill).
+// What the CUDA kernels cannot run for one layer (decode, the cache write, prefill). Head dims
+// the tensor-core kernels do not take run the generic kernel (cuda_generic.h): no plan beyond
+// the batch shape, no workspace.
 std::vector<std::string> layer_cuda_reasons(const LayerKvSpec& spec) {
+  if (cuda::uses_generic_attention(spec)) return cuda::generic_unsupported_reasons(spec);
   std::vector<std::string> r = cuda::decode_unsupported_reasons(spec);
 #if KVQ_MODEL_CUDA_PREFILL
   for (std::string& s : cuda::prefill_unsupported_reasons(spec))
@@ -338,6 +347,8 @@ class CudaDecoderModel final : public CudaModel {
   void gemm(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
             float beta) const;
   cuda::DecodePlan decode_plan(int group, int num_seqs, int context) const;
+  // Times the GEMM algorithms of an m-row decode step once (bf16 weights, m <= kMaxTunedRows).
+  void tune_gemms(int m) const;
 
   KvPlan plan_;
   ArchitectureConfig arch_;
@@ -354,6 +365,7 @@ class CudaDecoderModel final : public CudaModel {
   std::vector<LayerKvSpec> group_spec_;  // one representative per group
   std::vector<int> batch_buckets_;
   int max_context_bucket_ = 0;
+  int max_seq_len_ = 0;  // longest sequence the buffers and workspaces were sized for
 
   // Capacities.
   int T_cap_ = 0, S_cap_ = 0, R_cap_ = 0;
@@ -362,6 +374,8 @@ class CudaDecoderModel final : public CudaModel {
   size_t device_total_ = 0, free_at_load_ = 0;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
+  std::unique_ptr<cuda_model::GemmTuner> tuner_;
+  mutable std::set<int> tuned_rows_;
   DeviceArena buf_;
   float *x_ = nullptr, *qkv_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
         *att_ = nullptr, *mlp_ = nullptr, *cs_ = nullptr, *logits_ = nullptr;
@@ -485,10 +499,16 @@ CudaDecoderModel::~CudaDecoderModel() {
 }
 
 cuda::DecodePlan CudaDecoderModel::decode_plan(int group, int num_seqs, int context) const {
+  if (cuda::uses_generic_attention(group_spec_[static_cast<size_t>(group)])) return {};
   cuda::DecodeOptions o;
   o.num_sms = num_sms_;
   const std::vector<int32_t> lens(static_cast<size_t>(num_seqs), context);
-  return cuda::plan_decode(group_spec_[static_cast<size_t>(group)], lens, o);
+  cuda::DecodePlan p = cuda::plan_decode(group_spec_[static_cast<size_t>(group)], lens, o);
+  // The plan picks the number of work items per sequence for the bucket's length; keep that
+  // count for the shorter sequences the plan is replayed on (each item gets ceil(tiles /
+  // max_splits) tiles) instead of keeping the tiles per item, which would leave SM slots idle.
+  p.chunk_tiles = 1;
+  return p;
 }
 
 void CudaDecoderModel::allocate_buffers() {
@@ -497,7 +517,9 @@ void CudaDecoderModel::allocate_buffers() {
   KVQ_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
   KVQ_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
   // A workspace of our own: cuBLAS must not allocate while a graph is being captured.
-  KVQ_CUBLAS_CHECK(cublasSetWorkspace(cublas_, buf_.alloc(kCublasWorkspace), kCublasWorkspace));
+  void* gemm_ws = buf_.alloc(kCublasWorkspace);
+  KVQ_CUBLAS_CHECK(cublasSetWorkspace(cublas_, gemm_ws, kCublasWorkspace));
+  if (bf16_) tuner_ = std::make_unique<cuda_model::GemmTuner>(stream_, gemm_ws, kCublasWorkspace);
 
   S_cap_ = options_.max_num_seqs;
   T_cap_ = std::max(options_.max_num_batched_tokens, options_.max_num_seqs);
@@ -508,6 +530,7 @@ void CudaDecoderModel::allocate_buffers() {
       std::max(plan_.model.max_position_embeddings > 0 ? plan_.model.max_position_embeddings : 8192,
                kMinContextBucket);
   max_context_bucket_ = context_bucket(max_len);
+  max_seq_len_ = max_len;
   const int bt = plan_.layers.front().block_tokens;
   idx_cap_ = static_cast<size_t>(S_cap_) * static_cast<size_t>((max_len + bt - 1) / bt + 1);
 
@@ -523,7 +546,8 @@ void CudaDecoderModel::allocate_buffers() {
     // Sized on the largest batch shape; checked again per step.
     std::vector<int32_t> qi{0, T_cap_}, sl{std::max(T_cap_, max_len)};
     for (const LayerKvSpec& s : group_spec_)
-      attn_ws_bytes_ = std::max(attn_ws_bytes_, cuda::plan_prefill(s, qi, sl).workspace_bytes);
+      if (!cuda::uses_generic_attention(s))
+        attn_ws_bytes_ = std::max(attn_ws_bytes_, cuda::plan_prefill(s, qi, sl).workspace_bytes);
   }
 #endif
   attn_ws_ = buf_.alloc(attn_ws_bytes_);
@@ -673,6 +697,7 @@ void CudaDecoderModel::copy_blocks(PagedKvCache& cache,
 void CudaDecoderModel::gemm(int m, int n, int k, const void* in, int lda, const void* w, float* out,
                             int ldc, float beta) const {
   if (m == 0 || n == 0) return;
+  if (tuner_ && tuner_->run(m, n, k, in, lda, w, out, ldc, beta)) return;
   const float alpha = 1.0f;
   const cudaDataType t = bf16_ ? CUDA_R_16BF : CUDA_R_32F;
   // Row-major out[m][n] = in[m][k] * w[n][k]^T is column-major out^T = w^T-op * in^T.
@@ -738,6 +763,11 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
     decode = decode && q_len == 1;
     max_len = std::max(max_len, kv_len);
   }
+  if (max_len > max_seq_len_)
+    throw InputError("a sequence of " + std::to_string(max_len) +
+                     " tokens is longer than the model's context of " +
+                     std::to_string(max_seq_len_) +
+                     " tokens (max_position_embeddings), which the CUDA model was sized for");
   st.decode = decode;
   if (decode) {
     st.S = st.T = *std::lower_bound(batch_buckets_.begin(), batch_buckets_.end(), S);
@@ -789,6 +819,10 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
     st.fallback_context = std::max(kMinContextBucket, context_bucket(fb_max));
 #if KVQ_MODEL_CUDA_PREFILL
     for (const LayerKvSpec& s : group_spec_) {
+      if (cuda::uses_generic_attention(s)) {
+        st.prefill_plans.emplace_back();  // the generic kernel needs only the batch shape
+        continue;
+      }
       st.prefill_plans.push_back(cuda::plan_prefill(
           s, std::span<const int32_t>(b.q_indptr.data(), static_cast<size_t>(S) + 1),
           std::span<const int32_t>(b.block_table.seq_lens, static_cast<size_t>(S))));
@@ -810,6 +844,24 @@ void CudaDecoderModel::attention(const Step& st, int l, const LayerCacheView& vi
   BlockTableView bt;
   bt.indices = d_at<int32_t>(off_.indices);
   bt.block_tokens = spec.block_tokens;
+  if (cuda::uses_generic_attention(spec)) {
+    // Decode and prefill alike: the staged q_indptr covers padded decode rows too.
+    bt.indptr = d_at<int32_t>(off_.bt_indptr);
+    bt.seq_lens = d_at<int32_t>(off_.seq_lens);
+    bt.num_seqs = st.S;
+    cuda::GenericPlan p;
+    p.num_seqs = st.S;
+    p.total_q = st.T;
+    cuda::GenericArgs a;
+    a.q = q_;
+    a.out = att_;
+    a.q_indptr = d_at<int32_t>(off_.q_indptr);
+    a.block_table = bt;
+    a.cache = view;
+    a.softmax_scale = softmax_scale_;
+    cuda::run_generic(spec, p, a, stream_);
+    return;
+  }
   if (st.decode) {
     bt.indptr = d_at<int32_t>(off_.bt_indptr);
     bt.seq_lens = d_at<int32_t>(off_.seq_lens);
@@ -898,7 +950,27 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
   if (st.decode) logits_rows(0, st.T);
 }
 
+void CudaDecoderModel::tune_gemms(int m) const {
+  if (!tuner_ || m > kMaxTunedRows || !tuned_rows_.insert(m).second) return;
+  std::vector<const void*> qkv, o, gate_up, down;
+  for (const DeviceWeights::Layer& w : w_->layers) {
+    qkv.push_back(w.qkv);
+    o.push_back(w.o);
+    gate_up.push_back(w.gate_up);
+    down.push_back(w.down);
+  }
+  const void* lm_head[1] = {w_->lm_head};
+  // Nothing is live between steps: the scratch operands are the step's own buffers.
+  tuner_->tune(m, qkv_dim_, H_, h_, H_, qkv, qkv_, qkv_dim_);
+  tuner_->tune(m, H_, q_dim_, h_, q_dim_, o, x_, H_);
+  tuner_->tune(m, 2 * I_, H_, h_, H_, gate_up, mlp_, 2 * I_);
+  tuner_->tune(m, H_, I_, h_, I_, down, x_, H_);
+  tuner_->tune(m, vocab_, H_, h_, H_, lm_head, logits_, vocab_);
+}
+
 void CudaDecoderModel::run_step(const Step& st, PagedKvCache& cache) const {
+  // Before any graph capture: the first decode step of each batch bucket picks its GEMMs.
+  if (st.decode) tune_gemms(st.T);
   std::vector<LayerCacheView> views;
   for (size_t l = 0; l < cache.num_layers(); ++l) views.push_back(cache.layer_view(l));
   const bool graph = st.decode && options_.cuda_graphs;
