@@ -340,21 +340,21 @@ DecodeMainKernel main_kernel(KvDtype k, KvDtype v, int hd) {
 // was 60% full took as long as 3 full rounds, docs/notes/decode-tuning.md), so a launch takes
 // about (rounds of resident blocks) x (tiles per item). Pick the chunk that minimizes that
 // product (the model overrates rounds of mostly idle warps, which run faster); ties go to the
-// larger chunk (fewer partial rows to merge). A block holds kDecodeWarps consecutive items of
-// one (sequence, kv head).
+// larger chunk (fewer partial rows to merge).
 int choose_chunk_tiles(std::span<const int> tiles, int kv_heads, int head_chunks,
                        int64_t resident_blocks) {
   int max_tiles = 0;
   for (int t : tiles) max_tiles = std::max(max_tiles, t);
   if (max_tiles <= kMinChunkTiles || resident_blocks <= 0) return kMinChunkTiles;
+  // Warps of a launch with chunk c, in blocks of kDecodeWarps (the grid is 1-D over every
+  // (sequence, kv head, item), so blocks are full).
   auto blocks = [&](int c) {
-    int64_t b = 0;
+    int64_t items = 0;
     for (int t : tiles) {
       int chunk = 0;
-      const int splits = decode_num_splits(t, c, kDecodeMaxSplits, chunk);
-      b += (static_cast<int64_t>(splits) * head_chunks + kDecodeWarps - 1) / kDecodeWarps;
+      items += decode_num_splits(t, c, kDecodeMaxSplits, chunk);
     }
-    return b * kv_heads;
+    return (items * head_chunks * kv_heads + kDecodeWarps - 1) / kDecodeWarps;
   };
   auto cost = [&](int c) {
     const int64_t rounds = (blocks(c) + resident_blocks - 1) / resident_blocks;
@@ -565,11 +565,12 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
       hd, Aux::kPrep, pp, mp,
       dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * kDecodeHeadsPerWarp), seqs),
       stream);
-  const int items = plan.max_splits * plan.head_chunks;
+  const int64_t warps = static_cast<int64_t>(plan.max_splits) * plan.head_chunks *
+                       spec.num_kv_heads * plan.num_seqs;
+  KVQ_CHECK((warps + kDecodeWarps - 1) / kDecodeWarps <= 0x7FFFFFFF, "run_decode: grid too large");
   launch(main_kernel(spec.k_dtype, spec.v_dtype, hd),
-         dim3(static_cast<unsigned>((items + kDecodeWarps - 1) / kDecodeWarps),
-              static_cast<unsigned>(spec.num_kv_heads), seqs),
-         kDecodeWarps * 32, kp, true, stream);
+         dim3(static_cast<unsigned>((warps + kDecodeWarps - 1) / kDecodeWarps)), kDecodeWarps * 32,
+         kp, true, stream);
   // Sequences with a single split were written by the split-KV kernel (unless V is rotated);
   // the merge handles the rest: a warp per head for a few splits, a block for many.
   if (plan.max_splits == 1 && !mp.unrotate) return;

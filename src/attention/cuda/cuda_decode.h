@@ -19,7 +19,8 @@
 // maximum scale of the warp's range so fp16 P cannot underflow), int4 zero points add
 // z * sum(q) to a logit and sum(p * z) to an output. Each warp writes an (o, m, l) partial
 // (or, for a sequence with a single split and unrotated V, its final output); the merge
-// kernel combines the splits of a query head and un-rotates rotated V.
+// kernel combines the splits of a query head and un-rotates rotated V. The grid is 1-D over
+// (sequence, kv head, work item), so blocks are always full.
 #pragma once
 
 #include <cuda_runtime.h>

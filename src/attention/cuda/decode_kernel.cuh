@@ -330,9 +330,16 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD>)
   using SV = Shape<DV, HD>;  // O += P V: operand type of P, V scales, V zero points
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int warp = static_cast<int>(threadIdx.x >> 5);
-  const int seq = static_cast<int>(blockIdx.z);
-  const int kvh = static_cast<int>(blockIdx.y);
-  const int item = static_cast<int>(blockIdx.x) * kDecodeWarps + warp;
+  // A 1-D grid of warps over (sequence, kv head, work item): a block may hold the items of
+  // several (sequence, kv head) pairs, so the launch has no partly idle blocks and the
+  // number of resident rounds follows the number of items, not of (sequence, head) pairs.
+  const int items_per = p.max_splits * p.head_chunks;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kDecodeWarps + warp;
+  const int64_t group = w / items_per;  // seq * num_kv_heads + kvh
+  if (group >= static_cast<int64_t>(p.num_seqs) * p.num_kv_heads) return;
+  const int item = static_cast<int>(w - group * items_per);
+  const int seq = static_cast<int>(group / p.num_kv_heads);
+  const int kvh = static_cast<int>(group - static_cast<int64_t>(seq) * p.num_kv_heads);
   const int split = item / p.head_chunks;
   const int hc = item - split * p.head_chunks;
 
