@@ -339,8 +339,8 @@ DecodeMainKernel main_kernel(KvDtype k, KvDtype v, int hd) {
 // depends little on how many others run (ncu on an H100: a launch whose last round of blocks
 // was 60% full took as long as 3 full rounds, docs/notes/decode-tuning.md), so a launch takes
 // about (rounds of resident blocks) x (tiles per item). Pick the chunk that minimizes that
-// product (the model overrates rounds of mostly idle warps, which run faster); ties go to the
-// larger chunk (fewer partial rows to merge).
+// product (the model overrates rounds of mostly idle warps, which run faster); near ties go to
+// the larger chunk (fewer rounds and partial rows to merge).
 int choose_chunk_tiles(std::span<const int> tiles, int kv_heads, int head_chunks,
                        int64_t resident_blocks) {
   int max_tiles = 0;
@@ -377,12 +377,14 @@ int choose_chunk_tiles(std::span<const int> tiles, int kv_heads, int head_chunks
       else
         lo = mid + 1;
     }
+    // More rounds (smaller chunks) must win by more than 5%: each round and each extra split
+    // costs time the model does not count (B 8 x ctx 16k: 2 rounds x 21 tiles, cost 42, ran
+    // 6% slower than 1 round x 43, docs/notes/decode-tuning.md).
     const int64_t c = cost(lo);
-    if (c < best_cost || (c == best_cost && lo > best)) best = lo, best_cost = c;
+    if (c * 20 < best_cost * 19) best = lo, best_cost = c;
     const int w = std::max(lo, warp_merge_min);
     const int64_t cw = cost(w);
-    if (cw < best_warp_cost || (cw == best_warp_cost && w > best_warp))
-      best_warp = w, best_warp_cost = cw;
+    if (cw * 20 < best_warp_cost * 19) best_warp = w, best_warp_cost = cw;
   }
   // The block-per-head merge costs more than the model counts where there are many heads
   // (B 128 x 64 query heads, 12 splits: 8192 merge blocks; measured 16% slower than 4
