@@ -35,6 +35,7 @@
 #include "kvq/core/error.h"
 #include "kvq/model/cuda_model.h"
 #include "model/checkpoint_reader.h"
+#include "model/cuda/cublas_check.h"
 #include "model/cuda/gemm_tuner.h"
 #include "model/cuda/model_kernels.h"
 #include "model/kernels.h"
@@ -60,19 +61,6 @@
 namespace kvq {
 
 namespace {
-
-[[noreturn]] void throw_cublas_error(const char* file, int line, const char* expr,
-                                     cublasStatus_t st) {
-  throw InternalError(std::string(file) + ":" + std::to_string(line) + ": " + expr + " failed: " +
-                      cublasGetStatusName(st) + " (" + cublasGetStatusString(st) + ")");
-}
-
-#define KVQ_CUBLAS_CHECK(expr)                                       \
-  do {                                                               \
-    const cublasStatus_t kvq_cublas_st_ = (expr);                    \
-    if (kvq_cublas_st_ != CUBLAS_STATUS_SUCCESS)                     \
-      throw_cublas_error(__FILE__, __LINE__, #expr, kvq_cublas_st_); \
-  } while (0)
 
 constexpr size_t kAlign = 256;
 size_t align_up(size_t n, size_t a = kAlign) {

@@ -8,21 +8,11 @@
 
 #include "cache/cuda/cuda_check.h"
 #include "kvq/core/error.h"
+#include "model/cuda/cublas_check.h"
 
 namespace kvq::cuda_model {
 
 namespace {
-
-[[noreturn]] void throw_lt_error(const char* file, int line, const char* expr, cublasStatus_t st) {
-  throw InternalError(std::string(file) + ":" + std::to_string(line) + ": " + expr + " failed: " +
-                      cublasGetStatusName(st) + " (" + cublasGetStatusString(st) + ")");
-}
-#define KVQ_LT_CHECK(expr)                                   \
-  do {                                                       \
-    const cublasStatus_t kvq_lt_st_ = (expr);                \
-    if (kvq_lt_st_ != CUBLAS_STATUS_SUCCESS)                 \
-      throw_lt_error(__FILE__, __LINE__, #expr, kvq_lt_st_); \
-  } while (0)
 
 // Largest power of two <= 256 that divides the address.
 uint32_t alignment_of(const void* p) {
@@ -59,18 +49,19 @@ struct GemmTuner::Plan {
   uint32_t alignment = 256;
 
   Plan(int m, int n, int k, int lda, int ldc) {
-    KVQ_LT_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    KVQ_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
-    KVQ_LT_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
-    KVQ_LT_CHECK(
+    KVQ_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
+    KVQ_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt)));
     // Column-major: w is k x n (ld k) used transposed, in is k x m (ld lda), out n x m (ld ldc).
-    KVQ_LT_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, static_cast<uint64_t>(k),
-                                            static_cast<uint64_t>(n), k));
-    KVQ_LT_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, static_cast<uint64_t>(k),
-                                            static_cast<uint64_t>(m), lda));
-    KVQ_LT_CHECK(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, static_cast<uint64_t>(n),
-                                            static_cast<uint64_t>(m), ldc));
+    KVQ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, static_cast<uint64_t>(k),
+                                                static_cast<uint64_t>(n), k));
+    KVQ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, static_cast<uint64_t>(k),
+                                                static_cast<uint64_t>(m), lda));
+    KVQ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, static_cast<uint64_t>(n),
+                                                static_cast<uint64_t>(m), ldc));
   }
   ~Plan() {
     if (c) (void)cublasLtMatrixLayoutDestroy(c);
@@ -84,7 +75,7 @@ struct GemmTuner::Plan {
 
 GemmTuner::GemmTuner(cudaStream_t stream, void* workspace, size_t workspace_bytes)
     : stream_(stream), workspace_(workspace), workspace_bytes_(workspace_bytes) {
-  KVQ_LT_CHECK(cublasLtCreate(&lt_));
+  KVQ_CUBLAS_CHECK(cublasLtCreate(&lt_));
 }
 
 GemmTuner::~GemmTuner() {
@@ -123,18 +114,18 @@ double GemmTuner::tune(int m, int n, int k, const void* in, int lda,
   uint32_t align = std::min(alignment_of(in), alignment_of(out));
   for (const void* w : weights) align = std::min(align, alignment_of(w));
   cublasLtMatmulPreference_t pref = nullptr;
-  KVQ_LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  KVQ_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = workspace_bytes_;
   cublasLtMatmulHeuristicResult_t found[16] = {};
   int returned = 0;
   try {
-    KVQ_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+    KVQ_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
     const cublasLtMatmulPreferenceAttributes_t attrs[4] = {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
     for (const cublasLtMatmulPreferenceAttributes_t attr : attrs)
-      KVQ_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
+      KVQ_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
         lt_, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 16, found, &returned);
     if (st != CUBLAS_STATUS_SUCCESS) returned = 0;
@@ -194,8 +185,8 @@ bool GemmTuner::run(int m, int n, int k, const void* in, int lda, const void* w,
       alignment_of(out) < p->alignment)
     return false;
   const float alpha = 1.0f;
-  KVQ_LT_CHECK(cublasLtMatmul(lt_, p->desc, &alpha, w, p->a, in, p->b, &beta, out, p->c, out, p->c,
-                              &p->algo, workspace_, workspace_bytes_, stream_));
+  KVQ_CUBLAS_CHECK(cublasLtMatmul(lt_, p->desc, &alpha, w, p->a, in, p->b, &beta, out, p->c, out,
+                                  p->c, &p->algo, workspace_, workspace_bytes_, stream_));
   return true;
 }
 
