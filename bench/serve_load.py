@@ -12,7 +12,8 @@ Python 3 standard library only.
   python3 bench/serve_load.py --url http://127.0.0.1:8000 --duration 30
 
 Each client loops: POST /v1/completions with stream=true (logprobs=0, so that every token is
-counted exactly, ignore_eos so that every request runs to max_tokens), a prompt drawn from a
+counted exactly; --no-logprobs: none, tokens from the usage chunk, so a CUDA model samples on
+the device, ignore_eos so that every request runs to max_tokens), a prompt drawn from a
 fixed list of code prompts, reading server-sent events until [DONE]. At the deadline the
 clients hang up (the server cancels what they had in flight); only requests completed before
 the deadline count as completed, and tokens received before it count as output.
@@ -76,15 +77,21 @@ def client_loop(host, port, model, args, deadline, stats, seed):
             "max_tokens": args.max_tokens,
             "temperature": args.temperature,
             "stream": True,
-            "logprobs": 0,
             "ignore_eos": True,
         }
+        if args.no_logprobs:
+            # Only ids leave the engine (a CUDA model samples on the device); tokens are counted
+            # from the final usage chunk, latencies per streamed text event.
+            body["stream_options"] = {"include_usage": True}
+        else:
+            body["logprobs"] = 0
         if model:
             body["model"] = model
         start = time.monotonic()
         first = None
         last = None
         tokens = 0
+        usage_tokens = None
         itl = []
         conn = http.client.HTTPConnection(host, port, timeout=max(1.0, deadline - start + 5))
         try:
@@ -108,9 +115,14 @@ def client_loop(host, port, model, args, deadline, stats, seed):
                     break
                 chunk = json.loads(payload)
                 now = time.monotonic()
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
                 for choice in chunk.get("choices", []):
-                    lp = choice.get("logprobs") or {}
-                    k = len(lp.get("tokens") or [])
+                    if args.no_logprobs:
+                        k = 1 if choice.get("text") else 0
+                    else:
+                        lp = choice.get("logprobs") or {}
+                        k = len(lp.get("tokens") or [])
                     if k == 0:
                         continue
                     if first is None:
@@ -121,6 +133,8 @@ def client_loop(host, port, model, args, deadline, stats, seed):
                         itl.extend([(now - last) / k] * k)
                     last = now
                     tokens += k
+            if done and usage_tokens is not None:
+                tokens = usage_tokens
             with stats.lock:
                 stats.output_tokens += tokens
                 if first is not None:
@@ -265,6 +279,9 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--no-logprobs", action="store_true",
+                    help="ask for no logprobs (the device-sampling path of a CUDA model); count "
+                    "tokens from the final usage chunk")
     args = ap.parse_args()
 
     results = []
