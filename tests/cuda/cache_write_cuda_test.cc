@@ -4,18 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <bit>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <numeric>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
-#include "cuda_test_util.h"
+#include "cuda_attention_harness.h"
 #include "kvq/cache/device_kv_cache.h"
 #include "kvq/cache/paged_kv_cache.h"
 #include "kvq/core/error.h"
@@ -23,14 +18,9 @@
 namespace kvq {
 namespace {
 
+using test::concrete_dtypes;
 using test::DeviceBuffer;
-
-std::vector<KvDtype> concrete_dtypes() {
-  std::vector<KvDtype> out;
-  for (const auto& t : kKvDtypeTraits)
-    if (t.concrete) out.push_back(t.dtype);
-  return out;
-}
+using test::first_mismatch;
 
 // K and V of different dtypes (so the two launches are told apart), per-tensor scales per
 // head; head 0's scale is a power of two so that rounding ties of x survive x / scale.
@@ -57,79 +47,11 @@ LayerKvSpec write_spec(KvDtype k, KvDtype v, int head_dim, int block_tokens) {
   return s;
 }
 
-// Kinds of rows: most random, some with an outlier, some special.
+// Kinds of rows: most random, some with outliers, some special; rounding ties for several
+// target formats (bf16, fp16, e4m3, e5m2, e2m1).
 std::vector<float> make_row(std::mt19937& rng, int dim, int kind) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> spread(0.05f, 3.0f);
-  std::uniform_int_distribution<int> pick(0, dim - 1);
-  std::vector<float> x(static_cast<size_t>(dim));
-  const float sigma = spread(rng);
-  for (float& e : x) e = sigma * normal(rng);
-  const float inf = std::numeric_limits<float>::infinity();
-  switch (kind) {
-    case 0:
-      break;
-    case 1:  // outliers
-      for (int i = 0; i < 3; ++i) x[pick(rng)] *= 40.0f;
-      break;
-    case 2:  // all zero, signed zeros included
-      for (size_t i = 0; i < x.size(); ++i) x[i] = i % 3 == 0 ? -0.0f : 0.0f;
-      break;
-    case 3:  // NaN and infinities among normal values
-      x[pick(rng)] = std::numeric_limits<float>::quiet_NaN();
-      x[pick(rng)] = inf;
-      x[pick(rng)] = -inf;
-      break;
-    case 4:  // huge values (saturation, scale caps)
-      for (float& e : x) e *= 1e37f;
-      x[pick(rng)] = 3.4e38f;
-      break;
-    case 5:  // tiny values (subnormal scales and codes)
-      for (float& e : x) e *= 1e-39f;
-      break;
-    case 6: {  // rounding ties for several target formats (bf16, fp16, e4m3, e5m2, e2m1)
-      const int keep[] = {7, 10, 3, 2, 1};
-      for (float& e : x) {
-        const int m = keep[std::uniform_int_distribution<int>(0, 4)(rng)];
-        uint32_t b = std::bit_cast<uint32_t>(e);
-        b = (b & ~((1u << (23 - m)) - 1u)) | (1u << (22 - m));
-        e = std::bit_cast<float>(b);
-      }
-      break;
-    }
-    case 7:  // exact small integers and halves (int8 / int4 grid ties)
-      for (float& e : x)
-        e = 0.5f * static_cast<float>(std::uniform_int_distribution<int>(-40, 40)(rng));
-      break;
-    case 8:  // all NaN
-      for (float& e : x) e = std::numeric_limits<float>::quiet_NaN();
-      break;
-    case 9:  // zeros of both signs as the minimum after a positive rest
-      for (float& e : x) e = std::fabs(e);
-      x[pick(rng)] = -0.0f;
-      x[pick(rng)] = 0.0f;
-      break;
-  }
-  return x;
-}
-
-std::string first_mismatch(const std::vector<std::byte>& got, const std::vector<std::byte>& want,
-                           const KvSideLayout& l) {
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (got[i] == want[i]) continue;
-    const size_t block = i / l.block_bytes, in_block = i % l.block_bytes;
-    const size_t head = in_block / l.head_stride, in_head = in_block % l.head_stride;
-    std::ostringstream os;
-    os << "byte " << i << " (block " << block << ", head " << head << ", ";
-    if (in_head < l.values_bytes)
-      os << "token " << in_head / l.row_data_bytes << " value byte " << in_head % l.row_data_bytes;
-    else
-      os << "metadata byte " << in_head - l.values_bytes;
-    os << "): got 0x" << std::hex << static_cast<int>(got[i]) << ", want 0x"
-       << static_cast<int>(want[i]);
-    return os.str();
-  }
-  return {};
+  const test::RowOptions opt{.outliers = 3, .tie_mantissa_bits = {7, 10, 3, 2, 1}};
+  return test::make_row(rng, dim, static_cast<test::RowKind>(kind), opt);
 }
 
 TEST(CudaCacheWrite, BitIdenticalToReferenceForEveryDtype) {
@@ -163,30 +85,13 @@ TEST(CudaCacheWrite, BitIdenticalToReferenceForEveryDtype) {
           }
 
         // Reference: a host cache of the same layout, poisoned like the device one.
-        const KvSideLayout kl = spec.layout(KvSide::kK), vl = spec.layout(KvSide::kV);
-        std::vector<std::byte> hk(num_blocks * kl.block_bytes, std::byte{0xFF});
-        std::vector<std::byte> hv(num_blocks * vl.block_bytes, std::byte{0xFF});
-        LayerCacheView host;
-        host.k_base = hk.data();
-        host.v_base = hv.data();
-        host.k_layout = kl;
-        host.v_layout = vl;
-        host.num_blocks = num_blocks;
-        write_kv_reference(spec, host, slots, k.data(), v.data());
-
-        DeviceKvCache cache({spec}, num_blocks);
-        DeviceBuffer<int64_t> d_slots(slots);
-        DeviceBuffer<float> d_k(k), d_v(v);
-        write_kv_cuda(spec, cache.layer_view(0), d_slots.get(), n, d_k.get(), d_v.get());
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-
+        const test::LayerBytes want =
+            test::reference_write(spec, num_blocks, slots, k.data(), v.data());
+        test::LayerBytes got;
+        ASSERT_NO_FATAL_FAILURE(test::cuda_write(spec, num_blocks, slots, k, v, &got));
         for (KvSide side : {KvSide::kK, KvSide::kV}) {
-          const auto& want = side == KvSide::kK ? hk : hv;
-          std::vector<std::byte> got(want.size());
-          ASSERT_EQ(cudaMemcpy(got.data(), cache.layer_view(0).base(side), got.size(),
-                               cudaMemcpyDeviceToHost),
-                    cudaSuccess);
-          const std::string bad = first_mismatch(got, want, spec.layout(side));
+          const std::string bad =
+              first_mismatch(got.side(side), want.side(side), spec.layout(side));
           EXPECT_TRUE(bad.empty())
               << to_string(side) << " " << to_string(spec.dtype(side)) << ", head_dim " << hd
               << ", block " << bt << ": " << bad << ", seed " << seed;
@@ -217,26 +122,13 @@ TEST(CudaCacheWrite, SkipsPaddingAndOutOfRangeSlots) {
       v_valid.insert(v_valid.end(), v.begin() + static_cast<ptrdiff_t>(t * row_elems),
                      v.begin() + static_cast<ptrdiff_t>((t + 1) * row_elems));
     }
-  const KvSideLayout kl = spec.layout(KvSide::kK), vl = spec.layout(KvSide::kV);
-  std::vector<std::byte> hk(num_blocks * kl.block_bytes, std::byte{0xFF});
-  std::vector<std::byte> hv(num_blocks * vl.block_bytes, std::byte{0xFF});
-  LayerCacheView host{hk.data(), hv.data(), kl, vl, num_blocks};
-  write_kv_reference(spec, host, valid, k_valid.data(), v_valid.data());
-
-  DeviceKvCache cache({spec}, num_blocks);
-  DeviceBuffer<int64_t> d_slots(slots);
-  DeviceBuffer<float> d_k(k), d_v(v);
-  write_kv_cuda(spec, cache.layer_view(0), d_slots.get(), static_cast<int64_t>(slots.size()),
-                d_k.get(), d_v.get());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  for (KvSide side : {KvSide::kK, KvSide::kV}) {
-    const auto& want = side == KvSide::kK ? hk : hv;
-    std::vector<std::byte> got(want.size());
-    ASSERT_EQ(
-        cudaMemcpy(got.data(), cache.layer_view(0).base(side), got.size(), cudaMemcpyDeviceToHost),
-        cudaSuccess);
-    EXPECT_EQ(first_mismatch(got, want, spec.layout(side)), "") << "seed " << seed;
-  }
+  const test::LayerBytes want =
+      test::reference_write(spec, num_blocks, valid, k_valid.data(), v_valid.data());
+  test::LayerBytes got;
+  ASSERT_NO_FATAL_FAILURE(test::cuda_write(spec, num_blocks, slots, k, v, &got));
+  for (KvSide side : {KvSide::kK, KvSide::kV})
+    EXPECT_EQ(first_mismatch(got.side(side), want.side(side), spec.layout(side)), "")
+        << "seed " << seed;
 }
 
 // The optional error report: the lowest token with an out-of-range slot is named (negative

@@ -21,9 +21,13 @@
 
 namespace kvq::test {
 
+// The same function as in unit/attention/attention_harness.h, which a test may include too.
+#ifndef KVQ_TEST_FRESH_SEED_DEFINED
+#define KVQ_TEST_FRESH_SEED_DEFINED
 inline unsigned fresh_seed() {
   return std::random_device{}();
 }
+#endif
 
 // A device allocation of n elements of T, freed on destruction.
 template <typename T>

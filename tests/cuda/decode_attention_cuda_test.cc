@@ -7,80 +7,38 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <limits>
-#include <numeric>
 #include <random>
-#include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/cuda/cuda_decode.h"
 #include "attention/cuda/kv_pairs.h"
-#include "cuda_test_util.h"
+#include "cuda_attention_harness.h"
 #include "kvq/attention/backend.h"
 #include "kvq/cache/device_kv_cache.h"
 #include "kvq/core/error.h"
-#include "kvq/quant/codec.h"
 
 namespace kvq {
 namespace {
 
+using test::concrete_dtypes;
+using test::CudaAttnCase;
+using test::CudaAttnProblem;
 using test::DeviceBuffer;
+using test::spec_for;
 
-struct DecodeCase {
-  KvDtype dtype = KvDtype::kBFloat16;  // K (and V unless v_dtype is set)
-  KvDtype v_dtype = KvDtype::kAuto;    // kAuto: same as dtype
-  int head_dim = 128;
-  int block_tokens = 16;
-  int num_kv_heads = 2;
-  int ratio = 4;
-  AttentionKind kind = AttentionKind::kCausal;
-  int window = 0;
-  float soft_cap = 0.0f;
-  std::vector<int> lens;
-
-  KvDtype vd() const { return v_dtype == KvDtype::kAuto ? dtype : v_dtype; }
-
-  std::string describe() const {
-    std::ostringstream os;
-    os << to_string(dtype);
-    if (vd() != dtype) os << " / " << to_string(vd());
-    os << ", head_dim " << head_dim << ", block " << block_tokens << ", kv heads " << num_kv_heads
-       << " x ratio " << ratio << ", " << to_string(kind);
-    if (kind == AttentionKind::kSlidingWindow) os << " W=" << window;
-    os << ", soft_cap " << soft_cap << ", lens:";
-    for (int l : lens) os << " " << l;
-    return os.str();
-  }
-};
-
-LayerKvSpec spec_for(const DecodeCase& c) {
-  LayerKvSpec s;
-  s.layer = 2;
-  s.k_dtype = c.dtype;
-  s.v_dtype = c.vd();
-  s.attention = c.kind;
-  s.sliding_window = c.window;
-  s.num_kv_heads = c.num_kv_heads;
-  s.num_q_heads = c.num_kv_heads * c.ratio;
-  s.head_dim_k = s.head_dim_v = c.head_dim;
-  s.block_tokens = c.block_tokens;
-  for (KvSide side : {KvSide::kK, KvSide::kV}) {
-    ScaleSource& sc = side == KvSide::kK ? s.k_scale : s.v_scale;
-    const KvDtype d = s.dtype(side);
-    const auto& t = traits(d);
-    if (t.uses_tensor_scale) {
-      sc.kind = ScaleSourceKind::kCheckpoint;
-      const float base = d == KvDtype::kNvfp4 ? 0.004f : 0.02f;
-      for (int h = 0; h < c.num_kv_heads; ++h) sc.values.push_back(base * (1.0f + 0.5f * h));
-    } else if (t.scale_kind == ScaleKind::kPerTokenHead) {
-      sc.kind = ScaleSourceKind::kDynamic;
-    }
-  }
-  return s;
+// A decode batch (one query per sequence) of K and V dtype `dtype`, layer 2, 2 kv heads.
+CudaAttnCase decode_case(KvDtype dtype, std::vector<int> lens) {
+  CudaAttnCase c;
+  c.layer = 2;
+  c.k_dtype = c.v_dtype = dtype;
+  c.num_kv_heads = 2;
+  c.q_lens.assign(lens.size(), 1);
+  c.kv_lens = std::move(lens);
+  return c;
 }
 
 // Error allowed per element, relative to the largest |V| of the (sequence, kv head). The
@@ -98,180 +56,8 @@ double tolerance(KvDtype d) {
 double tolerance(KvDtype k, KvDtype v) {
   return std::max(tolerance(k), tolerance(v));
 }
-
-// One batch in a paged cache: host bytes (for cpu_reference) and the same bytes on the device.
-class DecodeProblem {
- public:
-  DecodeProblem(const DecodeCase& c, unsigned seed) : case_(c), spec_(spec_for(c)), rng_(seed) {
-    const int bt = c.block_tokens, hd = c.head_dim, nkv = c.num_kv_heads;
-    int needed = 0;
-    for (int len : c.lens) needed += (len + bt - 1) / bt;
-    num_blocks_ = needed + 2;
-    std::vector<int32_t> pool(static_cast<size_t>(num_blocks_));
-    std::iota(pool.begin(), pool.end(), 0);
-    std::shuffle(pool.begin(), pool.end(), rng_);
-    kl_ = spec_.layout(KvSide::kK);
-    vl_ = spec_.layout(KvSide::kV);
-    hk_.assign(static_cast<size_t>(num_blocks_) * kl_.block_bytes, std::byte{0xFF});
-    hv_.assign(static_cast<size_t>(num_blocks_) * vl_.block_bytes, std::byte{0xFF});
-    host_view_ = LayerCacheView{hk_.data(), hv_.data(), kl_, vl_, num_blocks_};
-
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::uniform_real_distribution<float> spread(0.3f, 2.0f);
-    std::uniform_int_distribution<int> coin(0, 15);
-    size_t next = 0;
-    indptr_.push_back(0);
-    vmax_.assign(c.lens.size() * static_cast<size_t>(nkv), 0.0);
-    for (size_t i = 0; i < c.lens.size(); ++i) {
-      const int len = c.lens[i];
-      const int nb = (len + bt - 1) / bt;
-      for (int b = 0; b < nb; ++b) indices_.push_back(pool[next++]);
-      indptr_.push_back(static_cast<int32_t>(indices_.size()));
-      seq_lens_.push_back(len);
-      q_indptr_.push_back(static_cast<int32_t>(i));
-      std::vector<int64_t> slots(static_cast<size_t>(len));
-      std::vector<float> k(static_cast<size_t>(len) * nkv * hd), v(k.size());
-      for (int t = 0; t < len; ++t) {
-        slots[t] = static_cast<int64_t>(indices_[indptr_[i] + t / bt]) * bt + t % bt;
-        for (int h = 0; h < nkv; ++h) {
-          for (float* dst : {&k[(static_cast<size_t>(t) * nkv + h) * hd],
-                             &v[(static_cast<size_t>(t) * nkv + h) * hd]}) {
-            const float sigma = spread(rng_);
-            for (int d = 0; d < hd; ++d) dst[d] = sigma * normal(rng_);
-            if (coin(rng_) == 0) dst[coin(rng_) % hd] *= 8.0f;  // an outlier
-          }
-        }
-      }
-      write_kv_reference(spec_, host_view_, slots, k.data(), v.data());
-      // Largest |V| as the cache holds it (dequantized, model space), per kv head.
-      std::vector<float> row(static_cast<size_t>(hd));
-      for (int t = 0; t < len; ++t) {
-        const int32_t block = indices_[indptr_[i] + t / bt];
-        for (int h = 0; h < nkv; ++h) {
-          const std::byte* base = host_view_.block(KvSide::kV, block);
-          quant::decode_row_unrotated(c.vd(), base + vl_.value_offset(h, t % bt),
-                                      base + vl_.scale_offset(h, t % bt), spec_.v_scale.for_head(h),
-                                      row);
-          double& m = vmax_[i * nkv + h];
-          for (float x : row) m = std::max(m, static_cast<double>(std::fabs(x)));
-        }
-      }
-    }
-    q_indptr_.push_back(static_cast<int32_t>(c.lens.size()));
-    q_.resize(c.lens.size() * static_cast<size_t>(spec_.num_q_heads) * hd);
-    for (float& x : q_) x = 2.5f * normal(rng_);
-  }
-
-  const LayerKvSpec& spec() const { return spec_; }
-  float softmax_scale() const { return 1.0f / std::sqrt(static_cast<float>(case_.head_dim)); }
-
-  BlockTableView host_table() const {
-    BlockTableView bt;
-    bt.indptr = indptr_.data();
-    bt.indices = indices_.data();
-    bt.seq_lens = seq_lens_.data();
-    bt.num_seqs = static_cast<int32_t>(case_.lens.size());
-    bt.block_tokens = case_.block_tokens;
-    return bt;
-  }
-  const std::vector<int32_t>& q_indptr() const { return q_indptr_; }
-  const std::vector<int32_t>& indptr() const { return indptr_; }
-  const std::vector<int32_t>& indices() const { return indices_; }
-  const std::vector<int32_t>& seq_lens() const { return seq_lens_; }
-  const std::vector<float>& q() const { return q_; }
-  const LayerCacheView& host_view() const { return host_view_; }
-  int32_t num_blocks() const { return num_blocks_; }
-
-  std::vector<float> reference() const {
-    std::vector<float> out(q_.size() / case_.head_dim * case_.head_dim,
-                           std::numeric_limits<float>::quiet_NaN());
-    AttentionArgs a;
-    a.q = q_.data();
-    a.out = out.data();
-    a.q_indptr = q_indptr_.data();
-    a.block_table = host_table();
-    a.cache = host_view_;
-    a.softmax_scale = softmax_scale();
-    a.logit_soft_cap = case_.soft_cap;
-    find_attention_backend("cpu_reference")->run(spec_, a);
-    return out;
-  }
-
-  // Copies the host cache bytes into a device cache of the same layout.
-  void upload(const DeviceKvCache& dev) const {
-    const LayerCacheView v = dev.layer_view(0);
-    EXPECT_EQ(cudaMemcpy(v.k_base, hk_.data(), hk_.size(), cudaMemcpyHostToDevice), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(v.v_base, hv_.data(), hv_.size(), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-
-  // Largest |error| / max |V| of the last check (NaN-free elements only).
-  double worst() const { return worst_; }
-
-  ::testing::AssertionResult check(const std::vector<float>& got,
-                                   const std::vector<float>& want) const {
-    const int hd = case_.head_dim, nq = spec_.num_q_heads;
-    const double tol = tolerance(case_.dtype, case_.vd());
-    int bad = 0;
-    worst_ = 0.0;
-    std::ostringstream msg;
-    for (size_t i = 0; i < case_.lens.size(); ++i)
-      for (int h = 0; h < nq; ++h) {
-        const double vmax = vmax_[i * case_.num_kv_heads + h / case_.ratio];
-        for (int d = 0; d < hd; ++d) {
-          const size_t e = (i * nq + h) * hd + d;
-          const double err = std::fabs(static_cast<double>(got[e]) - want[e]);
-          if (err / vmax > worst_) worst_ = err / vmax;
-          if (!(err <= tol * vmax)) {
-            if (++bad <= 5)
-              msg << "\n  seq " << i << " (len " << case_.lens[i] << ") head " << h << " dim " << d
-                  << ": got " << got[e] << ", want " << want[e] << " (tol " << tol * vmax << ")";
-          }
-        }
-      }
-    if (bad == 0) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure()
-           << bad << " of " << got.size() << " elements out of tolerance:" << msg.str();
-  }
-
- private:
-  DecodeCase case_;
-  LayerKvSpec spec_;
-  std::mt19937 rng_;
-  int32_t num_blocks_ = 0;
-  KvSideLayout kl_, vl_;
-  std::vector<std::byte> hk_, hv_;
-  LayerCacheView host_view_;
-  std::vector<int32_t> indptr_, indices_, seq_lens_, q_indptr_;
-  std::vector<double> vmax_;
-  std::vector<float> q_;
-  mutable double worst_ = 0.0;
-};
-
-// Runs the cuda_decode backend (device q / out / cache, host block table) with a poisoned
-// output and returns what it wrote.
-std::vector<float> run_backend(const DecodeProblem& p, float soft_cap) {
-  DeviceKvCache dev({p.spec()}, p.num_blocks());
-  p.upload(dev);
-  DeviceBuffer<float> q(p.q());
-  DeviceBuffer<float> out(p.q().size());
-  out.poison();
-  AttentionArgs a;
-  a.q = q.get();
-  a.out = out.get();
-  a.q_indptr = p.q_indptr().data();
-  a.block_table = p.host_table();
-  a.cache = dev.layer_view(0);
-  a.softmax_scale = p.softmax_scale();
-  a.logit_soft_cap = soft_cap;
-  find_attention_backend("cuda")->run(p.spec(), a);
-  return out.download();
-}
-
-std::vector<KvDtype> concrete_dtypes() {
-  std::vector<KvDtype> out;
-  for (const auto& t : kKvDtypeTraits)
-    if (t.concrete) out.push_back(t.dtype);
-  return out;
+test::Tolerance decode_tolerance(const CudaAttnCase& c) {
+  return {.base = tolerance(c.k_dtype, c.v_dtype)};
 }
 
 class CudaDecodeGrid : public ::testing::TestWithParam<KvDtype> {};
@@ -286,28 +72,27 @@ TEST_P(CudaDecodeGrid, MatchesCpuReference) {
   for (int hd : {64, 128, 256}) {
     for (int bt : {16, 32}) {
       for (int ratio : {1, 4, 8}) {
-        DecodeCase c;
-        c.dtype = dtype;
-        c.head_dim = hd;
+        CudaAttnCase c = decode_case(dtype, {});
+        c.set_head_dim(hd);
         c.block_tokens = bt;
         c.ratio = ratio;
-        c.num_kv_heads = 2;
         const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
                                        AttentionKind::kNonCausal};
         c.kind = kinds[index % 3];
         c.window = std::uniform_int_distribution<int>(20, 700)(rng);
         c.soft_cap = index % 4 == 1 ? 5.0f : 0.0f;
         const int long_len = std::uniform_int_distribution<int>(1500, 4500)(rng);
-        c.lens = {1, bt - 1, bt + 1, long_len, 37, 3 * bt};
-        std::shuffle(c.lens.begin(), c.lens.end(), rng);
+        c.kv_lens = {1, bt - 1, bt + 1, long_len, 37, 3 * bt};
+        c.q_lens.assign(c.kv_lens.size(), 1);
+        std::shuffle(c.kv_lens.begin(), c.kv_lens.end(), rng);
         ++index;
         const unsigned case_seed = seed + static_cast<unsigned>(index);
-        const DecodeProblem problem(c, case_seed);
+        const CudaAttnProblem problem(c, case_seed);
         const std::vector<float> want = problem.reference();
-        const std::vector<float> got = run_backend(problem, c.soft_cap);
-        EXPECT_TRUE(problem.check(got, want))
+        const std::vector<float> got = test::run_cuda_backend(problem, c.soft_cap);
+        EXPECT_TRUE(problem.check(got, want, decode_tolerance(c)))
             << c.describe() << ", seed " << seed << " (case seed " << case_seed << ")";
-        worst = std::max(worst, problem.worst());
+        worst = std::max(worst, problem.worst_over_vmax());
       }
     }
   }
@@ -328,44 +113,34 @@ TEST(CudaDecode, SplitCountsAndHeadChunksAgree) {
   const unsigned seed = test::fresh_seed();
   std::mt19937 rng(seed);
   for (KvDtype dtype : {KvDtype::kFp8E4M3, KvDtype::kInt4PerTokenHead, KvDtype::kBFloat16}) {
-    DecodeCase c;
-    c.dtype = dtype;
-    c.head_dim = 128;
+    // fp8: causal with 4500 tokens (282 one-tile splits, more than one merge pass);
+    // the others: a sliding window that starts inside a tile.
+    CudaAttnCase c = decode_case(dtype, {dtype == KvDtype::kFp8E4M3 ? 4500 : 2500, 5, 999, 1001});
+    c.set_head_dim(128);
     c.block_tokens = 16;
     c.ratio = 12;
     c.num_kv_heads = 1;
-    // fp8: causal with 4500 tokens (282 one-tile splits, more than one merge pass);
-    // the others: a sliding window that starts inside a tile.
     c.kind = dtype == KvDtype::kFp8E4M3 ? AttentionKind::kCausal : AttentionKind::kSlidingWindow;
     c.window = 1000;
-    c.lens = {dtype == KvDtype::kFp8E4M3 ? 4500 : 2500, 5, 999, 1001};
-    const DecodeProblem problem(c, seed);
+    const CudaAttnProblem problem(c, seed);
     const std::vector<float> want = problem.reference();
-    DeviceKvCache dev({problem.spec()}, problem.num_blocks());
-    problem.upload(dev);
-    DeviceBuffer<float> q(problem.q());
-    DeviceBuffer<float> out(problem.q().size());
-    DeviceBuffer<int32_t> indptr(problem.indptr()), indices(problem.indices()),
-        seq_lens(problem.seq_lens());
+    test::DeviceBatch dev(problem);
     for (int chunk : {1, 3, 100000}) {
       cuda::DecodeOptions opt;
       opt.chunk_tiles = chunk;
       const cuda::DecodePlan plan = cuda::plan_decode(problem.spec(), problem.seq_lens(), opt);
       DeviceBuffer<std::byte> ws(plan.workspace_bytes);
       cuda::DecodeArgs a;
-      a.q = q.get();
-      a.out = out.get();
-      a.block_table = problem.host_table();
-      a.block_table.indptr = indptr.get();
-      a.block_table.indices = indices.get();
-      a.block_table.seq_lens = seq_lens.get();
-      a.cache = dev.layer_view(0);
+      a.q = dev.q.get();
+      a.out = dev.out.get();
+      a.block_table = dev.device_table();
+      a.cache = dev.cache.layer_view(0);
       a.softmax_scale = problem.softmax_scale();
       a.workspace = ws.get();
-      out.poison();
+      dev.out.poison();
       cuda::run_decode(problem.spec(), plan, a, nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_TRUE(problem.check(out.download(), want))
+      EXPECT_TRUE(problem.check(dev.out.download(), want, decode_tolerance(c)))
           << c.describe() << ", chunk " << chunk << " (" << plan.max_splits << " splits), seed "
           << seed;
     }
@@ -375,29 +150,22 @@ TEST(CudaDecode, SplitCountsAndHeadChunksAgree) {
 // The mixed (K, V) pairs through the device-level API (plan_decode / run_decode), so they are
 // tested whatever the registered backend's whitelist says: the same grid shape as the K == V
 // cases (ragged lengths, sliding window, GQA 1 / 4 / 12, soft-cap, outlier rows).
-std::vector<float> run_device(const DecodeProblem& p, float soft_cap) {
-  DeviceKvCache dev({p.spec()}, p.num_blocks());
-  p.upload(dev);
-  DeviceBuffer<float> q(p.q());
-  DeviceBuffer<float> out(p.q().size());
-  DeviceBuffer<int32_t> indptr(p.indptr()), indices(p.indices()), seq_lens(p.seq_lens());
+std::vector<float> run_device(const CudaAttnProblem& p, float soft_cap) {
+  test::DeviceBatch dev(p);
   const cuda::DecodePlan plan = cuda::plan_decode(p.spec(), p.seq_lens());
   DeviceBuffer<std::byte> ws(plan.workspace_bytes);
   cuda::DecodeArgs a;
-  a.q = q.get();
-  a.out = out.get();
-  a.block_table = p.host_table();
-  a.block_table.indptr = indptr.get();
-  a.block_table.indices = indices.get();
-  a.block_table.seq_lens = seq_lens.get();
-  a.cache = dev.layer_view(0);
+  a.q = dev.q.get();
+  a.out = dev.out.get();
+  a.block_table = dev.device_table();
+  a.cache = dev.cache.layer_view(0);
   a.softmax_scale = p.softmax_scale();
   a.logit_soft_cap = soft_cap;
   a.workspace = ws.get();
-  out.poison();
+  dev.out.poison();
   cuda::run_decode(p.spec(), plan, a, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  return out.download();
+  return dev.out.download();
 }
 
 using KvPair = std::pair<KvDtype, KvDtype>;
@@ -413,29 +181,28 @@ TEST_P(CudaDecodeMixedPairs, MatchesCpuReference) {
   double worst = 0.0;
   for (int hd : {64, 128, 256}) {
     for (int ratio : {1, 4, 12}) {
-      DecodeCase c;
-      c.dtype = kd;
+      CudaAttnCase c = decode_case(kd, {});
       c.v_dtype = vd;
-      c.head_dim = hd;
+      c.set_head_dim(hd);
       c.block_tokens = index % 2 == 0 ? 16 : 32;
       c.ratio = ratio;
-      c.num_kv_heads = 2;
       const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
                                      AttentionKind::kNonCausal};
       c.kind = kinds[index % 3];
       c.window = std::uniform_int_distribution<int>(20, 700)(rng);
       c.soft_cap = index % 4 == 1 ? 5.0f : 0.0f;
       const int long_len = std::uniform_int_distribution<int>(1500, 4500)(rng);
-      c.lens = {1, c.block_tokens - 1, c.block_tokens + 1, long_len, 37, 3 * c.block_tokens};
-      std::shuffle(c.lens.begin(), c.lens.end(), rng);
+      c.kv_lens = {1, c.block_tokens - 1, c.block_tokens + 1, long_len, 37, 3 * c.block_tokens};
+      c.q_lens.assign(c.kv_lens.size(), 1);
+      std::shuffle(c.kv_lens.begin(), c.kv_lens.end(), rng);
       ++index;
       const unsigned case_seed = seed + static_cast<unsigned>(index);
-      const DecodeProblem problem(c, case_seed);
+      const CudaAttnProblem problem(c, case_seed);
       const std::vector<float> want = problem.reference();
       const std::vector<float> got = run_device(problem, c.soft_cap);
-      EXPECT_TRUE(problem.check(got, want))
+      EXPECT_TRUE(problem.check(got, want, decode_tolerance(c)))
           << c.describe() << ", seed " << seed << " (case seed " << case_seed << ")";
-      worst = std::max(worst, problem.worst());
+      worst = std::max(worst, problem.worst_over_vmax());
     }
   }
   std::printf("  %s / %s: largest |error| / max|V| over the grid %.2e (tolerance %.1e)\n",
@@ -447,9 +214,7 @@ INSTANTIATE_TEST_SUITE_P(
     EveryMixedPair, CudaDecodeMixedPairs,
     ::testing::ValuesIn(std::vector<KvPair>(std::begin(cuda::kCudaMixedKvPairs),
                                             std::end(cuda::kCudaMixedKvPairs))),
-    [](const ::testing::TestParamInfo<KvPair>& p) {
-      return std::string(to_string(p.param.first)) + "__" + std::string(to_string(p.param.second));
-    });
+    [](const ::testing::TestParamInfo<KvPair>& p) { return test::pair_name(p.param); });
 
 // decode_unsupported_reasons accepts exactly the pairs of kv_pairs.h, and a refused pair's
 // reason names the pair and what is built instead.
@@ -458,10 +223,8 @@ TEST(CudaDecode, AcceptsExactlyTheBuiltPairs) {
   int accepted = 0;
   for (KvDtype k : all) {
     for (KvDtype v : all) {
-      DecodeCase c;
-      c.dtype = k;
+      CudaAttnCase c = decode_case(k, {1});
       c.v_dtype = v;
-      c.lens = {1};
       const std::vector<std::string> r = cuda::decode_unsupported_reasons(spec_for(c));
       const std::string pair = std::string(to_string(k)) + "/" + std::string(to_string(v));
       if (cuda::cuda_kv_pair_supported(k, v)) {
@@ -481,8 +244,7 @@ TEST(CudaDecodeBackend, RegisteredWithHonestWhitelists) {
   const AttentionBackend* b = find_attention_backend("cuda");
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(b->capabilities().device, Device::kCuda);
-  DecodeCase c;
-  c.lens = {1};
+  CudaAttnCase c = decode_case(KvDtype::kBFloat16, {1});
   LayerKvSpec spec = spec_for(c);
   if (cuda_device_count() > 0) {
     EXPECT_TRUE(b->reasons_unsupported(spec, Device::kCuda).empty());

@@ -22,9 +22,13 @@
 
 namespace kvq::test {
 
+// Also in tests/cuda/cuda_test_util.h; the CUDA attention tests include both.
+#ifndef KVQ_TEST_FRESH_SEED_DEFINED
+#define KVQ_TEST_FRESH_SEED_DEFINED
 inline unsigned fresh_seed() {
   return std::random_device{}();
 }
+#endif
 
 struct SeqShape {
   int kv_len = 0;
