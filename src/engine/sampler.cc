@@ -58,6 +58,35 @@ int32_t Sampler::sample(std::span<const float> logits) {
     }
     return best < 0 ? 0 : best;
   }
+  if (p_.top_k == 0 && p_.top_p >= 1.0f && p_.min_p == 0.0f) {
+    // Temperature alone: one pass for the maximum, one for the sum, one to draw, in id
+    // order. No sort: the distribution is the same, and a full sort of a large vocabulary
+    // per token was most of a serving step's host time.
+    float max_l = -std::numeric_limits<float>::infinity();
+    for (float l : logits)
+      if (!std::isnan(l)) max_l = std::max(max_l, l / p_.temperature);
+    if (max_l == -std::numeric_limits<float>::infinity()) {
+      // Every logit NaN or -inf: like the sorted path, the first non-NaN id (0 if none).
+      for (int32_t i = 0; i < n; ++i)
+        if (!std::isnan(logits[static_cast<size_t>(i)])) return i;
+      return 0;
+    }
+    double total = 0.0;
+    for (float l : logits)
+      if (!std::isnan(l)) total += std::exp(static_cast<double>(l / p_.temperature - max_l));
+    std::uniform_real_distribution<double> u(0.0, total);
+    double r = u(rng_);
+    int32_t last = 0;
+    for (int32_t i = 0; i < n; ++i) {
+      const float l = logits[static_cast<size_t>(i)];
+      if (std::isnan(l)) continue;
+      const double q = std::exp(static_cast<double>(l / p_.temperature - max_l));
+      if (q > 0.0) last = i;
+      r -= q;
+      if (r < 0.0) return i;
+    }
+    return last;  // rounding left r >= 0: the last token with weight
+  }
   // Candidates sorted by logit, descending (ties: lower id first), then truncated by
   // top-k, top-p and min-p, in that order, as vLLM and transformers do.
   auto& c = scratch_;

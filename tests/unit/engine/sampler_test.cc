@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -59,7 +60,8 @@ TEST(Sampler, TopKOnlyReturnsTheKBest) {
   auto l = random_logits(rng, 50);
   std::vector<int> order(50);
   for (int i = 0; i < 50; ++i) order[static_cast<size_t>(i)] = i;
-  std::sort(order.begin(), order.end(), [&](int a, int b) { return l[static_cast<size_t>(a)] > l[static_cast<size_t>(b)]; });
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return l[static_cast<size_t>(a)] > l[static_cast<size_t>(b)]; });
   const std::set<int> allowed(order.begin(), order.begin() + 3);
   std::set<int> seen;
   for (int t = 0; t < 400; ++t) {
@@ -126,6 +128,53 @@ TEST(Sampler, DistributionFollowsTemperature) {
   const int n = 5000;
   for (int t = 0; t < n; ++t) zeros += s.sample(l) == 0;
   EXPECT_NEAR(zeros / static_cast<double>(n), 0.8808, 0.025) << "seed " << *p.seed;
+}
+
+TEST(Sampler, TemperatureOnlyDrawsTheSoftmax) {
+  // The unfiltered path (no top-k / top-p / min-p) draws without sorting: chi-square of the
+  // draws against softmax(logits / T), NaN logits never drawn.
+  const uint32_t seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  const int V = 40;
+  std::vector<float> l(V);
+  for (auto& x : l) x = nd(rng);
+  l[3] = l[17] = std::numeric_limits<float>::quiet_NaN();
+  SamplingParams p;
+  p.temperature = 0.7f;
+  p.seed = seed;
+  Sampler s(p);
+  std::vector<double> want(V, 0.0);
+  double mx = -1e30, total = 0.0;
+  for (int i = 0; i < V; ++i)
+    if (!std::isnan(l[i])) mx = std::max(mx, double(l[i]) / 0.7);
+  for (int i = 0; i < V; ++i)
+    if (!std::isnan(l[i])) total += want[i] = std::exp(double(l[i]) / 0.7 - mx);
+  const int n = 40000;
+  std::vector<int> got(V, 0);
+  for (int t = 0; t < n; ++t) ++got[s.sample(l)];
+  EXPECT_EQ(got[3] + got[17], 0) << "NaN logits drawn, seed " << seed;
+  // Bins with an expected count >= 5; the rest pooled.
+  double chi2 = 0.0, pooled_want = 0.0, pooled_got = 0.0;
+  int bins = 0;
+  for (int i = 0; i < V; ++i) {
+    const double e = n * want[i] / total;
+    if (e >= 5.0) {
+      chi2 += (got[i] - e) * (got[i] - e) / e;
+      ++bins;
+    } else {
+      pooled_want += e;
+      pooled_got += got[i];
+    }
+  }
+  if (pooled_want >= 5.0) {
+    chi2 += (pooled_got - pooled_want) * (pooled_got - pooled_want) / pooled_want;
+    ++bins;
+  }
+  const double dof = bins - 1;
+  ASSERT_GE(dof, 3) << "seed " << seed;
+  // Mean dof, sd sqrt(2 dof): 6 sd above the mean fails about once in 10^8 runs.
+  EXPECT_LT(chi2, dof + 6.0 * std::sqrt(2.0 * dof)) << "seed " << seed;
 }
 
 TEST(SamplingParams, InvalidValuesAreNamed) {
