@@ -87,8 +87,10 @@ int32_t Sampler::sample(std::span<const float> logits) {
     }
     return last;  // rounding left r >= 0: the last token with weight
   }
-  // Candidates sorted by logit, descending (ties: lower id first), then truncated by
-  // top-k, top-p and min-p, in that order, as vLLM and transformers do.
+  // Candidates in logit order, descending (ties: lower id first), truncated by top-k, top-p
+  // and min-p, in that order, as vLLM and transformers do. Only the prefix the filters look
+  // at is sorted, growing 4x at a time (a peaked distribution's nucleus is a few dozen
+  // tokens; sorting a whole vocabulary per token is what made the host sampler slow).
   auto& c = scratch_;
   c.clear();
   for (int32_t i = 0; i < n; ++i) {
@@ -99,41 +101,53 @@ int32_t Sampler::sample(std::span<const float> logits) {
   auto desc = [](const auto& a, const auto& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };
+  size_t sorted = 0;  // c[0, sorted) holds the largest candidates in order
+  auto ensure_sorted = [&](size_t k) {
+    if (k <= sorted) return;
+    const size_t target = std::min(c.size(), std::max({k, 4 * sorted, size_t{64}}));
+    std::partial_sort(c.begin() + static_cast<std::ptrdiff_t>(sorted),
+                      c.begin() + static_cast<std::ptrdiff_t>(target), c.end(), desc);
+    sorted = target;
+  };
   size_t keep = c.size();
   if (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < keep) {
     keep = static_cast<size_t>(p_.top_k);
-    std::partial_sort(c.begin(), c.begin() + static_cast<std::ptrdiff_t>(keep), c.end(), desc);
-  } else {
-    std::sort(c.begin(), c.end(), desc);
+    ensure_sorted(keep);
   }
-  c.resize(keep);
+  ensure_sorted(1);
   const float max_logit = c.front().first;
-  std::vector<double> prob(keep);
   double total = 0.0;
-  for (size_t i = 0; i < keep; ++i)
-    total += prob[i] = std::exp(static_cast<double>(c[i].first - max_logit));
-  for (auto& q : prob) q /= total;
+  for (size_t i = 0; i < keep; ++i) total += std::exp(static_cast<double>(c[i].first - max_logit));
+  auto prob = [&](size_t i) {
+    return std::exp(static_cast<double>(c[i].first - max_logit)) / total;
+  };
   if (p_.top_p < 1.0f) {
     double cum = 0.0;
     size_t k = 0;
     while (k < keep) {
-      cum += prob[k++];
+      ensure_sorted(k + 1);
+      cum += prob(k++);
       if (cum >= static_cast<double>(p_.top_p)) break;
     }
     keep = k;
   }
   if (p_.min_p > 0.0f) {
-    const double floor = static_cast<double>(p_.min_p) * prob[0];
+    const double floor = static_cast<double>(p_.min_p) * prob(0);
     size_t k = 1;
-    while (k < keep && prob[k] >= floor) ++k;
+    while (k < keep) {
+      ensure_sorted(k + 1);
+      if (prob(k) < floor) break;
+      ++k;
+    }
     keep = k;
   }
+  // The kept set is c[0, keep) (sorted or not: the draw needs no order).
   double kept_total = 0.0;
-  for (size_t i = 0; i < keep; ++i) kept_total += prob[i];
+  for (size_t i = 0; i < keep; ++i) kept_total += prob(i);
   std::uniform_real_distribution<double> u(0.0, kept_total);
   double r = u(rng_);
   for (size_t i = 0; i < keep; ++i) {
-    r -= prob[i];
+    r -= prob(i);
     if (r < 0.0) return c[i].second;
   }
   return c[keep - 1].second;

@@ -8,6 +8,10 @@
 #include <map>
 #include <random>
 #include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 namespace kvq {
 namespace {
@@ -88,6 +92,75 @@ TEST(Sampler, TopPKeepsTheSmallestNucleus) {
   EXPECT_EQ(count.size(), 2u);
   // Renormalised: 0.625 / 0.375. 5 sigma of a binomial with n = 4000 is ~0.038.
   EXPECT_NEAR(count[0] / static_cast<double>(n), 0.625, 0.04) << "seed " << *p.seed;
+}
+
+TEST(Sampler, TopPAndMinPOnALargeVocabularyMatchAFullSort) {
+  // The sampler sorts only the prefix its filters read, growing it as needed: on a flat
+  // 3000-token distribution the nucleus holds hundreds of tokens, past the first prefix. Every
+  // draw must come from the nucleus a full sort gives, in its renormalised proportions.
+  const uint32_t seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 0.8f);
+  const int V = 3000;
+  std::vector<float> l(V);
+  for (auto& x : l) x = nd(rng);
+  l[10] = std::numeric_limits<float>::quiet_NaN();
+  for (const auto& [top_p, min_p, top_k] :
+       {std::tuple{0.6f, 0.0f, 0}, std::tuple{1.0f, 0.05f, 0}, std::tuple{0.9f, 0.02f, 700}}) {
+    SCOPED_TRACE("top_p " + std::to_string(top_p) + " min_p " + std::to_string(min_p) + " top_k " +
+                 std::to_string(top_k) + ", seed " + std::to_string(seed));
+    SamplingParams p;
+    p.temperature = 0.9f;
+    p.top_p = top_p;
+    p.min_p = min_p;
+    p.top_k = top_k;
+    p.seed = seed;
+    // The reference nucleus: full sort, then the filters in order.
+    std::vector<std::pair<double, int>> c;
+    for (int i = 0; i < V; ++i)
+      if (!std::isnan(l[i])) c.push_back({double(l[i] / 0.9f), i});
+    std::sort(c.begin(), c.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    size_t keep = top_k > 0 ? static_cast<size_t>(top_k) : c.size();
+    std::vector<double> pr(keep);
+    double total = 0.0;
+    for (size_t i = 0; i < keep; ++i) total += pr[i] = std::exp(c[i].first - c[0].first);
+    for (auto& x : pr) x /= total;
+    if (top_p < 1.0f) {
+      double cum = 0.0;
+      size_t k = 0;
+      while (k < keep && (cum += pr[k++]) < top_p) {
+      }
+      keep = k;
+    }
+    if (min_p > 0.0f) {
+      size_t k = 1;
+      while (k < keep && pr[k] >= min_p * pr[0]) ++k;
+      keep = k;
+    }
+    ASSERT_GT(keep, 64u) << "the nucleus must outgrow the first sorted prefix";
+    std::map<int, double> want;
+    double kept = 0.0;
+    for (size_t i = 0; i < keep; ++i) kept += pr[i];
+    for (size_t i = 0; i < keep; ++i) want[c[i].second] = pr[i] / kept;
+    Sampler s(p);
+    const int n = 6000;
+    std::map<int, int> got;
+    for (int t = 0; t < n; ++t) ++got[s.sample(l)];
+    for (const auto& [id, count] : got) ASSERT_TRUE(want.count(id)) << "token " << id << " drawn";
+    // Chi-square over 10 groups of the nucleus (by rank), each with its summed probability.
+    const int groups = 10;
+    std::vector<double> e(groups, 0.0), o(groups, 0.0);
+    for (size_t i = 0; i < keep; ++i) {
+      const size_t g = i * groups / keep;
+      e[g] += n * want[c[i].second];
+      o[g] += got.count(c[i].second) ? got[c[i].second] : 0;
+    }
+    double chi2 = 0.0;
+    for (int g = 0; g < groups; ++g) chi2 += (o[g] - e[g]) * (o[g] - e[g]) / e[g];
+    EXPECT_LT(chi2, 9.0 + 6.0 * std::sqrt(18.0));
+  }
 }
 
 TEST(Sampler, MinPDropsUnlikelyTokens) {
