@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "attention/cuda/cache_side.h"
 #include "attention/cuda/cuda_decode.h"
 #include "attention/cuda/decode_params.h"
 #include "attention/cuda/kv_pairs.h"
@@ -308,27 +309,11 @@ void launch_by_dim(int hd, Aux which, const PrepParams& pp, const MergeParams& m
   KVQ_CHECK(known, "cuda decode: head_dim " + std::to_string(hd) + " unsupported");
 }
 
-// The mixed pairs of kv_pairs.h, each with its own instantiation.
-template <size_t... I>
-DecodeMainKernel mixed_kernel(KvDtype k, KvDtype v, int hd, std::index_sequence<I...>) {
-  DecodeMainKernel f = nullptr;
-  ((k == kCudaMixedKvPairs[I].first && v == kCudaMixedKvPairs[I].second
-        ? (f = decode_main_kernel_for<kCudaMixedKvPairs[I].first, kCudaMixedKvPairs[I].second>(hd),
-           true)
-        : false) ||
-   ...);
-  return f;
-}
-
 DecodeMainKernel main_kernel(KvDtype k, KvDtype v, int hd) {
   DecodeMainKernel f = nullptr;
-  if (k == v)
-    with_kv_dtype(k, [&](auto d) {
-      constexpr KvDtype D = decltype(d)::value;
-      f = decode_main_kernel_for<D, D>(hd);
-    });
-  else
-    f = mixed_kernel(k, v, hd, std::make_index_sequence<std::size(kCudaMixedKvPairs)>{});
+  with_cuda_kv_pair(k, v, [&](auto kd, auto vd) {
+    f = decode_main_kernel_for<decltype(kd)::value, decltype(vd)::value>(hd);
+  });
   KVQ_CHECK(f != nullptr, "cuda decode: no kernel for the K/V pair " + std::string(to_string(k)) +
                               " / " + std::string(to_string(v)) + " at head_dim " +
                               std::to_string(hd));
@@ -390,21 +375,6 @@ int choose_chunk_tiles(std::span<const int> tiles, int kv_heads, int head_chunks
   // (B 128 x 64 query heads, 12 splits: 8192 merge blocks; measured 16% slower than 4
   // splits at fp8, docs/notes/decode-tuning.md): prefer the warp merge within 10%.
   return best_warp_cost * 10 <= best_cost * 11 ? best_warp : best;
-}
-
-DecodeSide make_side(const LayerKvSpec& spec, const LayerCacheView& cache, KvSide s) {
-  const KvSideLayout& l = cache.layout(s);
-  DecodeSide d{};
-  d.base = reinterpret_cast<const uint8_t*>(cache.base(s));
-  d.block_bytes = l.block_bytes;
-  d.head_stride = l.head_stride;
-  d.values_bytes = l.values_bytes;
-  d.row_bytes = l.row_data_bytes;
-  d.row_scale_bytes = l.row_scale_bytes;
-  const bool tensor_scaled = traits(l.dtype).uses_tensor_scale;
-  for (int h = 0; h < spec.num_kv_heads; ++h)
-    d.tensor_scale[h] = tensor_scaled ? spec.scale(s).for_head(h) : 1.0f;
-  return d;
 }
 
 }  // namespace
@@ -540,8 +510,8 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   mp.signs = signs;
 
   DecodeKernelParams kp{};
-  kp.k = make_side(spec, args.cache, KvSide::kK);
-  kp.v = make_side(spec, args.cache, KvSide::kV);
+  kp.k = make_cache_side<DecodeSide>(spec, args.cache, KvSide::kK);
+  kp.v = make_cache_side<DecodeSide>(spec, args.cache, KvSide::kV);
   kp.indptr = bt.indptr;
   kp.indices = bt.indices;
   kp.seq_lens = bt.seq_lens;
@@ -567,8 +537,8 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
       hd, Aux::kPrep, pp, mp,
       dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * kDecodeHeadsPerWarp), seqs),
       stream);
-  const int64_t warps = static_cast<int64_t>(plan.max_splits) * plan.head_chunks *
-                       spec.num_kv_heads * plan.num_seqs;
+  const int64_t warps =
+      static_cast<int64_t>(plan.max_splits) * plan.head_chunks * spec.num_kv_heads * plan.num_seqs;
   KVQ_CHECK((warps + kDecodeWarps - 1) / kDecodeWarps <= 0x7FFFFFFF, "run_decode: grid too large");
   launch(main_kernel(spec.k_dtype, spec.v_dtype, hd),
          dim3(static_cast<unsigned>((warps + kDecodeWarps - 1) / kDecodeWarps)), kDecodeWarps * 32,

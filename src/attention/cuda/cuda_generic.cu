@@ -3,11 +3,11 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <array>
 #include <climits>
 #include <string>
 #include <utility>
 
+#include "attention/cuda/cache_side.h"
 #include "attention/cuda/cuda_generic.h"
 #include "attention/cuda/kv_pairs.h"
 #include "cache/cuda/cuda_check.h"
@@ -257,52 +257,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// Every pair the kernel is built for: K == V for each concrete dtype, then the mixed pairs.
-constexpr size_t kNumSame = [] {
-  size_t n = 0;
-  for (const auto& t : kKvDtypeTraits)
-    if (t.concrete) ++n;
-  return n;
-}();
-constexpr size_t kNumMixed = std::size(kCudaMixedKvPairs);
-constexpr std::array<std::pair<KvDtype, KvDtype>, kNumSame + kNumMixed> kPairs = [] {
-  std::array<std::pair<KvDtype, KvDtype>, kNumSame + kNumMixed> a{};
-  size_t n = 0;
-  for (const auto& t : kKvDtypeTraits)
-    if (t.concrete) a[n++] = {t.dtype, t.dtype};
-  for (const auto& pr : kCudaMixedKvPairs) a[n++] = pr;
-  return a;
-}();
-
 template <KvDtype DK, KvDtype DV>
 void launch(const GenericParams& p, unsigned blocks, cudaStream_t stream) {
   generic_attention_kernel<DK, DV><<<blocks, kWarps * 32, 0, stream>>>(p);
   KVQ_CUDA_CHECK_LAUNCH();
-}
-
-template <size_t... I>
-bool dispatch(KvDtype k, KvDtype v, const GenericParams& p, unsigned blocks, cudaStream_t s,
-              std::index_sequence<I...>) {
-  return ((k == kPairs[I].first && v == kPairs[I].second
-               ? (launch<kPairs[I].first, kPairs[I].second>(p, blocks, s), true)
-               : false) ||
-          ...);
-}
-
-GenericSide make_side(const LayerKvSpec& spec, const LayerCacheView& cache, KvSide s) {
-  const KvSideLayout& l = cache.layout(s);
-  GenericSide d{};
-  d.base = reinterpret_cast<const uint8_t*>(cache.base(s));
-  d.block_bytes = l.block_bytes;
-  d.head_stride = l.head_stride;
-  d.values_bytes = l.values_bytes;
-  d.row_bytes = l.row_data_bytes;
-  d.row_scale_bytes = l.row_scale_bytes;
-  d.head_dim = l.head_dim;
-  const bool tensor_scaled = traits(l.dtype).uses_tensor_scale;
-  for (int h = 0; h < spec.num_kv_heads; ++h)
-    d.tensor_scale[h] = tensor_scaled ? spec.scale(s).for_head(h) : 1.0f;
-  return d;
 }
 
 }  // namespace
@@ -384,8 +342,8 @@ void run_generic(const LayerKvSpec& spec, const GenericPlan& plan, const Generic
   KVQ_CHECK(blocks <= INT32_MAX, "run_generic: too many query rows in one call");
 
   GenericParams p{};
-  p.k = make_side(spec, args.cache, KvSide::kK);
-  p.v = make_side(spec, args.cache, KvSide::kV);
+  p.k = make_cache_side<GenericSide>(spec, args.cache, KvSide::kK);
+  p.v = make_cache_side<GenericSide>(spec, args.cache, KvSide::kV);
   p.q = args.q;
   p.out = args.out;
   p.q_indptr = args.q_indptr;
@@ -402,8 +360,9 @@ void run_generic(const LayerKvSpec& spec, const GenericPlan& plan, const Generic
   p.softmax_scale = args.softmax_scale;
   p.soft_cap = args.logit_soft_cap;
   p.signs = make_hadamard_signs();
-  const bool launched = dispatch(spec.k_dtype, spec.v_dtype, p, static_cast<unsigned>(blocks),
-                                 stream, std::make_index_sequence<kPairs.size()>{});
+  const bool launched = with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
+    launch<decltype(k)::value, decltype(v)::value>(p, static_cast<unsigned>(blocks), stream);
+  });
   KVQ_CHECK(launched, "run_generic: no kernel for this (K, V) pair");
 }
 

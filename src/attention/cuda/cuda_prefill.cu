@@ -1,10 +1,10 @@
 // Host side of the CUDA prefill: support checks, plan, and the launch (dispatch over the
 // (K, V) pairs of kv_pairs.h, each instantiated in its own prefill_*.cu file).
 #include <algorithm>
-#include <array>
 #include <string>
 #include <utility>
 
+#include "attention/cuda/cache_side.h"
 #include "attention/cuda/cuda_prefill.h"
 #include "attention/cuda/kv_pairs.h"
 #include "attention/cuda/prefill_params.h"
@@ -12,49 +12,6 @@
 #include "kvq/core/error.h"
 
 namespace kvq::cuda {
-
-namespace {
-
-// Every pair the kernels are built for: K == V for each concrete dtype, then the mixed pairs.
-constexpr size_t kNumSame = [] {
-  size_t n = 0;
-  for (const auto& t : kKvDtypeTraits)
-    if (t.concrete) ++n;
-  return n;
-}();
-constexpr size_t kNumMixed = std::size(kCudaMixedKvPairs);
-constexpr std::array<std::pair<KvDtype, KvDtype>, kNumSame + kNumMixed> kPairs = [] {
-  std::array<std::pair<KvDtype, KvDtype>, kNumSame + kNumMixed> a{};
-  size_t n = 0;
-  for (const auto& t : kKvDtypeTraits)
-    if (t.concrete) a[n++] = {t.dtype, t.dtype};
-  for (const auto& pr : kCudaMixedKvPairs) a[n++] = pr;
-  return a;
-}();
-
-template <size_t... I>
-bool dispatch(KvDtype k, KvDtype v, const PrefillKernelParams& p, int hd, dim3 grid, cudaStream_t s,
-              std::index_sequence<I...>) {
-  return ((k == kPairs[I].first && v == kPairs[I].second
-               ? (launch_prefill<kPairs[I].first, kPairs[I].second>(p, hd, grid, s), true)
-               : false) ||
-          ...);
-}
-
-PrefillSide make_side(const LayerKvSpec& spec, const LayerCacheView& cache, KvSide s) {
-  const KvSideLayout& l = cache.layout(s);
-  PrefillSide d{};
-  d.base = reinterpret_cast<const uint8_t*>(cache.base(s));
-  d.block_bytes = l.block_bytes;
-  d.head_stride = l.head_stride;
-  d.values_bytes = l.values_bytes;
-  const bool tensor_scaled = traits(l.dtype).uses_tensor_scale;
-  for (int h = 0; h < spec.num_kv_heads; ++h)
-    d.tensor_scale[h] = tensor_scaled ? spec.scale(s).for_head(h) : 1.0f;
-  return d;
-}
-
-}  // namespace
 
 std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec) {
   std::vector<std::string> r;
@@ -123,8 +80,8 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
             "run_prefill: null pointer");
 
   PrefillKernelParams kp{};
-  kp.k = make_side(spec, args.cache, KvSide::kK);
-  kp.v = make_side(spec, args.cache, KvSide::kV);
+  kp.k = make_cache_side<PrefillSide>(spec, args.cache, KvSide::kK);
+  kp.v = make_cache_side<PrefillSide>(spec, args.cache, KvSide::kV);
   kp.q = args.q;
   kp.out = args.out;
   kp.q_indptr = args.q_indptr;
@@ -142,8 +99,9 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   kp.signs = make_hadamard_signs();
   const dim3 grid(static_cast<unsigned>(plan.max_q_tiles), static_cast<unsigned>(spec.num_kv_heads),
                   static_cast<unsigned>(plan.num_seqs));
-  const bool launched = dispatch(spec.k_dtype, spec.v_dtype, kp, spec.head_dim_k, grid, stream,
-                                 std::make_index_sequence<kPairs.size()>{});
+  const bool launched = with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
+    launch_prefill<decltype(k)::value, decltype(v)::value>(kp, spec.head_dim_k, grid, stream);
+  });
   KVQ_CHECK(launched, "run_prefill: no kernel for this (K, V) pair");
 }
 

@@ -6,8 +6,12 @@
 // a compact V, and a quantized K over a 16-bit V.
 #pragma once
 
+#include <array>
+#include <cstddef>
+#include <iterator>
 #include <utility>
 
+#include "cache/cuda/dispatch.h"
 #include "kvq/core/kv_dtype.h"
 
 namespace kvq::cuda {
@@ -30,6 +34,40 @@ constexpr bool cuda_kv_pair_supported(KvDtype k, KvDtype v) {
   for (const auto& p : kCudaMixedKvPairs)
     if (p.first == k && p.second == v) return true;
   return false;
+}
+
+// Every pair the kernels are built for: K == V for each concrete dtype, then the mixed pairs.
+inline constexpr size_t kCudaNumKvPairs = [] {
+  size_t n = std::size(kCudaMixedKvPairs);
+  for (const auto& t : kKvDtypeTraits)
+    if (t.concrete) ++n;
+  return n;
+}();
+inline constexpr std::array<std::pair<KvDtype, KvDtype>, kCudaNumKvPairs> kCudaKvPairs = [] {
+  std::array<std::pair<KvDtype, KvDtype>, kCudaNumKvPairs> a{};
+  size_t n = 0;
+  for (const auto& t : kKvDtypeTraits)
+    if (t.concrete) a[n++] = {t.dtype, t.dtype};
+  for (const auto& pr : kCudaMixedKvPairs) a[n++] = pr;
+  return a;
+}();
+
+namespace detail {
+template <class F, size_t... I>
+bool with_cuda_kv_pair(KvDtype k, KvDtype v, F& f, std::index_sequence<I...>) {
+  return ((k == kCudaKvPairs[I].first && v == kCudaKvPairs[I].second
+               ? (f(KvDtypeConst<kCudaKvPairs[I].first>{}, KvDtypeConst<kCudaKvPairs[I].second>{}),
+                  true)
+               : false) ||
+          ...);
+}
+}  // namespace detail
+
+// Calls f(KvDtypeConst<k>{}, KvDtypeConst<v>{}) for a pair of kCudaKvPairs; false (nothing
+// called) for any other pair. The one runtime -> compile-time switch of the attention launchers.
+template <class F>
+bool with_cuda_kv_pair(KvDtype k, KvDtype v, F&& f) {
+  return detail::with_cuda_kv_pair(k, v, f, std::make_index_sequence<kCudaNumKvPairs>{});
 }
 
 }  // namespace kvq::cuda
