@@ -204,6 +204,22 @@ std::vector<int64_t> PagedKvCache::append(SequenceId id, int32_t n) {
   return slots;
 }
 
+void PagedKvCache::truncate(SequenceId id, int32_t new_len) {
+  Sequence& seq = find_sequence(seqs_, id, "truncate");
+  KVQ_CHECK(new_len >= 0 && new_len <= seq.len,
+            "PagedKvCache::truncate: sequence " + std::to_string(id) + " has " +
+                std::to_string(seq.len) + " tokens, cannot truncate to " + std::to_string(new_len));
+  const size_t keep = static_cast<size_t>((new_len + block_tokens_ - 1) / block_tokens_);
+  KVQ_CHECK(new_len % block_tokens_ == 0 || allocator_.refcount(seq.blocks[keep - 1]) == 1,
+            "PagedKvCache::truncate: sequence " + std::to_string(id) + " would end inside shared block " +
+                std::to_string(seq.blocks[keep - 1]));
+  while (seq.blocks.size() > keep) {
+    allocator_.release(seq.blocks.back());
+    seq.blocks.pop_back();
+  }
+  seq.len = new_len;
+}
+
 void PagedKvCache::free_sequence(SequenceId id) {
   Sequence& seq = find_sequence(seqs_, id, "free_sequence");
   for (int32_t b : seq.blocks) allocator_.release(b);

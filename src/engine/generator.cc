@@ -7,6 +7,7 @@
 
 #include "kvq/core/error.h"
 #include "text_stream.h"
+#include "verify.h"
 
 namespace kvq {
 
@@ -23,12 +24,10 @@ size_t bytes_per_block(const KvPlan& plan) {
   return n;
 }
 
-// Runs the new tokens [begin, end) of a single sequence; returns logits of the last one, or of
-// every one when `all_logits`. With `rule` (a model that samples on its device, last row only)
-// it returns the sampled next token instead and leaves `logits` alone.
-int32_t step(const Model& model, PagedKvCache& cache, SequenceId seq,
-             std::span<const int32_t> tokens, int32_t first_position, bool all_logits,
-             std::vector<float>& logits, const DeviceSampling* rule = nullptr) {
+// Runs the new tokens of a single sequence; fills `logits` with every token's row when
+// `all_logits` (otherwise no logits are computed).
+void step(const Model& model, PagedKvCache& cache, SequenceId seq, std::span<const int32_t> tokens,
+          int32_t first_position, bool all_logits, std::vector<float>& logits) {
   const int32_t n = static_cast<int32_t>(tokens.size());
   std::vector<int64_t> slots = cache.append(seq, n);
   if (slots.empty()) throw InternalError("KV cache has no free block for the sequence");
@@ -42,19 +41,10 @@ int32_t step(const Model& model, PagedKvCache& cache, SequenceId seq,
   if (all_logits) {
     rows.resize(static_cast<size_t>(n));
     std::iota(rows.begin(), rows.end(), 0);
-  } else {
-    rows = {n - 1};
   }
   ForwardBatch batch{tokens, positions, q_indptr, slots, table, rows};
-  if (rule != nullptr && !all_logits) {
-    int32_t id = 0;
-    model.forward_sample(batch, cache, std::span<const DeviceSampling>(rule, 1),
-                         std::span<int32_t>(&id, 1));
-    return id;
-  }
   logits.resize(rows.size() * static_cast<size_t>(model.vocab_size()));
   model.forward(batch, cache, logits);
-  return -1;
 }
 
 int32_t blocks_for_tokens(int64_t tokens, int32_t block_tokens) {
@@ -107,38 +97,83 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
   result.prompt_tokens = prompt_len;
   std::vector<float> logits;
   Sampler sampler(params);
-  // A model that samples on its device returns only the next id (logits stay there).
-  const bool on_device = model.samples_on_device();
-  DeviceSampling rule;
-  int32_t next = -1;
-  const auto t0 = Clock::now();
   const int32_t chunk = std::max<int32_t>(1, options.prefill_chunk);
-  for (int32_t begin = 0; begin < prompt_len; begin += chunk) {
-    const int32_t end = std::min(prompt_len, begin + chunk);
-    rule = sampler.device_rule(0);
-    next = step(model, cache, seq,
-                prompt.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)), begin,
-                false, logits, on_device && end == prompt_len ? &rule : nullptr);
-  }
-  result.prefill_seconds = seconds_since(t0);
+  const auto t0 = Clock::now();
+  // Every prompt chunk but the last needs no logits; the last one is the first step below, which
+  // like every step runs what the cache lacks (plus any drafts) and yields at least one token.
+  int32_t computed = 0;
+  for (; prompt_len - computed > chunk; computed += chunk)
+    step(model, cache, seq, prompt.subspan(static_cast<size_t>(computed), static_cast<size_t>(chunk)),
+         computed, false, logits);
 
   TextStream stream(tokenizer, params);
   result.finish_reason = "length";
-  const auto t1 = Clock::now();
-  bool cancelled = false;
-  for (int32_t i = 0; i < max_new; ++i) {
-    const int32_t id = on_device ? next : sampler.sample(logits);
-    result.output_ids.push_back(id);
-    const TextStream::Step out = stream.push(id);
-    if (on_token && out.has_text && !on_token(out.text, id)) cancelled = true;
-    if (out.stop) {
-      result.finish_reason = "stop";
-      break;
+  auto t1 = Clock::now();
+  bool cancelled = false, done = false;
+  std::vector<int32_t> tokens(prompt.begin(), prompt.end());
+  const bool speculate = options.proposer != nullptr && options.num_speculative_tokens > 0 &&
+                         params.speculate;
+  Draft draft;
+  std::vector<PassResult> results;
+  while (!done) {
+    const int32_t generated = static_cast<int32_t>(result.output_ids.size());
+    const int32_t len = static_cast<int32_t>(tokens.size());
+    draft.tokens.clear();
+    draft.q.clear();
+    // No drafts on the prompt's step; at most what max tokens leaves after the target's own.
+    if (speculate && generated > 0) {
+      const DraftRequest req{1, tokens,
+                             std::min(options.num_speculative_tokens, max_new - generated - 1),
+                             &sampler};
+      if (req.max_drafts > 0) options.proposer->propose({&req, 1}, {&draft, 1});
     }
-    if (cancelled || i + 1 == max_new) break;
-    rule = sampler.device_rule(static_cast<uint64_t>(i) + 1);
-    next = step(model, cache, seq, std::span<const int32_t>(&result.output_ids.back(), 1),
-                prompt_len + i, false, logits, on_device ? &rule : nullptr);
+    std::vector<int32_t> run(tokens.begin() + computed, tokens.end());
+    run.insert(run.end(), draft.tokens.begin(), draft.tokens.end());
+    const int32_t n = static_cast<int32_t>(run.size());
+    std::vector<int64_t> slots = cache.append(seq, n);
+    if (slots.empty()) throw InternalError("KV cache has no free block for the sequence");
+    std::vector<int32_t> positions(static_cast<size_t>(n));
+    std::iota(positions.begin(), positions.end(), computed);
+    const int32_t q_indptr[2] = {0, n};
+    PagedKvCache::BlockTableStorage storage;
+    const SequenceId ids[1] = {seq};
+    // One row per draft plus the row of the last kept token.
+    std::vector<int32_t> rows(draft.tokens.size() + 1);
+    std::iota(rows.begin(), rows.end(), n - static_cast<int32_t>(rows.size()));
+    const ForwardBatch batch{run, positions, q_indptr, slots, cache.block_table(ids, storage),
+                             rows};
+    const PassSequence ps{&sampler, static_cast<uint64_t>(generated), draft.tokens, draft.q,
+                          false};
+    forward_and_accept(model, batch, cache, {&ps, 1}, results, logits);
+    const Verified& v = results.front().verified;
+    // The rejected drafts' K/V are rolled back: the cache holds every kept token but the last.
+    computed = len + v.accepted;
+    cache.truncate(seq, computed);
+    if (!draft.tokens.empty()) {
+      result.spec.drafted += static_cast<int64_t>(draft.tokens.size());
+      result.spec.accepted += v.accepted;
+      result.spec.verify_steps += 1;
+      result.spec.emitted += static_cast<int64_t>(v.tokens.size());
+    }
+    if (generated == 0) {
+      result.prefill_seconds = seconds_since(t0);
+      t1 = Clock::now();
+    }
+    for (int32_t id : v.tokens) {
+      tokens.push_back(id);
+      result.output_ids.push_back(id);
+      const TextStream::Step out = stream.push(id);
+      if (on_token && out.has_text && !on_token(out.text, id)) cancelled = true;
+      if (out.stop) {
+        result.finish_reason = "stop";
+        done = true;
+        break;
+      }
+      if (cancelled || static_cast<int32_t>(result.output_ids.size()) == max_new) {
+        done = true;
+        break;
+      }
+    }
   }
   if (result.finish_reason == "length") {
     const std::string_view rest = stream.finish();

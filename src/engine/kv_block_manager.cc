@@ -191,6 +191,16 @@ void KvBlockManager::publish_full_blocks(SequenceId id, std::span<const int32_t>
   }
 }
 
+void KvBlockManager::truncate(SequenceId id, int32_t new_len) {
+  const auto it = seqs_.find(id);
+  KVQ_CHECK(it != seqs_.end(), "KvBlockManager::truncate: unknown sequence " + std::to_string(id));
+  KVQ_CHECK(static_cast<int64_t>(new_len) >=
+                static_cast<int64_t>(it->second.hashed_blocks) * block_tokens(),
+            "KvBlockManager::truncate: sequence " + std::to_string(id) +
+                " would lose a published block (truncate to " + std::to_string(new_len) + ")");
+  cache_.truncate(id, new_len);
+}
+
 void KvBlockManager::free_sequence(SequenceId id) {
   const auto span = cache_.blocks(id);
   const std::vector<int32_t> blocks(span.begin(), span.end());

@@ -61,6 +61,10 @@ class KvBlockManager {
   // Publishes the sequence's full blocks among its first `computed` tokens (K/V written).
   // `tokens` are the sequence's token ids (at least `computed` of them).
   void publish_full_blocks(SequenceId id, std::span<const int32_t> tokens, int32_t computed);
+  // Rolls the sequence back to its first new_len tokens (a speculative step's rejected tail):
+  // the blocks past the new end return to the free list. Published blocks are never rolled
+  // back (InternalError): they hold only tokens the sequence had already kept.
+  void truncate(SequenceId id, int32_t new_len);
   // Frees the sequence; its published blocks stay cached (last block evicted first).
   void free_sequence(SequenceId id);
   bool has_sequence(SequenceId id) const { return cache_.has_sequence(id); }

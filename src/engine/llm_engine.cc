@@ -13,6 +13,7 @@
 #include "kvq/core/error.h"
 #include "kvq/engine/generator.h"
 #include "text_stream.h"
+#include "verify.h"
 
 namespace kvq {
 
@@ -28,7 +29,8 @@ struct Request {
         sampler(p),
         stream(tokenizer, p),
         on_output(std::move(cb)),
-        want_logprobs(logprobs) {}
+        want_logprobs(logprobs),
+        speculate(p.speculate) {}
 
   RequestId id;
   std::vector<int32_t> tokens;  // the prompt, then every generated id
@@ -38,6 +40,9 @@ struct Request {
   TextStream stream;
   OutputCallback on_output;
   bool want_logprobs;
+  bool speculate;
+  Draft draft;        // this step's drafts (decoding sequences only)
+  SpecCounters spec;  // this request's speculation so far
 
   int32_t computed = 0;  // tokens whose K/V are in the cache (while running)
   bool admitted_before = false;
@@ -50,15 +55,6 @@ struct Request {
 
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
-}
-
-float logprob_of(std::span<const float> logits, int32_t id) {
-  double max = -std::numeric_limits<double>::infinity();
-  for (float l : logits) max = std::max(max, static_cast<double>(l));
-  double sum = 0.0;
-  for (float l : logits) sum += std::exp(static_cast<double>(l) - max);
-  return static_cast<float>(static_cast<double>(logits[static_cast<size_t>(id)]) - max -
-                            std::log(sum));
 }
 
 }  // namespace
@@ -80,6 +76,7 @@ struct LlmEngine::Impl {
   void run();
   void step();
   void schedule_and_forward();
+  void propose_drafts();
   void preempt(Request& r);
   void finish(Request& r, const std::string& reason);
   void cancel_now(RequestId id);
@@ -120,12 +117,14 @@ RequestOutput LlmEngine::Impl::base_output(const Request& r) const {
   o.prompt_tokens = r.prompt_len;
   o.completion_tokens = r.generated();
   o.cached_prompt_tokens = r.cached_prompt_tokens;
+  o.spec = r.spec;
   return o;
 }
 
 // Moves a running or waiting request to `done` with its final event.
 void LlmEngine::Impl::finish(Request& r, const std::string& reason) {
   if (blocks.has_sequence(r.seq())) blocks.free_sequence(r.seq());
+  if (config.proposer) config.proposer->release(static_cast<uint64_t>(r.seq()));
   std::unique_ptr<Request> owned;
   if (auto it = std::find_if(running.begin(), running.end(),
                              [&](const auto& p) { return p.get() == &r; });
@@ -161,6 +160,9 @@ void LlmEngine::Impl::cancel_now(RequestId id) {
 
 void LlmEngine::Impl::preempt(Request& r) {
   blocks.free_sequence(r.seq());
+  if (config.proposer) config.proposer->release(static_cast<uint64_t>(r.seq()));
+  r.draft.tokens.clear();
+  r.draft.q.clear();
   r.computed = 0;
   auto it =
       std::find_if(running.begin(), running.end(), [&](const auto& p) { return p.get() == &r; });
@@ -185,6 +187,7 @@ void LlmEngine::Impl::schedule_and_forward() {
   int32_t budget = config.max_num_batched_tokens;
   const int32_t bt = blocks.block_tokens();
   bool preempted = false;
+  propose_drafts();
   auto reserve = [&](Request& r, int32_t n) {
     std::vector<int64_t> got = blocks.append(r.seq(), n);
     KVQ_CHECK(static_cast<int32_t>(got.size()) == n,
@@ -198,7 +201,19 @@ void LlmEngine::Impl::schedule_and_forward() {
     Request& r = *running[i];
     const int32_t remaining = r.len() - r.computed;
     int32_t n = 1;
-    if (remaining > 1) {
+    if (remaining == 1 && !r.draft.tokens.empty()) {
+      // Drafts take what the budget leaves after one token for every younger decode, and only
+      // blocks at hand: nobody is preempted for a draft.
+      int32_t younger_decodes = 0;
+      for (size_t j = i + 1; j < running.size(); ++j)
+        if (running[j]->len() - running[j]->computed == 1) ++younger_decodes;
+      int32_t d = std::min(static_cast<int32_t>(r.draft.tokens.size()),
+                           std::max(0, budget - 1 - younger_decodes));
+      while (d > 0 && blocks.blocks_needed(r.seq(), 1 + d) > blocks.num_available()) --d;
+      r.draft.tokens.resize(static_cast<size_t>(d));
+      if (r.draft.q.size() > static_cast<size_t>(d)) r.draft.q.resize(static_cast<size_t>(d));
+      n = 1 + d;
+    } else if (remaining > 1) {
       int32_t younger_decodes = 0;
       for (size_t j = i + 1; j < running.size(); ++j)
         if (running[j]->len() - running[j]->computed == 1) ++younger_decodes;
@@ -262,68 +277,124 @@ void LlmEngine::Impl::schedule_and_forward() {
     return;
   }
 
-  // One forward pass over every scheduled chunk.
+  // One forward pass over every scheduled chunk; a decoding sequence's drafts ride after its
+  // last token, each with a logit row.
   std::vector<int32_t> tokens, positions, q_indptr{0}, rows;
   std::vector<int64_t> slots;
   std::vector<SequenceId> ids;
   std::vector<Request*> sampled;
+  std::vector<PassSequence> pass;
   for (const Scheduled& s : batch) {
     Request& r = *s.r;
+    const std::vector<int32_t>& drafts = r.draft.tokens;
+    const int32_t own = s.n - static_cast<int32_t>(drafts.size());  // tokens of r.tokens
     slots.insert(slots.end(), s.slots.begin(), s.slots.end());
-    tokens.insert(tokens.end(), r.tokens.begin() + r.computed, r.tokens.begin() + r.computed + s.n);
+    tokens.insert(tokens.end(), r.tokens.begin() + r.computed, r.tokens.begin() + r.computed + own);
+    tokens.insert(tokens.end(), drafts.begin(), drafts.end());
     for (int32_t p = r.computed; p < r.computed + s.n; ++p) positions.push_back(p);
     q_indptr.push_back(static_cast<int32_t>(tokens.size()));
     ids.push_back(r.seq());
-    if (r.computed + s.n == r.len()) {
-      rows.push_back(static_cast<int32_t>(tokens.size()) - 1);
+    if (r.computed + own == r.len()) {
+      for (size_t d = 0; d <= drafts.size(); ++d)
+        rows.push_back(static_cast<int32_t>(tokens.size() - drafts.size() - 1 + d));
       sampled.push_back(&r);
+      pass.push_back({&r.sampler, static_cast<uint64_t>(r.generated()), drafts, r.draft.q,
+                      r.want_logprobs});
     }
   }
   PagedKvCache::BlockTableStorage storage;
   const BlockTableView table = blocks.cache().block_table(ids, storage);
-  const size_t vocab = static_cast<size_t>(model->vocab_size());
   const ForwardBatch fb{tokens, positions, q_indptr, slots, table, rows};
-  // A model that samples on its device sends back only the ids, unless a request in the batch
-  // wants log-probabilities (those need whole rows on the host).
-  bool on_device = model->samples_on_device();
-  for (const Request* r : sampled) on_device = on_device && !r->want_logprobs;
-  std::vector<int32_t> ids_out;
-  if (on_device) {
-    std::vector<DeviceSampling> rules;
-    rules.reserve(sampled.size());
-    for (const Request* r : sampled)
-      rules.push_back(r->sampler.device_rule(static_cast<uint64_t>(r->generated())));
-    ids_out.resize(sampled.size());
-    model->forward_sample(fb, blocks.cache(), rules, ids_out);
-  } else {
-    logits.resize(rows.size() * vocab);
-    model->forward(fb, blocks.cache(), logits);
-  }
+  std::vector<PassResult> results;
+  forward_and_accept(*model, fb, blocks.cache(), pass, results, logits);
 
+  // Rejected drafts are rolled back (their blocks freed); only kept tokens are published.
   for (const Scheduled& s : batch) {
-    s.r->computed += s.n;
-    blocks.publish_full_blocks(s.r->seq(), s.r->tokens, s.r->computed);
+    Request& r = *s.r;
+    const int32_t own = s.n - static_cast<int32_t>(r.draft.tokens.size());
+    r.computed += own;
+    const auto it = std::find(sampled.begin(), sampled.end(), &r);
+    if (it == sampled.end()) {
+      blocks.publish_full_blocks(r.seq(), r.tokens, r.computed);
+      continue;
+    }
+    const Verified& v = results[static_cast<size_t>(it - sampled.begin())].verified;
+    r.computed += v.accepted;
+    blocks.truncate(r.seq(), r.computed);
+    const size_t before = r.tokens.size();
+    r.tokens.insert(r.tokens.end(), v.tokens.begin(), v.tokens.end());
+    blocks.publish_full_blocks(r.seq(), r.tokens, r.computed);
+    r.tokens.resize(before);
+    if (!r.draft.tokens.empty()) {
+      SpecCounters c;
+      c.drafted = static_cast<int64_t>(r.draft.tokens.size());
+      c.accepted = v.accepted;
+      c.verify_steps = 1;
+      c.emitted = static_cast<int64_t>(v.tokens.size());
+      r.spec.add(c);
+      counters.spec.add(c);
+    }
   }
   for (size_t i = 0; i < sampled.size(); ++i) {
     Request& r = *sampled[i];
-    const int32_t id =
-        on_device ? ids_out[i]
-                  : r.sampler.sample(std::span<const float>(logits.data() + i * vocab, vocab));
-    r.tokens.push_back(id);
-    ++counters.generation_tokens_total;
-    const TextStream::Step out = r.stream.push(id);
+    const PassResult& res = results[i];
     RequestOutput o = base_output(r);
-    o.token_ids = {id};
-    if (out.has_text) o.text = std::string(out.text);
-    if (r.want_logprobs)
-      o.logprobs = {{id, logprob_of(std::span<const float>(logits.data() + i * vocab, vocab), id)}};
+    bool stop = false, length = false;
+    for (size_t t = 0; t < res.verified.tokens.size() && !stop && !length; ++t) {
+      const int32_t id = res.verified.tokens[t];
+      r.tokens.push_back(id);
+      ++counters.generation_tokens_total;
+      const TextStream::Step out = r.stream.push(id);
+      o.token_ids.push_back(id);
+      if (out.has_text) o.text += out.text;
+      if (r.want_logprobs) o.logprobs.push_back({id, res.logprobs[t]});
+      stop = out.stop;
+      length = r.generated() >= r.max_new;
+    }
+    o.completion_tokens = r.generated();
+    o.spec = r.spec;
+    r.draft.tokens.clear();
+    r.draft.q.clear();
     events.push_back({&r, std::move(o)});
-    if (out.stop) {
+    if (stop) {
       finish(r, "stop");
-    } else if (r.generated() >= r.max_new) {
+    } else if (length) {
       events.back().out.text += r.stream.finish();
       finish(r, "length");
     }
+  }
+}
+
+void LlmEngine::Impl::propose_drafts() {
+  if (!config.proposer || config.num_speculative_tokens <= 0) return;
+  for (auto& r : running) {
+    r->draft.tokens.clear();
+    r->draft.q.clear();
+  }
+  if (config.speculative_disable_by_batch_size > 0 &&
+      static_cast<int32_t>(running.size()) >= config.speculative_disable_by_batch_size)
+    return;
+  std::vector<DraftRequest> requests;
+  std::vector<Request*> who;
+  for (auto& p : running) {
+    Request& r = *p;
+    // Decoding sequences only (one token not yet in the cache, at least one generated); drafts
+    // leave room for the target's own token within max_tokens.
+    if (!r.speculate || r.len() - r.computed != 1 || r.generated() == 0) continue;
+    const int32_t k = std::min(config.num_speculative_tokens, r.max_new - r.generated() - 1);
+    if (k <= 0) continue;
+    requests.push_back({static_cast<uint64_t>(r.seq()), r.tokens, k, &r.sampler});
+    who.push_back(&r);
+  }
+  if (requests.empty()) return;
+  std::vector<Draft> drafts(requests.size());
+  config.proposer->propose(requests, drafts);
+  for (size_t i = 0; i < who.size(); ++i) {
+    Draft& d = drafts[i];
+    if (d.tokens.size() > static_cast<size_t>(requests[i].max_drafts))
+      d.tokens.resize(static_cast<size_t>(requests[i].max_drafts));
+    if (d.q.size() > d.tokens.size()) d.q.resize(d.tokens.size());
+    who[i]->draft = std::move(d);
   }
 }
 
@@ -413,6 +484,11 @@ LlmEngine::LlmEngine(std::unique_ptr<Model> model, std::unique_ptr<Tokenizer> to
   if (config.max_num_batched_tokens < 1)
     throw InputError("engine max_num_batched_tokens must be >= 1, got " +
                      std::to_string(config.max_num_batched_tokens));
+  if (config.proposer &&
+      (config.num_speculative_tokens < 1 || config.num_speculative_tokens > kMaxSpeculativeTokens))
+    throw InputError("num_speculative_tokens must be in 1.." +
+                     std::to_string(kMaxSpeculativeTokens) + ", got " +
+                     std::to_string(config.num_speculative_tokens));
   const int32_t num_blocks = static_cast<int32_t>(config.num_blocks);
   impl_ = std::make_unique<Impl>(std::move(model), std::move(tokenizer), config, num_blocks);
   impl_->publish_stats();

@@ -104,6 +104,12 @@ class PagedKvCache {
   // empty vector (and changes nothing) when not enough blocks are free. Throws InternalError
   // when the tokens would land in a partly filled block that another owner shares.
   std::vector<int64_t> append(SequenceId id, int32_t n);
+  // Shrinks the sequence to its first new_len tokens (a speculative step's rejected tail):
+  // blocks past the new end are released; slots past it in the last kept block are left as
+  // they are (nothing reads past seq_len, and the next append overwrites them). Throws
+  // InternalError when new_len exceeds the length, is negative, or would leave the sequence
+  // ending inside a block another owner shares (its next append would write into it).
+  void truncate(SequenceId id, int32_t new_len);
   // Releases every block the sequence holds and forgets it.
   void free_sequence(SequenceId id);
   // The sequence's block ids in order.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvq/engine/sampler.h"
+#include "kvq/engine/speculative.h"
 #include "kvq/model/model.h"
 #include "kvq/tokenizer/tokenizer.h"
 
@@ -24,11 +25,16 @@ struct GenerationResult {
   double prefill_seconds = 0.0;
   double decode_seconds = 0.0;
   size_t kv_bytes_used = 0;  // bytes of the cache blocks the sequence held at the end
+  SpecCounters spec;         // speculative decoding (all zero without a proposer)
 };
 
 struct GeneratorOptions {
   int32_t prefill_chunk = 512;  // tokens per prefill step
   std::optional<int64_t> num_blocks;  // cache blocks; unset: exactly what prompt + max tokens need
+  // Speculative decoding: each step drafts up to num_speculative_tokens tokens with the proposer
+  // and verifies them in one forward pass (no proposer, k = 0, or params.speculate false: plain).
+  Proposer* proposer = nullptr;
+  int32_t num_speculative_tokens = 0;
 };
 
 // Called with each newly final piece of text (complete UTF-8, stop strings held back until

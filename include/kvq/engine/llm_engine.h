@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kvq/engine/sampler.h"
+#include "kvq/engine/speculative.h"
 #include "kvq/model/model.h"
 #include "kvq/tokenizer/tokenizer.h"
 
@@ -26,6 +27,15 @@ struct EngineConfig {
   int32_t max_num_seqs = 64;          // sequences running at once
   int32_t max_num_batched_tokens = 512;  // tokens per step (prefill chunks + decodes)
   bool enable_prefix_caching = true;
+  // Speculative decoding (no proposer: none). Each step, every decoding sequence whose request
+  // did not opt out (SamplingParams::speculate) drafts up to num_speculative_tokens tokens,
+  // verified in the same forward pass as the other sequences' prefills and decodes. Drafts
+  // shrink to the step's token budget and to the free blocks (never preempting for them).
+  std::shared_ptr<Proposer> proposer;
+  int32_t num_speculative_tokens = 0;
+  // No drafts in a step with at least this many running sequences (0: always draft): under
+  // load the batch already fills the GPU and verification work would only add cost.
+  int32_t speculative_disable_by_batch_size = 0;
 };
 
 using RequestId = uint64_t;
@@ -48,6 +58,7 @@ struct RequestOutput {
   int32_t prompt_tokens = 0;
   int32_t completion_tokens = 0;     // so far
   int32_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
+  SpecCounters spec;                 // the request's speculative decoding so far
 };
 
 using OutputCallback = std::function<void(const RequestOutput&)>;
@@ -65,6 +76,7 @@ struct EngineStats {
   int64_t prompt_tokens_total = 0;   // prompts of admitted requests (once per request)
   int64_t generation_tokens_total = 0;
   int64_t requests_finished = 0;     // every final event, whatever its reason
+  SpecCounters spec;                 // speculative decoding, all requests
 };
 
 class LlmEngine {

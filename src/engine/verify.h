@@ -1,0 +1,39 @@
+// One forward pass of the target and the tokens it yields, shared by generate() and LlmEngine:
+// plain rows are sampled, speculative rows verified (accept_drafts / accept_greedy). A model
+// that samples on its device returns only ids when no request in the pass needs whole rows on
+// the host (log-probabilities, or sampled verification, which compares p with q).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvq/engine/speculative.h"
+
+namespace kvq {
+
+// One sequence's logit rows in a pass: drafts.size() + 1 consecutive rows (one for a plain
+// sequence), in the order of the batch's logit_rows.
+struct PassSequence {
+  Sampler* sampler = nullptr;
+  uint64_t step = 0;  // tokens the request has generated (the device rule's step)
+  std::span<const int32_t> drafts;
+  std::span<const SparseDist> q;
+  bool want_logprobs = false;
+};
+
+struct PassResult {
+  Verified verified;             // tokens to emit (>= 1) and accepted drafts
+  std::vector<float> logprobs;   // per token, when asked: the target's log-softmax at its row
+};
+
+// Runs `batch` (whose logit_rows are the sequences' rows, in order) and fills out[i] for
+// seqs[i]. `logits` is scratch.
+void forward_and_accept(const Model& model, const ForwardBatch& batch, PagedKvCache& cache,
+                        std::span<const PassSequence> seqs, std::vector<PassResult>& out,
+                        std::vector<float>& logits);
+
+// log-softmax of `logits` at `id`.
+float logprob_of(std::span<const float> logits, int32_t id);
+
+}  // namespace kvq
