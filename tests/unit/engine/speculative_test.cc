@@ -1,0 +1,482 @@
+// Speculative decoding: the acceptance rule keeps the target's distribution (chi-square on a
+// Markov chain whose next-token logits are known exactly), greedy speculation gives plain
+// greedy's ids for every proposer and KV dtype (generate() and LlmEngine, batches, block
+// boundaries, preemption, prefix-cache hits), and rejected drafts leave the cache as a
+// non-speculative run of the same tokens would.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "engine/kv_block_manager.h"
+#include "engine_test_util.h"
+#include "kvq/core/error.h"
+#include "kvq/engine/speculative.h"
+
+namespace kvq::test {
+namespace {
+
+// ---- the acceptance rule, on a Markov chain --------------------------------------------------
+
+constexpr int kV = 5;  // vocabulary of the chain
+
+// Next-token logits of the target and of a deliberately different drafter, by previous token.
+std::vector<float> chain_logits(bool drafter, int32_t prev) {
+  std::vector<float> l(kV);
+  for (int i = 0; i < kV; ++i) {
+    const double x = std::sin(1.3 * (i + 1) * (prev + 2) + (drafter ? 0.9 : 0.0));
+    l[static_cast<size_t>(i)] = static_cast<float>(drafter ? 1.7 * x + 0.4 * i : 2.2 * x);
+  }
+  return l;
+}
+
+// The filtered distribution the sampler draws from, as a dense row.
+std::vector<double> dense(Sampler& s, std::span<const float> logits) {
+  SparseDist d;
+  s.distribution(logits, d);
+  std::vector<double> p(kV, 0.0);
+  for (const auto& [id, pr] : d) p[static_cast<size_t>(id)] = pr;
+  return p;
+}
+
+struct ChainCase {
+  float temperature;
+  float top_p;
+  int k;
+};
+
+class SpeculativeSampling : public ::testing::TestWithParam<ChainCase> {};
+
+// Draws 3-token continuations of token 0 by speculative sampling (drafts from the drafter's
+// chain, verified against the target's) and compares their joint frequencies with the exact
+// target probabilities p(a|0) p(b|a) p(c|b): a chi-square test over the 125 outcomes.
+TEST_P(SpeculativeSampling, KeepsTheTargetDistribution) {
+  const ChainCase c = GetParam();
+  const uint32_t seed = fresh_seed();
+  SamplingParams params;
+  params.temperature = c.temperature;
+  params.top_p = c.top_p;
+  params.seed = seed;
+  Sampler sampler(params);
+  Sampler exact(params);  // only for the exact distributions (it draws nothing)
+
+  std::vector<double> expected(kV * kV * kV, 0.0);
+  {
+    const auto p0 = dense(exact, chain_logits(false, 0));
+    for (int a = 0; a < kV; ++a) {
+      const auto pa = dense(exact, chain_logits(false, a));
+      for (int b = 0; b < kV; ++b) {
+        const auto pb = dense(exact, chain_logits(false, b));
+        for (int cc = 0; cc < kV; ++cc)
+          expected[static_cast<size_t>((a * kV + b) * kV + cc)] =
+              p0[static_cast<size_t>(a)] * pa[static_cast<size_t>(b)] * pb[static_cast<size_t>(cc)];
+      }
+    }
+  }
+
+  const int trials = 60000;
+  std::vector<int> counts(kV * kV * kV, 0);
+  int64_t drafted = 0, accepted = 0;
+  for (int t = 0; t < trials; ++t) {
+    std::vector<int32_t> seq{0};
+    while (seq.size() < 4) {
+      // The drafter samples k tokens from its own chain.
+      std::vector<int32_t> drafts;
+      std::vector<SparseDist> q;
+      int32_t prev = seq.back();
+      for (int i = 0; i < c.k; ++i) {
+        SparseDist d;
+        sampler.distribution(chain_logits(true, prev), d);
+        prev = sampler.draw(d);
+        drafts.push_back(prev);
+        q.push_back(std::move(d));
+      }
+      const std::vector<int32_t> context = seq;
+      std::vector<std::vector<float>> rows;
+      rows.push_back(chain_logits(false, context.back()));
+      for (int32_t d : drafts) rows.push_back(chain_logits(false, d));
+      const Verified v = accept_drafts(sampler, drafts, q,
+                                       [&](size_t r) { return std::span<const float>(rows[r]); });
+      ASSERT_GE(v.tokens.size(), 1u);
+      ASSERT_EQ(v.tokens.size(), static_cast<size_t>(v.accepted) + 1);
+      drafted += c.k;
+      accepted += v.accepted;
+      for (int32_t id : v.tokens) seq.push_back(id);
+    }
+    ++counts[static_cast<size_t>((seq[1] * kV + seq[2]) * kV + seq[3])];
+  }
+  double chi2 = 0.0;
+  int dof = -1;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const double e = expected[i] * trials;
+    if (e == 0.0) {
+      EXPECT_EQ(counts[i], 0) << "outcome " << i << " has probability 0 under the target";
+      continue;
+    }
+    chi2 += (counts[i] - e) * (counts[i] - e) / e;
+    ++dof;
+  }
+  // Wilson-Hilferty: the chi-square quantile at 1 - 1e-4 for `dof` degrees of freedom.
+  const double z = 3.719, k = dof;
+  const double limit = k * std::pow(1.0 - 2.0 / (9.0 * k) + z * std::sqrt(2.0 / (9.0 * k)), 3.0);
+  EXPECT_LT(chi2, limit) << "dof " << dof << ", seed " << seed;
+  // The drafter differs from the target: some drafts are rejected, some accepted.
+  EXPECT_GT(accepted, 0);
+  EXPECT_LT(accepted, drafted);
+}
+
+INSTANTIATE_TEST_SUITE_P(Chain, SpeculativeSampling,
+                         ::testing::Values(ChainCase{1.0f, 1.0f, 1}, ChainCase{1.0f, 1.0f, 3},
+                                           ChainCase{0.7f, 1.0f, 2}, ChainCase{0.7f, 0.8f, 3},
+                                           ChainCase{1.0f, 0.8f, 2}));
+
+TEST(SpeculativeSampling, DeterministicDraftsKeepTheDistribution) {
+  // An n-gram draft has q one-hot: accepted with probability p(x), else drawn from p without x.
+  const uint32_t seed = fresh_seed();
+  SamplingParams params;
+  params.temperature = 1.0f;
+  params.seed = seed;
+  Sampler sampler(params);
+  const std::vector<float> row = chain_logits(false, 3);
+  const auto p = dense(sampler, row);
+  const int trials = 40000;
+  std::vector<int> counts(kV, 0);
+  const std::vector<int32_t> drafts{2};
+  for (int t = 0; t < trials; ++t) {
+    const std::vector<float> bonus = chain_logits(false, 2);
+    const Verified v = accept_drafts(sampler, drafts, {}, [&](size_t r) {
+      return std::span<const float>(r == 0 ? row : bonus);
+    });
+    ++counts[static_cast<size_t>(v.tokens.front())];
+  }
+  double chi2 = 0.0;
+  for (int i = 0; i < kV; ++i) {
+    const double e = p[static_cast<size_t>(i)] * trials;
+    chi2 += (counts[static_cast<size_t>(i)] - e) * (counts[static_cast<size_t>(i)] - e) / e;
+  }
+  EXPECT_LT(chi2, 23.5) << "chi-square, 4 dof, p = 1e-4; seed " << seed;
+}
+
+TEST(SpeculativeGreedy, AcceptsTheLongestPrefixOfTheArgmax) {
+  const std::vector<int32_t> drafts{4, 7, 9};
+  EXPECT_EQ(accept_greedy(drafts, std::vector<int32_t>{4, 7, 9, 1}).tokens,
+            (std::vector<int32_t>{4, 7, 9, 1}));
+  const Verified v = accept_greedy(drafts, std::vector<int32_t>{4, 8, 9, 1});
+  EXPECT_EQ(v.tokens, (std::vector<int32_t>{4, 8}));
+  EXPECT_EQ(v.accepted, 1);
+  EXPECT_EQ(accept_greedy(drafts, std::vector<int32_t>{5, 7, 9, 1}).tokens,
+            (std::vector<int32_t>{5}));
+}
+
+TEST(NgramProposer, DraftsWhatFollowedTheLatestEarlierOccurrence) {
+  auto p = make_ngram_proposer(2, 3);
+  SamplingParams params;
+  params.temperature = 0.0f;
+  Sampler s(params);
+  //                         0  1  2  3  4  5  6  7  8  9 10
+  const std::vector<int32_t> t{5, 1, 2, 3, 9, 1, 2, 3, 8, 1, 2};
+  std::vector<DraftRequest> req{{7, t, 4, &s}};
+  std::vector<Draft> out(1);
+  p->propose(req, out);
+  // "1 2" last occurred at 5..6 (3-gram "9 1 2"? no: "8 1 2" never occurred): drafts 3 8 1 2.
+  EXPECT_EQ(out[0].tokens, (std::vector<int32_t>{3, 8, 1, 2}));
+  EXPECT_TRUE(out[0].q.empty());
+  req[0].max_drafts = 2;
+  p->propose(req, out);
+  EXPECT_EQ(out[0].tokens, (std::vector<int32_t>{3, 8}));
+  const std::vector<int32_t> none{1, 2, 3, 4, 5};
+  req[0].tokens = none;
+  p->propose(req, out);
+  EXPECT_TRUE(out[0].tokens.empty());
+}
+
+// ---- rollback ----------------------------------------------------------------------------------
+
+TEST(SpeculativeRollback, TruncatedSequenceEqualsAPlainOne) {
+  const KvPlan plan = [] {
+    const nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
+                              {"num_hidden_layers", 2},
+                              {"num_attention_heads", 4},
+                              {"num_key_value_heads", 2},
+                              {"hidden_size", 32},
+                              {"vocab_size", 64},
+                              {"max_position_embeddings", 512},
+                              {"torch_dtype", "bfloat16"}};
+    return make_kv_plan(parse_model_config(j, "test config"), KvPlanOptions{});
+  }();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  KvBlockManager spec(plan, 64, true), plain(plan, 64, true);
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < 5; ++i) tokens.push_back(static_cast<int32_t>(rng() % 64));
+  spec.add_sequence(1, tokens, {});
+  plain.add_sequence(1, tokens, {});
+  ASSERT_EQ(spec.append(1, 5).size(), 5u);
+  ASSERT_EQ(plain.append(1, 5).size(), 5u);
+  for (int step = 0; step < 40; ++step) {
+    const int32_t drafts = static_cast<int32_t>(rng() % 9);
+    const int32_t accepted = drafts == 0 ? 0 : static_cast<int32_t>(rng() % (drafts + 1));
+    const int32_t len = spec.cache().seq_len(1);
+    ASSERT_EQ(spec.append(1, 1 + drafts).size(), static_cast<size_t>(1 + drafts));
+    spec.truncate(1, len + 1 + accepted);
+    ASSERT_EQ(plain.append(1, 1 + accepted).size(), static_cast<size_t>(1 + accepted));
+    for (int i = 0; i <= accepted; ++i) tokens.push_back(static_cast<int32_t>(rng() % 64));
+    spec.publish_full_blocks(1, tokens, spec.cache().seq_len(1));
+    plain.publish_full_blocks(1, tokens, plain.cache().seq_len(1));
+    ASSERT_EQ(spec.cache().seq_len(1), plain.cache().seq_len(1)) << "seed " << seed;
+    ASSERT_EQ(spec.cache().blocks(1).size(), plain.cache().blocks(1).size()) << "seed " << seed;
+    ASSERT_EQ(spec.num_available(), plain.num_available()) << "seed " << seed;
+    ASSERT_EQ(spec.num_used(), plain.num_used()) << "seed " << seed;
+  }
+  // A published block is never rolled back.
+  EXPECT_THROW(spec.truncate(1, 0), InternalError);
+  spec.free_sequence(1);
+  plain.free_sequence(1);
+  EXPECT_EQ(spec.num_used(), 0);
+  EXPECT_EQ(spec.num_available(), plain.num_available());
+}
+
+// ---- greedy speculation on the default model --------------------------------------------------
+
+SamplingParams greedy(int max_tokens) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = max_tokens;
+  p.ignore_eos = true;
+  return p;
+}
+
+// Prompts from held-out code: repetitive enough that n-gram drafts are accepted too.
+std::vector<std::vector<int32_t>> code_prompts(std::mt19937& rng, int n, int min_len, int max_len) {
+  static const std::vector<int32_t> text = [] {
+    std::ifstream f(kModelDir + "/heldout.txt");
+    std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    return reference_tokenizer().encode(s.substr(0, 60000), false);
+  }();
+  std::vector<std::vector<int32_t>> out;
+  for (int i = 0; i < n; ++i) {
+    const int len = std::uniform_int_distribution<int>(min_len, max_len)(rng);
+    const size_t at =
+        std::uniform_int_distribution<size_t>(0, text.size() - static_cast<size_t>(len) - 1)(rng);
+    out.emplace_back(text.begin() + static_cast<std::ptrdiff_t>(at),
+                     text.begin() + static_cast<std::ptrdiff_t>(at) + len);
+  }
+  return out;
+}
+
+Collected as_collected(const GenerationResult& r) {
+  Collected c;
+  c.ids = r.output_ids;
+  c.text = r.text;
+  c.finish_reason = r.finish_reason;
+  return c;
+}
+
+const char* kDraftDir = "/models/kvq-code-tiny-draft";
+
+// The drafter of a case: the real small draft model when present, planned with the target's
+// KV flag; else the target's own weights under an int4 cache plan (it then drafts well but,
+// with another KV dtype, not perfectly).
+std::shared_ptr<const Model> drafter_for(KvDtype kv) {
+  const std::string dir = std::string(KVQ_SOURCE_DIR) + kDraftDir;
+  if (std::filesystem::exists(dir + "/model.safetensors")) {
+    SpeculativeConfig sc;
+    sc.method = SpecMethod::kDraftModel;
+    sc.model = dir;
+    KvPlanOptions o;
+    o.kv = DtypeFlag{kv, "--kv-cache-dtype " + std::string(traits(kv).name)};
+    return std::shared_ptr<const Model>(
+        Model::load(make_drafter_kv_plan(load_model_config(dir), o, sc)));
+  }
+  return std::shared_ptr<const Model>(
+      reference_model()->with_plan(default_plan(KvDtype::kInt4PerTokenHead)));
+}
+
+struct GreedyCase {
+  SpecMethod method;
+  KvDtype kv;
+  int k;
+};
+
+class GreedySpeculation : public ::testing::TestWithParam<GreedyCase> {};
+
+TEST_P(GreedySpeculation, GenerateGivesPlainGreedyIds) {
+  KVQ_REQUIRE_MODEL();
+  const GreedyCase gc = GetParam();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  const KvPlan plan = default_plan(gc.kv);
+  const std::unique_ptr<Model> target = engine_model(plan);
+  std::unique_ptr<Proposer> proposer =
+      gc.method == SpecMethod::kNgram
+          ? make_ngram_proposer(1, 3)
+          : make_draft_model_proposer(drafter_for(gc.kv), 64);
+  GeneratorOptions options;
+  options.proposer = proposer.get();
+  options.num_speculative_tokens = gc.k;
+  options.prefill_chunk = 24;
+  int near_ties = 0;
+  SpecCounters total;
+  for (const auto& prompt : code_prompts(rng, 4, 5, 60)) {
+    const SamplingParams p = greedy(std::uniform_int_distribution<int>(20, 45)(rng));
+    const GenerationResult want = generate(*target, reference_tokenizer(), prompt, p, {});
+    const GenerationResult got =
+        generate(*target, reference_tokenizer(), prompt, p, options);
+    EXPECT_EQ(compare_greedy(prompt, want, as_collected(got), &near_ties, target.get()), "")
+        << "seed " << seed;
+    EXPECT_EQ(got.output_ids.size(), want.output_ids.size());
+    total.add(got.spec);
+  }
+  EXPECT_LE(near_ties, 1) << "seed " << seed;
+  EXPECT_GT(total.drafted, 0) << "nothing was drafted; seed " << seed;
+  EXPECT_GT(total.accepted, 0) << "nothing was accepted; seed " << seed;
+  EXPECT_LE(total.accepted, total.drafted);
+  EXPECT_EQ(total.emitted, total.accepted + total.verify_steps);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ProposersAndDtypes, GreedySpeculation,
+    ::testing::Values(GreedyCase{SpecMethod::kNgram, KvDtype::kBFloat16, 4},
+                      GreedyCase{SpecMethod::kNgram, KvDtype::kFp8E4M3, 8},
+                      GreedyCase{SpecMethod::kNgram, KvDtype::kInt8PerTokenHead, 2},
+                      GreedyCase{SpecMethod::kNgram, KvDtype::kInt4PerTokenHead, 4},
+                      GreedyCase{SpecMethod::kDraftModel, KvDtype::kBFloat16, 4},
+                      GreedyCase{SpecMethod::kDraftModel, KvDtype::kFp8E4M3, 4},
+                      GreedyCase{SpecMethod::kDraftModel, KvDtype::kInt8PerTokenHead, 8},
+                      GreedyCase{SpecMethod::kDraftModel, KvDtype::kInt4PerTokenHead, 2}),
+    [](const auto& param_info) {
+      return std::string(to_string(param_info.param.method)) + "_" +
+             std::string(traits(param_info.param.kv).name) + "_k" + std::to_string(param_info.param.k);
+    });
+
+struct EngineCase {
+  SpecMethod method;
+  int num_blocks;   // small: preemption
+  bool shared_prefix;
+};
+
+class EngineSpeculation : public ::testing::TestWithParam<EngineCase> {};
+
+TEST_P(EngineSpeculation, GreedyBatchGivesSoloIdsAndFreesEveryBlock) {
+  KVQ_REQUIRE_MODEL();
+  const EngineCase ec = GetParam();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  const KvPlan plan = default_plan(KvDtype::kFp8E4M3);
+  EngineConfig config;
+  config.num_blocks = ec.num_blocks;
+  config.max_num_seqs = 32;
+  config.max_num_batched_tokens = 96;
+  config.num_speculative_tokens = 4;
+  config.proposer = ec.method == SpecMethod::kNgram
+                        ? std::shared_ptr<Proposer>(make_ngram_proposer(1, 3))
+                        : std::shared_ptr<Proposer>(make_draft_model_proposer(
+                              drafter_for(KvDtype::kFp8E4M3), ec.num_blocks + 32));
+  auto engine = make_engine(config, plan);
+  const std::unique_ptr<Model> solo_model = engine_model(plan);
+  auto prompts = code_prompts(rng, ec.num_blocks < 40 ? 8 : 32, 5, 40);
+  if (ec.shared_prefix) {
+    // Every prompt starts with the same 40 tokens (2.5 blocks): later ones hit the prefix cache.
+    const auto head = code_prompts(rng, 1, 40, 40).front();
+    for (auto& p : prompts) p.insert(p.begin(), head.begin(), head.end());
+  }
+  Collector collector;
+  std::vector<RequestId> ids;
+  std::vector<GenerationResult> want;
+  std::vector<SamplingParams> params;
+  for (const auto& p : prompts) {
+    params.push_back(greedy(std::uniform_int_distribution<int>(17, 40)(rng)));
+    want.push_back(generate(*solo_model, reference_tokenizer(), p, params.back(), {}));
+  }
+  for (size_t i = 0; i < prompts.size(); ++i)
+    ids.push_back(engine->add_request(prompts[i], params[i], collector.callback()));
+  ASSERT_TRUE(collector.wait_finished(prompts.size())) << "seed " << seed;
+  int near_ties = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const Collected got = collector.get(ids[i]);
+    EXPECT_EQ(got.finished_events, 1);
+    EXPECT_TRUE(got.counts_consistent);
+    EXPECT_EQ(compare_greedy(prompts[i], want[i], got, &near_ties, solo_model.get()), "")
+        << "request " << i << ", seed " << seed;
+  }
+  EXPECT_LE(near_ties, 2) << "seed " << seed;
+  const EngineStats s = engine->stats();
+  EXPECT_GT(s.spec.drafted, 0);
+  EXPECT_GT(s.spec.accepted, 0);
+  EXPECT_EQ(s.spec.emitted, s.spec.accepted + s.spec.verify_steps);
+  if (ec.num_blocks < 40) {
+    EXPECT_GT(s.preemptions, 0) << "seed " << seed;
+  }
+  if (ec.shared_prefix) {
+    EXPECT_GT(s.prefix_cache_hits, 0);
+  }
+  EXPECT_EQ(s.running, 0);
+  EXPECT_EQ(s.blocks_used, 0) << "blocks still held after every request ended";
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, EngineSpeculation,
+                         ::testing::Values(EngineCase{SpecMethod::kNgram, 400, false},
+                                           EngineCase{SpecMethod::kDraftModel, 400, true},
+                                           EngineCase{SpecMethod::kNgram, 12, false},
+                                           EngineCase{SpecMethod::kDraftModel, 12, true}));
+
+TEST(EngineSpeculation, SampledRequestsRunAndOptOutDraftsNothing) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  const KvPlan plan = default_plan(KvDtype::kFp8E4M3);
+  EngineConfig config;
+  config.num_blocks = 128;
+  config.num_speculative_tokens = 3;
+  config.proposer = make_draft_model_proposer(drafter_for(KvDtype::kFp8E4M3), 160);
+  auto engine = make_engine(config, plan);
+  Collector collector;
+  std::mutex mu;
+  std::map<RequestId, SpecCounters> spec;
+  auto cb = collector.callback([&](const RequestOutput& o) {
+    std::lock_guard lock(mu);
+    spec[o.id] = o.spec;
+  });
+  const auto prompts = code_prompts(rng, 4, 8, 20);
+  std::vector<RequestId> ids;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SamplingParams p;
+    p.temperature = 0.8f;
+    p.top_p = 0.9f;
+    p.seed = seed + i;
+    p.max_tokens = 30;
+    p.ignore_eos = true;
+    p.speculate = i != 0;  // the first request opts out
+    ids.push_back(engine->add_request(prompts[i], p, cb, /*logprobs=*/i == 1));
+  }
+  ASSERT_TRUE(collector.wait_finished(prompts.size()));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const Collected got = collector.get(ids[i]);
+    EXPECT_EQ(got.ids.size(), 30u);
+    EXPECT_TRUE(got.counts_consistent);
+    {
+      std::lock_guard lock(mu);
+      if (i == 0) {
+        EXPECT_EQ(spec[ids[i]].drafted, 0) << "an opted-out request drafted";
+      } else {
+        EXPECT_GT(spec[ids[i]].drafted, 0);
+      }
+    }
+    if (i == 1) {
+      ASSERT_EQ(got.logprobs.size(), got.ids.size());
+      for (float lp : got.logprobs) EXPECT_LE(lp, 0.0f);
+    }
+  }
+  const EngineStats s = engine->stats();
+  EXPECT_GT(s.spec.drafted, 0);
+  EXPECT_EQ(s.blocks_used, 0);
+}
+
+}  // namespace
+}  // namespace kvq::test
