@@ -49,6 +49,7 @@ Action add_generate_command(CLI::App& app) {
   };
   auto st = std::make_shared<State>();
   st->model.add_to(*sub);
+  st->model.plan.add_speculative_to(*sub);
   st->sampling.add_to(*sub);
   auto* prompt = sub->add_option("--prompt", st->prompt, "prompt text (\"\" = BOS only)");
   auto* ids = sub->add_option("--prompt-ids", st->prompt_ids, "prompt as token ids: 1,2,3");
@@ -73,6 +74,18 @@ Action add_generate_command(CLI::App& app) {
       options.num_blocks =
           blocks_for_budget(lm.model->plan().layers,
                             parse_byte_size(st->model.plan.kv_cache_memory, "--kv-cache-memory"));
+    const std::optional<Speculation> spec = st->model.load_speculation(*lm.model, *lm.tokenizer);
+    std::shared_ptr<Proposer> proposer;
+    if (spec) {
+      // The drafter's cache holds what the target's holds, plus the drafts.
+      const int32_t bt = lm.model->plan().layers.front().block_tokens;
+      const int64_t tokens = static_cast<int64_t>(prompt_ids.size()) + params.max_tokens +
+                             spec->config.num_speculative_tokens + 1;
+      proposer = spec->proposer(static_cast<int32_t>((tokens + bt - 1) / bt),
+                                st->model.max_num_batched_tokens);
+      options.proposer = proposer.get();
+      options.num_speculative_tokens = spec->config.num_speculative_tokens;
+    }
     const bool text_out = !st->output_ids;
     GenerationResult r = generate(*lm.model, *lm.tokenizer, prompt_ids, params, options,
                                   [text_out](std::string_view piece, int32_t) {
@@ -97,6 +110,13 @@ Action add_generate_command(CLI::App& app) {
         r.prefill_seconds > 0 ? r.prompt_tokens / r.prefill_seconds : 0.0,
         r.decode_seconds > 0 && gen > 1 ? (gen - 1) / r.decode_seconds : 0.0,
         static_cast<double>(r.kv_bytes_used) / 1024.0, summarize_kv_plan(lm.model->plan()).c_str());
+    if (spec)
+      std::fprintf(stderr,
+                   "kvq: speculative %s | drafted %lld, accepted %lld (%.1f%%), mean accepted "
+                   "length %.2f tokens per verify step (%lld steps)\n",
+                   spec->summary().c_str(), static_cast<long long>(r.spec.drafted),
+                   static_cast<long long>(r.spec.accepted), 100.0 * r.spec.acceptance_rate(),
+                   r.spec.mean_accepted_length(), static_cast<long long>(r.spec.verify_steps));
     return 0;
   };
 }

@@ -72,6 +72,66 @@ LoadedModel ModelFlags::load() const {
   return lm;
 }
 
+std::shared_ptr<Proposer> Speculation::proposer(int32_t num_blocks, int32_t max_step) const {
+  switch (config.method) {
+    case SpecMethod::kNgram:
+      return make_ngram_proposer(config.prompt_lookup_min, config.prompt_lookup_max);
+    case SpecMethod::kDraftModel:
+      return make_draft_model_proposer(drafter, num_blocks, max_step);
+    case SpecMethod::kDflash:
+      break;
+  }
+  throw InputError("--speculative-config: method \"dflash\" is not runnable in this kvq yet "
+                   "(the drafter format is in docs/notes/dflash.md); accepted now: ngram, "
+                   "draft_model");
+}
+
+size_t Speculation::drafter_block_bytes() const {
+  size_t n = 0;
+  if (drafter)
+    for (const auto& l : drafter->plan().layers) n += l.block_bytes();
+  return n;
+}
+
+std::string Speculation::summary() const {
+  std::string s = std::string(to_string(config.method)) + " k=" +
+                  std::to_string(config.num_speculative_tokens);
+  if (drafter) s += " (drafter " + drafter->plan().model.dir + ": " + summarize_kv_plan(drafter->plan()) + ")";
+  return s;
+}
+
+std::optional<Speculation> ModelFlags::load_speculation(const Model& target,
+                                                        const Tokenizer& tokenizer) const {
+  std::optional<SpeculativeConfig> c = plan.speculative();
+  if (!c) return std::nullopt;
+  Speculation s;
+  s.config = *c;
+  if (c->method == SpecMethod::kDflash)
+    throw InputError("--speculative-config: method \"dflash\" is not runnable in this kvq yet "
+                     "(the drafter format is in docs/notes/dflash.md); accepted now: ngram, "
+                     "draft_model");
+  if (c->method == SpecMethod::kDraftModel) {
+    const KvPlan dp = plan.drafter_plan(*c);
+    for (const auto& w : dp.warnings) log_warning("drafter: " + w);
+    const Tokenizer dt = Tokenizer::load(c->model);
+    if (dt.vocab_size() != tokenizer.vocab_size())
+      throw InputError("--speculative-config: the drafter " + c->model + "'s tokenizer has " +
+                       std::to_string(dt.vocab_size()) + " tokens, the target's " +
+                       std::to_string(tokenizer.vocab_size()) +
+                       "; a drafter must use the target's tokenizer");
+    for (int32_t id = 0; id < dt.vocab_size(); ++id)
+      if (dt.id_to_token(id) != tokenizer.id_to_token(id))
+        throw InputError("--speculative-config: the drafter " + c->model +
+                         "'s tokenizer differs from the target's at id " + std::to_string(id) +
+                         " ('" + dt.id_to_token(id).value_or("") + "' vs '" +
+                         tokenizer.id_to_token(id).value_or("") +
+                         "'); a drafter must use the target's tokenizer");
+    s.drafter = std::shared_ptr<const Model>(load_model(dp));
+    check_drafter_vocab(target, *s.drafter);
+  }
+  return s;
+}
+
 void SamplingFlags::add_to(CLI::App& app) {
   app.add_option("--temperature", temperature, "sampling temperature; 0 = greedy (default 0.8)");
   app.add_option("--top-k", top_k, "keep the k most likely tokens; 0 = off (default 40)");

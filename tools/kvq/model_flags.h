@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kvq/engine/sampler.h"
+#include "kvq/engine/speculative.h"
 #include "kvq/model/model.h"
 #include "kvq/tokenizer/tokenizer.h"
 #include "plan_flags.h"
@@ -16,6 +17,20 @@ namespace kvq::cli {
 struct LoadedModel {
   std::unique_ptr<Model> model;
   std::unique_ptr<Tokenizer> tokenizer;
+};
+
+// What --speculative-config loads: the parsed config and, for draft_model, the drafter (planned
+// like the target, on the target's device, with the target's tokenizer checked).
+struct Speculation {
+  SpeculativeConfig config;
+  std::shared_ptr<const Model> drafter;
+
+  // A proposer; a drafter's cache gets num_blocks blocks (the target's token capacity).
+  std::shared_ptr<Proposer> proposer(int32_t num_blocks, int32_t max_step_tokens) const;
+  // Drafter cache bytes per block of tokens (0 without a drafter model).
+  size_t drafter_block_bytes() const;
+  // "draft_model k=4 (drafter K/V fp8_e4m3 x2, ...)" for summaries.
+  std::string summary() const;
 };
 
 struct ModelFlags {
@@ -40,6 +55,9 @@ struct ModelFlags {
   // The weights only, under `plan`, on --device (random weights for --synthetic).
   std::unique_ptr<Model> load_model(const KvPlan& plan) const;
   KvPlan make_plan(const KvPlanOptions& options) const;
+  // --speculative-config: nullopt when not given; InputError for an inconsistent one (bad JSON,
+  // a drafter with another vocabulary or tokenizer, layers no backend can run).
+  std::optional<Speculation> load_speculation(const Model& target, const Tokenizer& tokenizer) const;
 };
 
 struct SamplingFlags {

@@ -57,6 +57,23 @@ KvPlanOptions PlanFlags::options() const {
   return o;
 }
 
+void PlanFlags::add_speculative_to(CLI::App& app) {
+  app.add_option("--speculative-config", speculative_config,
+                 "speculative decoding, JSON: {\"method\": \"ngram\" | \"draft_model\" | "
+                 "\"dflash\", \"model\": DIR, \"num_speculative_tokens\": k, ...} "
+                 "(see docs/CLI.md)");
+}
+
+std::optional<SpeculativeConfig> PlanFlags::speculative() const {
+  if (speculative_config.empty()) return std::nullopt;
+  return parse_speculative_config(speculative_config, "--speculative-config");
+}
+
+KvPlan PlanFlags::drafter_plan(const SpeculativeConfig& spec) const {
+  const ModelConfig drafter = load_model_config(spec.model);
+  return make_drafter_kv_plan(drafter, options(), spec);
+}
+
 std::vector<std::string> normalize_args(int argc, char** argv) {
   std::vector<std::string> out;
   for (int i = 0; i < argc; ++i) {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kvq/plan/kv_plan.h"
+#include "kvq/plan/speculative_config.h"
 
 namespace kvq::cli {
 
@@ -17,6 +18,7 @@ struct PlanFlags {
   std::string skip_layers;
   int block_size = 16;
   std::string kv_cache_memory;  // "" = not given
+  std::string speculative_config;  // --speculative-config JSON ("" = none)
 
   // with_synthetic: --model or --synthetic (one of them); otherwise --model is required.
   void add_to(CLI::App& app, bool with_memory = true, bool with_synthetic = false);
@@ -24,6 +26,11 @@ struct PlanFlags {
   ModelConfig model_config() const;
   // Parses the dtype names through the registry (InputError names the flag on bad input).
   KvPlanOptions options() const;
+  // --speculative-config (commands that speculate, and plan).
+  void add_speculative_to(CLI::App& app);
+  std::optional<SpeculativeConfig> speculative() const;
+  // The drafter's plan (draft_model / dflash: its config.json under the target's flags).
+  KvPlan drafter_plan(const SpeculativeConfig& spec) const;
 };
 
 // llama.cpp spells separate K/V dtypes -ctk/-ctv (single dash, several letters), which CLI11
