@@ -52,6 +52,7 @@ struct Choice {
   // HTTP-side accumulation.
   ChoiceOutput out;
   int32_t prompt_tokens = 0, completion_tokens = 0, cached_prompt_tokens = 0;
+  SpecCounters spec;
   int64_t text_offset = 0;
 };
 
@@ -372,6 +373,7 @@ struct HttpServer::Impl {
     c.prompt_tokens = o.prompt_tokens;
     c.completion_tokens = o.completion_tokens;
     c.cached_prompt_tokens = o.cached_prompt_tokens;
+    c.spec = o.spec;
     if (o.finished) {
       c.finished = true;
       c.out.finish_reason = api_finish_reason(o.finish_reason);
@@ -407,6 +409,14 @@ struct HttpServer::Impl {
       if (!reasons.empty()) reasons += ",";
       reasons += c.out.finish_reason.empty() ? "-" : c.out.finish_reason;
     }
+    SpecCounters spec;
+    for (const auto& c : ex.choices) spec.add(c.spec);
+    char spec_text[96] = "";
+    if (spec.verify_steps > 0)
+      std::snprintf(spec_text, sizeof spec_text,
+                    ", spec drafted %lld accepted %lld (%.0f%%) mean len %.2f",
+                    static_cast<long long>(spec.drafted), static_cast<long long>(spec.accepted),
+                    100.0 * spec.acceptance_rate(), spec.mean_accepted_length());
     char ttft[32] = "-";
     if (ex.first_token)
       std::snprintf(ttft, sizeof ttft, "%.1f ms",
@@ -414,10 +424,10 @@ struct HttpServer::Impl {
     std::fprintf(
         stderr,
         "kvq serve: %s %s n=%zu prompt %lld tok (%lld cached), output %lld tok (%s), ttft %s, "
-        "total %.1f ms\n",
+        "total %.1f ms%s\n",
         ex.meta.id.c_str(), outcome, ex.choices.size(), static_cast<long long>(u.prompt_tokens),
         static_cast<long long>(u.cached_prompt_tokens), static_cast<long long>(u.completion_tokens),
-        reasons.c_str(), ttft, 1e3 * seconds_between(ex.arrival, now));
+        reasons.c_str(), ttft, 1e3 * seconds_between(ex.arrival, now), spec_text);
   }
 
   void handle_generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint) {

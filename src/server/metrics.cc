@@ -205,6 +205,21 @@ std::string ServerMetrics::render(const EngineStats& s,
          "Prompt tokens per second over the last 10 s.", prompt_rate.per_second());
   metric(out, "kvq_generation_tokens_per_second", "gauge",
          "Generated tokens per second over the last 10 s.", generation_rate.per_second());
+  metric(out, "kvq_spec_decode_num_draft_tokens_total", "counter",
+         "Draft tokens verified by speculative decoding.", static_cast<double>(s.spec.drafted));
+  metric(out, "kvq_spec_decode_num_accepted_tokens_total", "counter",
+         "Draft tokens accepted by speculative decoding.", static_cast<double>(s.spec.accepted));
+  metric(out, "kvq_spec_decode_num_verify_steps_total", "counter",
+         "Sequence-steps that verified at least one draft token.",
+         static_cast<double>(s.spec.verify_steps));
+  metric(out, "kvq_spec_decode_num_emitted_tokens_total", "counter",
+         "Tokens produced by verify steps (accepted drafts plus the target's own).",
+         static_cast<double>(s.spec.emitted));
+  metric(out, "kvq_spec_decode_acceptance_rate", "gauge",
+         "Accepted over drafted tokens since start (0 before any draft).", s.spec.acceptance_rate());
+  metric(out, "kvq_spec_decode_mean_accepted_length", "gauge",
+         "Tokens per verify step since start (accepted drafts + 1; 0 before any).",
+         s.spec.mean_accepted_length());
   metric(out, "kvq_engine_requests_finished_total", "counter", "Engine requests finished.",
          static_cast<double>(s.requests_finished));
   {

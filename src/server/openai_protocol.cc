@@ -170,6 +170,8 @@ void parse_common(const Fields& f, GenerationRequest& r) {
     p.stop_token_ids = token_id_list("stop_token_ids", *v);
   }
   if (auto v = f.boolean("ignore_eos")) p.ignore_eos = *v;  // vLLM extension
+  // kvq extension: false opts this request out of speculative decoding.
+  if (auto v = f.boolean("speculative")) p.speculate = *v;
 
   for (const char* name : {"presence_penalty", "frequency_penalty"})
     if (auto v = f.number(name)) refuse_unless(*v == 0.0, name, "other than 0");

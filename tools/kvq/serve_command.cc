@@ -57,6 +57,7 @@ Action add_serve_command(CLI::App& app) {
   };
   auto st = std::make_shared<State>();
   st->model.add_to(*sub);
+  st->model.plan.add_speculative_to(*sub);
   sub->add_option("--host", st->host, "address to listen on (default 127.0.0.1)");
   sub->add_option("--port", st->port, "port to listen on (default 8000; 0 = any free port)")
       ->check(CLI::Range(0, 65535));
@@ -74,6 +75,7 @@ Action add_serve_command(CLI::App& app) {
     st->model.max_num_seqs = st->max_num_seqs;
     st->model.max_num_batched_tokens = st->max_num_batched_tokens;
     LoadedModel lm = st->model.load();
+    const std::optional<Speculation> spec = st->model.load_speculation(*lm.model, *lm.tokenizer);
     const KvPlan& plan = lm.model->plan();
     const int32_t context = model_context_length(*lm.model);
     size_t block_bytes = 0;
@@ -96,10 +98,27 @@ Action add_serve_command(CLI::App& app) {
     }
     EngineConfig config;
     config.num_blocks = num_blocks >= 0 ? num_blocks : blocks_for_budget(plan.layers, budget);
+    if (spec) {
+      // The drafter's cache holds as many tokens as the target's. On a GPU both share what
+      // --gpu-memory-utilization leaves; on the CPU the drafter's comes on top of the budget.
+      const size_t drafter_bytes = spec->drafter_block_bytes();
+      if (num_blocks >= 0 && drafter_bytes > 0)
+        config.num_blocks = static_cast<int64_t>(static_cast<double>(num_blocks) * block_bytes /
+                                                 static_cast<double>(block_bytes + drafter_bytes)) -
+                            st->max_num_seqs;
+      if (config.num_blocks < 1)
+        throw InputError("--speculative-config: no room for the KV caches of the target and the "
+                         "drafter (raise --gpu-memory-utilization)");
+      config.proposer = spec->proposer(
+          static_cast<int32_t>(config.num_blocks + st->max_num_seqs), st->max_num_batched_tokens);
+      config.num_speculative_tokens = spec->config.num_speculative_tokens;
+      config.speculative_disable_by_batch_size = spec->config.disable_by_batch_size;
+    }
     config.max_num_seqs = st->max_num_seqs;
     config.max_num_batched_tokens = st->max_num_batched_tokens;
     config.enable_prefix_caching = !st->no_prefix_caching;
-    const std::string summary = summarize_kv_plan(plan);
+    std::string summary = summarize_kv_plan(plan);
+    if (spec) summary += " | speculative " + spec->summary();
     LlmEngine engine(std::move(lm.model), std::move(lm.tokenizer), config);
     auto serving = serving_engine(engine);
 

@@ -147,6 +147,7 @@ TEST(OpenAiProtocol, WrongTypesNameTheField) {
                                                            {"stream_options", true},
                                                            {"stop_token_ids", 1},
                                                            {"ignore_eos", "no"},
+                                                           {"speculative", "no"},
                                                            {"logit_bias", "x"}};
   for (const auto& [field, value] : cases) {
     json b = base;
@@ -154,6 +155,15 @@ TEST(OpenAiProtocol, WrongTypesNameTheField) {
     if (field == "stream_options") b["stream"] = true;
     expect_api_error([&] { parse_completion_request(b); }, 400, field, field + "=" + value.dump());
   }
+}
+
+TEST(OpenAiProtocol, SpeculativeOptOutIsRead) {
+  json body = {{"model", "m"}, {"prompt", "hello"}};
+  EXPECT_TRUE(parse_completion_request(body).sampling.speculate);
+  body["speculative"] = false;
+  EXPECT_FALSE(parse_completion_request(body).sampling.speculate);
+  body["speculative"] = true;
+  EXPECT_TRUE(parse_completion_request(body).sampling.speculate);
 }
 
 TEST(OpenAiProtocol, InvalidValuesNameTheField) {
