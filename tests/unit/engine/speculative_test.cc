@@ -201,16 +201,12 @@ TEST(NgramProposer, DraftsWhatFollowedTheLatestEarlierOccurrence) {
 // A non-causal layer (a block-diffusion drafter's) over an fp8 cache is a spec like any other:
 // the CPU selector gives it a backend, no causality check to patch out.
 TEST(DrafterAttention, NonCausalFp8LayerGetsACpuBackend) {
+  KVQ_REQUIRE_MODEL();
   for (KvDtype kv : {KvDtype::kFp8E4M3, KvDtype::kInt4PerTokenHead, KvDtype::kBFloat16}) {
-    LayerKvSpec spec;
-    spec.layer = 0;
-    spec.k_dtype = spec.v_dtype = kv;
-    spec.model_dtype = KvDtype::kBFloat16;
+    // A layer of the default model's plan (its scales resolved by the planner), made non-causal.
+    LayerKvSpec spec = default_plan(kv).layers[1];
     spec.attention = AttentionKind::kNonCausal;
-    spec.num_q_heads = 4;
-    spec.num_kv_heads = 2;
-    spec.head_dim_k = spec.head_dim_v = 64;
-    spec.block_tokens = 16;
+    spec.sliding_window = 0;
     const BackendChoice c = select_attention_backend(spec, Device::kCpu, "");
     ASSERT_NE(c.backend, nullptr) << traits(kv).name;
     EXPECT_TRUE(c.backend->reasons_unsupported(spec).empty()) << traits(kv).name;
