@@ -8,6 +8,11 @@
 // so a large batch at a long context can be measured without minutes of prefill; the prefill
 // rate is then measured on the K real ones.
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <fstream>
+#include <iterator>
+#include <mutex>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +28,7 @@
 #include "commands.h"
 #include "kvq/core/error.h"
 #include "kvq/core/log.h"
+#include "kvq/engine/llm_engine.h"
 #include "kvq/model/cuda_model.h"
 #include "model_flags.h"
 #ifdef KVQ_WITH_CUDA
@@ -116,6 +122,149 @@ std::string gib(double bytes) {
   return buf;
 }
 
+// kvq bench --speculative-config: the same greedy workload (B prompts cut from --dataset, each
+// generating --output-len tokens, EOS ignored) through LlmEngine twice, plain and speculative,
+// in one process on the same weights; tokens/s of both, the speedup, and the acceptance.
+int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B, int L, int M,
+                      int64_t seed, bool json) {
+  if (dataset.empty())
+    throw InputError("--speculative-config in kvq bench needs --dataset FILE (a text file the "
+                     "prompts are cut from: drafts of random tokens are never accepted)");
+  if (!flags.plan.synthetic.empty())
+    throw InputError("--speculative-config in kvq bench needs --model (a real model and its "
+                     "tokenizer), not --synthetic; --verify-tokens times verification steps there");
+  std::ifstream f(dataset, std::ios::binary);
+  if (!f) throw InputError("--dataset: cannot read '" + dataset + "'");
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  LoadedModel lm = flags.load();
+  const std::optional<Speculation> spec = flags.load_speculation(*lm.model, *lm.tokenizer);
+  const std::vector<int32_t> ids = lm.tokenizer->encode(text, /*add_special_tokens=*/false);
+  if (static_cast<int64_t>(ids.size()) < static_cast<int64_t>(L) + 1)
+    throw InputError("--dataset: '" + dataset + "' has " + std::to_string(ids.size()) +
+                     " tokens, fewer than --input-len " + std::to_string(L));
+  std::mt19937_64 rng(static_cast<uint64_t>(seed));
+  std::uniform_int_distribution<size_t> at(0, ids.size() - static_cast<size_t>(L));
+  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(B));
+  for (auto& p : prompts) {
+    const size_t a = at(rng);
+    p.assign(ids.begin() + static_cast<std::ptrdiff_t>(a),
+             ids.begin() + static_cast<std::ptrdiff_t>(a + static_cast<size_t>(L)));
+  }
+  const int32_t bt = lm.model->plan().layers.front().block_tokens;
+  const int k = spec->config.num_speculative_tokens;
+  const int64_t per_seq = (static_cast<int64_t>(L) + M + k + 1 + bt - 1) / bt;
+  const int64_t num_blocks = per_seq * B + B;
+
+  struct Run {
+    double seconds = 0.0;
+    int64_t tokens = 0;
+    SpecCounters spec;
+    std::vector<std::vector<int32_t>> outputs;
+  };
+  auto run = [&](bool speculate) {
+    EngineConfig config;
+    config.num_blocks = num_blocks;
+    config.max_num_seqs = B;
+    config.max_num_batched_tokens = std::max(flags.max_num_batched_tokens, B * (k + 1));
+    config.enable_prefix_caching = false;
+    if (speculate) {
+      config.proposer = spec->proposer(static_cast<int32_t>(num_blocks), flags.max_num_batched_tokens);
+      config.num_speculative_tokens = k;
+      config.speculative_disable_by_batch_size = spec->config.disable_by_batch_size;
+    }
+    LlmEngine engine(lm.model->with_plan(lm.model->plan(), flags.attention_backend),
+                     std::make_unique<Tokenizer>(Tokenizer::load(flags.plan.model)), config);
+    Run r;
+    r.outputs.resize(prompts.size());
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t finished = 0;
+    SamplingParams p;
+    p.temperature = 0.0f;
+    p.max_tokens = M;
+    p.ignore_eos = true;
+    // A short warm-up request first (graphs, GEMM choice), not timed.
+    {
+      std::atomic<bool> done{false};
+      SamplingParams w = p;
+      w.max_tokens = 4;
+      engine.add_request(prompts[0], w, [&](const RequestOutput& o) {
+        if (o.finished) {
+          std::lock_guard lock(mu);
+          done = true;
+          cv.notify_all();
+        }
+      });
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return done.load(); });
+    }
+    const SpecCounters before = engine.stats().spec;
+    const auto t0 = Clock::now();
+    for (size_t i = 0; i < prompts.size(); ++i)
+      engine.add_request(prompts[i], p, [&, i](const RequestOutput& o) {
+        std::lock_guard lock(mu);
+        r.outputs[i].insert(r.outputs[i].end(), o.token_ids.begin(), o.token_ids.end());
+        if (o.finished) {
+          ++finished;
+          cv.notify_all();
+        }
+      });
+    {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return finished == prompts.size(); });
+    }
+    r.seconds = seconds_since(t0);
+    for (const auto& o : r.outputs) r.tokens += static_cast<int64_t>(o.size());
+    r.spec = engine.stats().spec;
+    r.spec.drafted -= before.drafted;
+    r.spec.accepted -= before.accepted;
+    r.spec.verify_steps -= before.verify_steps;
+    r.spec.emitted -= before.emitted;
+    return r;
+  };
+  const Run plain = run(false);
+  const Run specd = run(true);
+  int same = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) same += plain.outputs[i] == specd.outputs[i];
+  const double plain_tps = plain.tokens / plain.seconds, spec_tps = specd.tokens / specd.seconds;
+  nlohmann::json j;
+  j["model"] = flags.plan.model;
+  j["device"] = flags.device;
+  j["plan"] = summarize_kv_plan(lm.model->plan());
+  j["speculative"] = spec->summary();
+  j["method"] = to_string(spec->config.method);
+  j["num_speculative_tokens"] = k;
+  j["dataset"] = dataset;
+  j["batch"] = B;
+  j["input_len"] = L;
+  j["output_len"] = M;
+  j["plain_tokens_per_s"] = plain_tps;
+  j["speculative_tokens_per_s"] = spec_tps;
+  j["speedup"] = spec_tps / plain_tps;
+  j["drafted"] = specd.spec.drafted;
+  j["accepted"] = specd.spec.accepted;
+  j["verify_steps"] = specd.spec.verify_steps;
+  j["acceptance_rate"] = specd.spec.acceptance_rate();
+  j["mean_accepted_length"] = specd.spec.mean_accepted_length();
+  j["greedy_outputs_identical"] = same;
+  if (json) {
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  std::printf("model: %s on %s | KV plan: %s\nspeculative: %s\n", flags.plan.model.c_str(),
+              flags.device.c_str(), j["plan"].get<std::string>().c_str(), spec->summary().c_str());
+  std::printf("batch %d, prompts of %d tokens from %s, %d generated each (greedy)\n", B, L,
+              dataset.c_str(), M);
+  std::printf("plain:       %.1f tokens/s (%.2f s)\n", plain_tps, plain.seconds);
+  std::printf("speculative: %.1f tokens/s (%.2f s), speedup %.2fx\n", spec_tps, specd.seconds,
+              spec_tps / plain_tps);
+  std::printf("drafted %lld, accepted %lld (%.1f%%), mean accepted length %.2f tokens per verify "
+              "step; greedy outputs identical %d/%d\n",
+              static_cast<long long>(specd.spec.drafted), static_cast<long long>(specd.spec.accepted),
+              100.0 * specd.spec.acceptance_rate(), specd.spec.mean_accepted_length(), same, B);
+  return 0;
+}
+
 }  // namespace
 
 Action add_bench_command(CLI::App& app) {
@@ -129,9 +278,19 @@ Action add_bench_command(CLI::App& app) {
     int prefill_sequences = 0;
     int64_t seed = 0;
     bool json = false;
+    int verify_tokens = 0;
+    std::string dataset;
   };
   auto st = std::make_shared<State>();
   st->model.add_to(*sub, /*with_synthetic=*/true);
+  st->model.plan.add_speculative_to(*sub);
+  sub->add_option("--dataset", st->dataset,
+                  "with --speculative-config: a text file the prompts are cut from (speculation "
+                  "needs real text; random tokens are never accepted)");
+  sub->add_option("--verify-tokens", st->verify_tokens,
+                  "time verification steps: each decode step runs 1 + N query tokens per sequence "
+                  "(random drafts, all rows sampled, the N rolled back) instead of 1 (default 0)")
+      ->check(CLI::Range(0, kMaxSpeculativeTokens));
   sub->add_option("--batch", st->batch, "sequences decoded together (default 1)")
       ->check(CLI::Range(1, 1 << 16));
   sub->add_option("--input-len", st->input_len, "prompt tokens per sequence (default 512)")
@@ -152,7 +311,14 @@ Action add_bench_command(CLI::App& app) {
   sub->add_option("--seed", st->seed, "seed of the random prompts (default 0)");
   sub->add_flag("--json", st->json, "print the results as JSON");
   return [st]() {
+    if (!st->model.plan.speculative_config.empty())
+      return speculative_bench(st->model, st->dataset, st->batch, st->input_len, st->output_len,
+                               st->seed, st->json);
+    if (!st->dataset.empty())
+      throw InputError("--dataset is for --speculative-config runs (the plain bench uses random "
+                       "prompts)");
     const int B = st->batch, L = st->input_len, M = st->output_len;
+    const int V = st->verify_tokens;
     const int P = st->prefill_sequences == 0 ? B : st->prefill_sequences;
     if (P > B)
       throw InputError("--prefill-sequences " + std::to_string(P) + " exceeds --batch " +
@@ -171,7 +337,7 @@ Action add_bench_command(CLI::App& app) {
     const double load_s = seconds_since(t_load);
 
     const int32_t bt = plan.layers.front().block_tokens;
-    const int64_t per_seq = (static_cast<int64_t>(L) + M + bt - 1) / bt;
+    const int64_t per_seq = (static_cast<int64_t>(L) + M + V + bt - 1) / bt;
     int64_t max_blocks = model->max_cache_blocks();
     if (max_blocks < 0 && !st->model.plan.kv_cache_memory.empty())
       max_blocks = blocks_for_budget(
@@ -300,19 +466,25 @@ Action add_bench_command(CLI::App& app) {
       d.q_indptr.assign(1, 0);
       d.logit_rows.clear();
       for (int i = 0; i < B; ++i) {
-        const auto slot = cache->append(i, 1);
-        KVQ_CHECK(slot.size() == 1, "bench: the cache ran out of blocks");
+        const auto slot = cache->append(i, 1 + V);
+        KVQ_CHECK(slot.size() == static_cast<size_t>(1 + V), "bench: the cache ran out of blocks");
         d.tokens.push_back(last[static_cast<size_t>(i)]);
-        d.positions.push_back(L + step - 1);
-        d.slots.push_back(slot[0]);
-        d.q_indptr.push_back(i + 1);
-        d.logit_rows.push_back(i);
+        for (int v = 0; v < V; ++v) d.tokens.push_back(pick(rng));
+        for (int v = 0; v <= V; ++v) {
+          d.positions.push_back(L + step - 1 + v);
+          d.slots.push_back(slot[static_cast<size_t>(v)]);
+          d.logit_rows.push_back(i * (1 + V) + v);
+        }
+        d.q_indptr.push_back((i + 1) * (1 + V));
       }
       const auto t0 = Clock::now();
       std::vector<int32_t> next;
       run_step(*model, *cache, d, next);
       step_ms.push_back(seconds_since(t0) * 1e3);
-      last = next;
+      for (int i = 0; i < B; ++i) {
+        last[static_cast<size_t>(i)] = next[static_cast<size_t>(i * (1 + V))];
+        if (V > 0) cache->truncate(i, L + step);  // the drafts are rolled back
+      }
     }
     const size_t skip = step_ms.size() > 4 ? 2 : 0;
     std::vector<double> timed(step_ms.begin() + static_cast<std::ptrdiff_t>(skip), step_ms.end());
@@ -340,6 +512,7 @@ Action add_bench_command(CLI::App& app) {
     j["batch"] = B;
     j["input_len"] = L;
     j["output_len"] = M;
+    j["verify_tokens"] = V;
     j["prefill_sequences"] = P;
     j["load_seconds"] = load_s;
     j["prefill_tokens_per_s"] = prefill_tps;
@@ -357,7 +530,8 @@ Action add_bench_command(CLI::App& app) {
     }
     std::printf("model: %s on %s | KV plan: %s\n", j["model"].get<std::string>().c_str(),
                 st->model.device.c_str(), summarize_kv_plan(plan).c_str());
-    std::printf("batch %d, input %d, output %d tokens (%d prefilled for real)\n", B, L, M, P);
+    std::printf("batch %d, input %d, output %d tokens (%d prefilled for real)%s\n", B, L, M, P,
+                V > 0 ? (", verification steps of 1 + " + std::to_string(V) + " tokens per sequence").c_str() : "");
     std::printf("prefill: %.0f tokens/s (%.2f s)\n", prefill_tps, prefill_s);
     std::printf(
         "decode:  %.0f tokens/s, %.3f ms/step mean, %.3f ms/step median (%zu steps timed)\n",
