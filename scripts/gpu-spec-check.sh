@@ -13,6 +13,20 @@ mkdir -p "$OUT"
 B=bundle/${KVQ_E2E_BUILD:-build}
 K=$B/kvq
 PART=${1:-tests}
+# One JSON object on stdin: passed on to stdout, a one-line summary to stderr.
+cat > /tmp/spec_fmt.py <<'PY'
+import json, sys
+j = json.load(sys.stdin)
+print(json.dumps(j))
+if "speedup" in j:
+    print(f"{j['method']:11s} k={j['num_speculative_tokens']} B={j['batch']:2d} {j['plan'][:22]:22s} "
+          f"plain {j['plain_tokens_per_s']:8.0f} spec {j['speculative_tokens_per_s']:8.0f} "
+          f"x{j['speedup']:.2f} acc {j['acceptance_rate']:.2f} len {j['mean_accepted_length']:.2f} "
+          f"same {j['greedy_outputs_identical']}/{j['batch']}", file=sys.stderr)
+else:
+    print(f"{j['plan'][:10]:10s} ctx {j['input_len']:5d} B={j['batch']:2d} verify {j['verify_tokens']}: "
+          f"{j['decode_step_ms_median']:.3f} ms/step", file=sys.stderr)
+PY
 step() { echo "=== [${SECONDS}s] $*"; }
 DRAFT='"method":"draft_model","model":"models/kvq-code-tiny-draft"'
 NGRAM='"method":"ngram","prompt_lookup_min":1,"prompt_lookup_max":3'
@@ -34,14 +48,14 @@ tests)
   done
   ;;
 grid)
-  for kv in bfloat16 fp8 int4_per_token_head; do
-    for batch in 1 8 32; do
-      for k in 2 4 8; do
+  for kv in ${KVS:-bfloat16 fp8 int4_per_token_head}; do
+    for batch in ${BATCHES:-1 8 32}; do
+      for k in ${KS:-2 4 8}; do
         for spec in "$NGRAM" "$DRAFT"; do
-          $K bench --model models/kvq-code-tiny --device cuda --kv-cache-dtype $kv --batch $batch \
+          $K bench --model models/kvq-code-tiny --device ${DEVICE:-cuda} --kv-cache-dtype $kv --batch $batch \
             --input-len 256 --output-len 128 --dataset models/kvq-code-tiny/heldout.txt \
             --speculative-config "{$spec,\"num_speculative_tokens\":$k}" --json 2>/dev/null |
-            python3 -c 'import json,sys; j=json.load(sys.stdin); print(json.dumps(j)); print(f"{j[\"method\"]:11s} k={j[\"num_speculative_tokens\"]} B={j[\"batch\"]:2d} {j[\"plan\"][:22]:22s} plain {j[\"plain_tokens_per_s\"]:8.0f} spec {j[\"speculative_tokens_per_s\"]:8.0f} x{j[\"speedup\"]:.2f} acc {j[\"acceptance_rate\"]:.2f} len {j[\"mean_accepted_length\"]:.2f} same {j[\"greedy_outputs_identical\"]}", file=sys.stderr)' \
+            python3 /tmp/spec_fmt.py \
             >> "$OUT/spec-grid.jsonl"
         done
       done
@@ -55,7 +69,7 @@ verify8b)
         for v in 0 7; do
           $K bench --synthetic llama3-8b --device cuda --kv-cache-dtype $kv --batch $batch \
             --input-len $ctx --output-len 24 --prefill-sequences 1 --verify-tokens $v --json 2>/dev/null |
-            python3 -c 'import json,sys; j=json.load(sys.stdin); print(json.dumps(j)); print(f"{j[\"plan\"][:10]:10s} ctx {j[\"input_len\"]:5d} B={j[\"batch\"]:2d} verify {j[\"verify_tokens\"]}: {j[\"decode_step_ms_median\"]:.3f} ms/step", file=sys.stderr)' \
+            python3 /tmp/spec_fmt.py \
             >> "$OUT/spec-verify8b.jsonl"
         done
       done

@@ -88,6 +88,9 @@ constexpr int kMinContextBucket = 16;
 constexpr size_t kCublasWorkspace = 32u << 20;
 // Decode steps up to this many rows run GEMMs with timed cuBLASLt algorithms (gemm_tuner.h).
 constexpr int kMaxTunedRows = 256;
+// Verification steps of speculative decoding with up to this many queries per sequence (k + 1)
+// are graph-replayed like decode steps.
+constexpr int kMaxVerifyQueries = 17;
 
 // Device allocations released together (weights, buffers); never throws on release.
 class DeviceArena {
@@ -316,6 +319,12 @@ class CudaDecoderModel final : public CudaModel {
     int S = 0;            // sequences (decode: padded)
     int R = 0;            // logit rows asked for
     bool decode = false;  // every sequence has one query
+    // A speculative verification step (2..kMaxVerifyQueries queries per sequence), padded to
+    // the batch bucket with Q rows per sequence so it too can be replayed from a graph: the
+    // prefill kernels read every length from the device, and the logits of all padded rows
+    // are computed in the body.
+    bool verify = false;
+    int Q = 0;            // verify: most queries of a sequence
     int context = 0;      // decode: context bucket
     size_t num_indices = 0;
     int fallback_context = 0;  // prefill without the prefill kernels: bucket of the rows
@@ -351,6 +360,7 @@ class CudaDecoderModel final : public CudaModel {
   std::vector<const AttentionBackend*> backends_;
   std::vector<int> layer_group_;         // layers with the same attention kind and window
   std::vector<LayerKvSpec> group_spec_;  // one representative per group
+  bool any_generic_ = false;             // a layer runs the generic attention (no verify graphs)
   std::vector<int> batch_buckets_;
   int max_context_bucket_ = 0;
   int max_seq_len_ = 0;  // longest sequence the buffers and workspaces were sized for
@@ -385,7 +395,9 @@ class CudaDecoderModel final : public CudaModel {
   mutable std::mutex mu_;
   mutable std::map<std::pair<int, int>, cudaGraphExec_t> graphs_;
   mutable std::set<std::pair<int, int>> seen_;      // keys run eagerly once (warm-up)
-  mutable const std::byte* graph_cache_ = nullptr;  // the cache the graphs were captured for
+  // The storage the graphs were captured for: every layer's K and V base. (Layer 0's K base
+  // alone is not enough: a new cache can reuse that address while other layers moved.)
+  mutable std::vector<const std::byte*> graph_cache_;
   mutable size_t graph_bytes_ = 0;
 
   template <typename T>
@@ -462,6 +474,7 @@ CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& o
       group_spec_.push_back(s);
     }
     layer_group_.push_back(g);
+    any_generic_ = any_generic_ || cuda::uses_generic_attention(s);
   }
   int dev = 0;
   KVQ_CUDA_CHECK(cudaGetDevice(&dev));
@@ -757,12 +770,34 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
                      std::to_string(max_seq_len_) +
                      " tokens (max_position_embeddings), which the CUDA model was sized for");
   st.decode = decode;
+  int max_q = 0;
+  for (int i = 0; i < S; ++i)
+    max_q = std::max(max_q, b.q_indptr[static_cast<size_t>(i) + 1] - b.q_indptr[static_cast<size_t>(i)]);
   if (decode) {
     st.S = st.T = *std::lower_bound(batch_buckets_.begin(), batch_buckets_.end(), S);
     st.context = std::max(kMinContextBucket, context_bucket(max_len));
   } else {
     st.S = S;
     st.T = T;
+#if KVQ_MODEL_CUDA_PREFILL
+    // Small-q steps (speculative verification) are padded to a batch bucket of Q rows per
+    // sequence; the padding sequences have no queries and no cache, the padding rows no slot.
+    if (options_.cuda_graphs && S > 0 && max_q >= 2 && max_q <= kMaxVerifyQueries && !any_generic_) {
+      const int sb = *std::lower_bound(batch_buckets_.begin(), batch_buckets_.end(), S);
+      // Q buckets 2, 3, 5, 9, 17 (k = 1, 2, 4, 8, 16 drafts): few graphs however drafts vary.
+      int qb = 2;
+      while (qb < max_q) qb = 2 * qb - 1;
+      st.Q = qb;
+      st.T = sb * qb;
+      if (static_cast<int64_t>(sb) * qb <= std::min(T_cap_, R_cap_)) {
+        st.verify = true;
+        st.S = sb;
+      } else {
+        st.T = T;
+        st.Q = 0;
+      }
+    }
+#endif
   }
 
   // Fill the staging buffer; padding rows are inert (slot -1, seq_len 0, no blocks).
@@ -779,10 +814,11 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
   for (int i = 0; i <= S; ++i)
     qi[i] = b.q_indptr[static_cast<size_t>(i)], bi[i] = b.block_table.indptr[i];
   for (int i = 0; i < S; ++i) sl[i] = b.block_table.seq_lens[i];
-  for (int i = S; i < st.S; ++i) qi[i + 1] = i + 1, bi[i + 1] = bi[S], sl[i] = 0;
+  for (int i = S; i < st.S; ++i)
+    qi[i + 1] = st.verify ? qi[S] : i + 1, bi[i + 1] = bi[S], sl[i] = 0;
   int32_t* rows = h_at<int32_t>(off_.logit_rows);
   std::copy(b.logit_rows.begin(), b.logit_rows.end(), rows);
-  for (int i = R; i < (decode ? st.T : R); ++i) rows[i] = 0;
+  for (int i = R; i < (decode || st.verify ? st.T : R); ++i) rows[i] = 0;
   if (!per_row.empty()) {
     auto* params = h_at<DeviceSampling>(off_.params);
     for (int i = 0; i < R; ++i)
@@ -806,14 +842,23 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
     }
     st.fallback_context = std::max(kMinContextBucket, context_bucket(fb_max));
 #if KVQ_MODEL_CUDA_PREFILL
+    // A verify step's plan is the bucket's (st.S sequences of up to Q queries), so one graph
+    // serves every step of that shape.
+    std::vector<int32_t> bucket_qi, bucket_sl;
+    if (st.verify) {
+      for (int i = 0; i <= st.S; ++i) bucket_qi.push_back(i * st.Q);
+      bucket_sl.assign(static_cast<size_t>(st.S), st.Q);
+    }
     for (const LayerKvSpec& s : group_spec_) {
       if (cuda::uses_generic_attention(s)) {
         st.prefill_plans.emplace_back();  // the generic kernel needs only the batch shape
         continue;
       }
-      st.prefill_plans.push_back(cuda::plan_prefill(
-          s, std::span<const int32_t>(b.q_indptr.data(), static_cast<size_t>(S) + 1),
-          std::span<const int32_t>(b.block_table.seq_lens, static_cast<size_t>(S))));
+      st.prefill_plans.push_back(
+          st.verify ? cuda::plan_prefill(s, bucket_qi, bucket_sl)
+                    : cuda::plan_prefill(
+                          s, std::span<const int32_t>(b.q_indptr.data(), static_cast<size_t>(S) + 1),
+                          std::span<const int32_t>(b.block_table.seq_lens, static_cast<size_t>(S))));
       KVQ_CHECK(st.prefill_plans.back().workspace_bytes <= attn_ws_bytes_,
                 "forward: the prefill workspace exceeds what was sized at load");
     }
@@ -935,7 +980,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     if (w.down_bias) cuda_model::add_bias_rows(x_, w.down_bias, T, H_, stream_);
   }
   // A decode step computes its (padded) logit rows inside the body, so a graph holds them.
-  if (st.decode) logits_rows(0, st.T);
+  if (st.decode || st.verify) logits_rows(0, st.T);
 }
 
 void CudaDecoderModel::tune_gemms(int m) const {
@@ -958,22 +1003,27 @@ void CudaDecoderModel::tune_gemms(int m) const {
 
 void CudaDecoderModel::run_step(const Step& st, PagedKvCache& cache) const {
   // Before any graph capture: the first decode step of each batch bucket picks its GEMMs.
-  if (st.decode) tune_gemms(st.T);
+  if (st.decode || st.verify) tune_gemms(st.T);
   std::vector<LayerCacheView> views;
   for (size_t l = 0; l < cache.num_layers(); ++l) views.push_back(cache.layer_view(l));
-  const bool graph = st.decode && options_.cuda_graphs;
+  const bool graph = (st.decode || st.verify) && options_.cuda_graphs;
   if (!graph) {
     run_body(st, views);
     return;
   }
-  const auto* cache_id = reinterpret_cast<const std::byte*>(views.front().k_base);
+  std::vector<const std::byte*> cache_id;
+  for (const LayerCacheView& v : views) {
+    cache_id.push_back(v.k_base);
+    cache_id.push_back(v.v_base);
+  }
   if (cache_id != graph_cache_) {  // graphs hold the cache's addresses
     KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
     for (auto& [key, exec] : graphs_) KVQ_CUDA_CHECK(cudaGraphExecDestroy(exec));
     graphs_.clear();
     graph_cache_ = cache_id;
   }
-  const std::pair<int, int> key{st.S, st.context};
+  // Verify graphs are keyed by (batch bucket, -Q): their attention reads lengths on the device.
+  const std::pair<int, int> key{st.S, st.verify ? -st.Q : st.context};
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     if (seen_.insert(key).second) {  // first time: run eagerly (loads modules, warms cuBLAS)
@@ -1015,7 +1065,7 @@ void CudaDecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
   run_step(st, cache);
   for (int r0 = 0; r0 < st.R; r0 += R_cap_) {
     const int n = std::min(R_cap_, st.R - r0);
-    if (!st.decode) logits_rows(r0, n);
+    if (!st.decode && !st.verify) logits_rows(r0, n);
     KVQ_CUDA_CHECK(cudaMemcpyAsync(logits.data() + static_cast<size_t>(r0) * V, logits_,
                                    static_cast<size_t>(n) * V * sizeof(float),
                                    cudaMemcpyDeviceToHost, stream_));
@@ -1045,7 +1095,7 @@ void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache
   run_step(st, cache);
   for (int r0 = 0; r0 < st.R; r0 += R_cap_) {
     const int n = std::min(R_cap_, st.R - r0);
-    if (!st.decode) logits_rows(r0, n);
+    if (!st.decode && !st.verify) logits_rows(r0, n);
 #if KVQ_MODEL_CUDA_SAMPLING
     cuda::sample_tokens(logits_, n, vocab_, d_at<DeviceSampling>(off_.params) + r0, d_ids_ + r0,
                         sample_ws_, stream_);
