@@ -27,7 +27,8 @@ size_t bytes_per_block(const KvPlan& plan) {
 // Runs the new tokens of a single sequence; fills `logits` with every token's row when
 // `all_logits` (otherwise no logits are computed).
 void step(const Model& model, PagedKvCache& cache, SequenceId seq, std::span<const int32_t> tokens,
-          int32_t first_position, bool all_logits, std::vector<float>& logits) {
+          int32_t first_position, bool all_logits, std::vector<float>& logits,
+          Proposer* features_to = nullptr) {
   const int32_t n = static_cast<int32_t>(tokens.size());
   std::vector<int64_t> slots = cache.append(seq, n);
   if (slots.empty()) throw InternalError("KV cache has no free block for the sequence");
@@ -43,8 +44,17 @@ void step(const Model& model, PagedKvCache& cache, SequenceId seq, std::span<con
     std::iota(rows.begin(), rows.end(), 0);
   }
   ForwardBatch batch{tokens, positions, q_indptr, slots, table, rows};
+  std::vector<float> captured;
+  if (features_to != nullptr && !features_to->target_layers().empty()) {
+    batch.capture_layers = features_to->target_layers();
+    captured.resize(static_cast<size_t>(n) * batch.capture_layers.size() *
+                    static_cast<size_t>(model.arch().hidden_size));
+    batch.captured = captured;
+  }
   logits.resize(rows.size() * static_cast<size_t>(model.vocab_size()));
   model.forward(batch, cache, logits);
+  if (features_to != nullptr && !captured.empty())
+    features_to->on_target_features(static_cast<uint64_t>(seq), first_position, n, captured);
 }
 
 int32_t blocks_for_tokens(int64_t tokens, int32_t block_tokens) {
@@ -102,18 +112,20 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
   // Every prompt chunk but the last needs no logits; the last one is the first step below, which
   // like every step runs what the cache lacks (plus any drafts) and yields at least one token.
   int32_t computed = 0;
+  const bool speculate = options.proposer != nullptr && options.num_speculative_tokens > 0 &&
+                         params.speculate;
+  Proposer* features_to = speculate ? options.proposer : nullptr;
   for (; prompt_len - computed > chunk; computed += chunk)
     step(model, cache, seq, prompt.subspan(static_cast<size_t>(computed), static_cast<size_t>(chunk)),
-         computed, false, logits);
+         computed, false, logits, features_to);
 
   TextStream stream(tokenizer, params);
   result.finish_reason = "length";
   auto t1 = Clock::now();
   bool cancelled = false, done = false;
   std::vector<int32_t> tokens(prompt.begin(), prompt.end());
-  const bool speculate = options.proposer != nullptr && options.num_speculative_tokens > 0 &&
-                         params.speculate;
   Draft draft;
+  std::vector<float> captured;
   std::vector<PassResult> results;
   while (!done) {
     const int32_t generated = static_cast<int32_t>(result.output_ids.size());
@@ -140,13 +152,25 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
     // One row per draft plus the row of the last kept token.
     std::vector<int32_t> rows(draft.tokens.size() + 1);
     std::iota(rows.begin(), rows.end(), n - static_cast<int32_t>(rows.size()));
-    const ForwardBatch batch{run, positions, q_indptr, slots, cache.block_table(ids, storage),
-                             rows};
+    ForwardBatch batch{run, positions, q_indptr, slots, cache.block_table(ids, storage), rows};
+    if (features_to != nullptr && !features_to->target_layers().empty()) {
+      batch.capture_layers = features_to->target_layers();
+      captured.resize(static_cast<size_t>(n) * batch.capture_layers.size() *
+                      static_cast<size_t>(model.arch().hidden_size));
+      batch.captured = captured;
+    }
     const PassSequence ps{&sampler, static_cast<uint64_t>(generated), draft.tokens, draft.q,
                           false};
     forward_and_accept(model, batch, cache, {&ps, 1}, results, logits);
     const Verified& v = results.front().verified;
     // The rejected drafts' K/V are rolled back: the cache holds every kept token but the last.
+    // The target's features of the kept positions (every one it ran but the rejected drafts).
+    const int32_t kept = len + v.accepted - computed;
+    if (!captured.empty())
+      features_to->on_target_features(
+          static_cast<uint64_t>(seq), computed, kept,
+          std::span<const float>(captured).first(captured.size() / static_cast<size_t>(n) *
+                                                  static_cast<size_t>(kept)));
     computed = len + v.accepted;
     cache.truncate(seq, computed);
     if (!draft.tokens.empty()) {

@@ -107,6 +107,7 @@ struct LlmEngine::Impl {
   std::vector<Event> events;
   EngineStats counters;  // the cumulative fields
   std::vector<float> logits;
+  std::vector<float> captured;  // target features for a DFlash proposer
 
   std::thread thread;
 };
@@ -304,16 +305,34 @@ void LlmEngine::Impl::schedule_and_forward() {
   }
   PagedKvCache::BlockTableStorage storage;
   const BlockTableView table = blocks.cache().block_table(ids, storage);
-  const ForwardBatch fb{tokens, positions, q_indptr, slots, table, rows};
+  ForwardBatch fb{tokens, positions, q_indptr, slots, table, rows};
+  // A proposer that drafts from the target's features (DFlash) gets them for every kept token.
+  const std::span<const int32_t> capture =
+      config.proposer ? config.proposer->target_layers() : std::span<const int32_t>();
+  const size_t feature_size = capture.size() * static_cast<size_t>(model->arch().hidden_size);
+  if (!capture.empty()) {
+    captured.resize(tokens.size() * feature_size);
+    fb.capture_layers = capture;
+    fb.captured = captured;
+  }
   std::vector<PassResult> results;
   forward_and_accept(*model, fb, blocks.cache(), pass, results, logits);
 
   // Rejected drafts are rolled back (their blocks freed); only kept tokens are published.
-  for (const Scheduled& s : batch) {
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const Scheduled& s = batch[b];
     Request& r = *s.r;
     const int32_t own = s.n - static_cast<int32_t>(r.draft.tokens.size());
+    const int32_t first = r.computed;
     r.computed += own;
     const auto it = std::find(sampled.begin(), sampled.end(), &r);
+    const int32_t accepted =
+        it == sampled.end() ? 0 : results[static_cast<size_t>(it - sampled.begin())].verified.accepted;
+    if (!capture.empty() && r.speculate)
+      config.proposer->on_target_features(
+          static_cast<uint64_t>(r.seq()), first, own + accepted,
+          std::span<const float>(captured).subspan(static_cast<size_t>(q_indptr[b]) * feature_size,
+                                                   static_cast<size_t>(own + accepted) * feature_size));
     if (it == sampled.end()) {
       blocks.publish_full_blocks(r.seq(), r.tokens, r.computed);
       continue;

@@ -97,6 +97,35 @@ ArchitectureConfig parse_architecture(const ModelConfig& config) {
     a.family = ModelFamily::kQwen2;
   } else if (arch == "Qwen3ForCausalLM") {
     a.family = ModelFamily::kQwen3;
+  } else if (arch == "KvqDFlashDrafter") {
+    // Qwen3 layers fed by a target's features (docs/notes/dflash.md).
+    a.family = ModelFamily::kQwen3;
+    const std::string where = src + " dflash_config";
+    if (!j.contains("dflash_config") || !j["dflash_config"].is_object())
+      throw InputError(where + ": missing (a KvqDFlashDrafter needs target_layer_ids, "
+                               "num_target_layers, target_hidden_size, max_speculative_tokens)");
+    const json& d = j["dflash_config"];
+    DflashConfig dc;
+    if (!d.contains("target_layer_ids") || !d["target_layer_ids"].is_array() ||
+        d["target_layer_ids"].empty())
+      throw InputError(where + ": 'target_layer_ids' must be a non-empty array of layer indices");
+    for (const json& v : d["target_layer_ids"]) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0)
+        throw InputError(where + ": 'target_layer_ids' holds " + v.dump() +
+                         "; expected layer indices >= 0");
+      dc.target_layer_ids.push_back(v.get<int32_t>());
+    }
+    dc.num_target_layers = positive_int(d, "num_target_layers", where, std::nullopt);
+    dc.target_hidden_size = positive_int(d, "target_hidden_size", where, std::nullopt);
+    dc.max_speculative_tokens = positive_int(d, "max_speculative_tokens", where, std::nullopt);
+    for (int32_t l : dc.target_layer_ids)
+      if (l >= dc.num_target_layers)
+        throw InputError(where + ": target layer " + std::to_string(l) + " is beyond the " +
+                         std::to_string(dc.num_target_layers) + " target layers");
+    if (d.contains("mask_token_id") && !d["mask_token_id"].is_null())
+      throw InputError(where + ": 'mask_token_id' is not supported; kvq's drafters embed the "
+                               "mask as a learned vector ('mask_embedding')");
+    a.dflash = std::move(dc);
   } else {
     std::string list;
     for (const auto& s : supported_architectures()) list += (list.empty() ? "" : ", ") + s;

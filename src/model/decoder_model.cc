@@ -31,6 +31,15 @@ struct LayerWeights {
 struct ModelWeights {
   FloatArray embed, lm_head, final_norm;  // lm_head empty when tied to embed
   std::vector<LayerWeights> layers;
+  // A DFlash drafter's own tensors (its embedding and LM head are its target's).
+  FloatArray fc, hidden_norm, mask_embedding;
+  std::shared_ptr<const ModelWeights> target;  // the target's weights (DFlash drafter only)
+
+  const float* embedding() const { return target ? target->embed.data() : embed.data(); }
+  const float* head() const {
+    const ModelWeights& w = target ? *target : *this;
+    return w.lm_head.empty() ? w.embed.data() : w.lm_head.data();
+  }
 };
 
 class DecoderModel final : public Model {
@@ -48,9 +57,23 @@ class DecoderModel final : public Model {
   std::vector<const AttentionBackend*> layer_backends() const override { return backends_; }
   void forward(const ForwardBatch& batch, PagedKvCache& cache,
                std::span<float> logits) const override;
+  void write_feature_kv(std::span<const float> features, std::span<const int32_t> positions,
+                        std::span<const int64_t> slots, PagedKvCache& cache) const override;
+
+  // The weights, for a DFlash drafter built over this model.
+  std::shared_ptr<const ModelWeights> weights() const { return weights_; }
+  // A DFlash drafter's constructor: its own tensors are loaded, the embedding is the target's.
+  DecoderModel(const KvPlan& plan, std::string_view forced_backend,
+               std::shared_ptr<const ModelWeights> weights,
+               std::shared_ptr<const ModelWeights> target);
 
  private:
-  std::shared_ptr<const ModelWeights> load_weights() const;
+  std::shared_ptr<const ModelWeights> load_weights(
+      std::shared_ptr<const ModelWeights> target = nullptr) const;
+  // K (k_norm, RoPE) and V of `rows` normed hidden rows h [T][H] at their positions' RoPE
+  // table `rope` [T][d/2][2] into kb/vb (the k and v part of the fused q|k|v projection).
+  void project_kv(const LayerWeights& w, int T, const float* h, const float* rope, float* kv,
+                  float* kb, float* vb) const;
 
   KvPlan plan_;
   ArchitectureConfig arch_;
@@ -93,7 +116,15 @@ DecoderModel::DecoderModel(const KvPlan& plan, std::string_view forced_backend,
 
   model::use_single_threaded_blas();
   inv_freq_ = model::rope_inv_freq(head_dim_, arch_.rope_theta, arch_.rope_scaling);
-  if (!weights_) weights_ = load_weights();
+  if (!weights_ && !arch_.dflash) weights_ = load_weights();
+}
+
+DecoderModel::DecoderModel(const KvPlan& plan, std::string_view forced_backend,
+                           std::shared_ptr<const ModelWeights> weights,
+                           std::shared_ptr<const ModelWeights> target)
+    : DecoderModel(plan, forced_backend, std::move(weights)) {
+  // A drafter's own tensors, over the target's embedding and LM head.
+  if (!weights_) weights_ = load_weights(std::move(target));
 }
 
 std::unique_ptr<Model> DecoderModel::with_plan(const KvPlan& plan,
@@ -116,9 +147,14 @@ std::unique_ptr<Model> DecoderModel::with_plan(const KvPlan& plan,
   return std::make_unique<DecoderModel>(p, forced_backend, weights_);
 }
 
-std::shared_ptr<const ModelWeights> DecoderModel::load_weights() const {
+std::shared_ptr<const ModelWeights> DecoderModel::load_weights(
+    std::shared_ptr<const ModelWeights> target) const {
   auto weights = std::make_shared<ModelWeights>();
   ModelWeights& mw = *weights;
+  mw.target = std::move(target);
+  if (arch_.dflash && !mw.target)
+    throw InputError(plan_.model.dir + ": a DFlash drafter is loaded over its target "
+                                       "(--speculative-config with method dflash), not alone");
   model::CheckpointReader reader(plan_.model.dir);
   // Every tensor's name, shape and place (shared with the CUDA model); all are checked before
   // any is converted.
@@ -175,6 +211,15 @@ std::shared_ptr<const ModelWeights> DecoderModel::load_weights() const {
       case model::WeightKind::kDownBias:
         a = &w->down_bias;
         break;
+      case model::WeightKind::kDflashFc:
+        a = &mw.fc;
+        break;
+      case model::WeightKind::kDflashHiddenNorm:
+        a = &mw.hidden_norm;
+        break;
+      case model::WeightKind::kDflashMask:
+        a = &mw.mask_embedding;
+        break;
     }
     *a = FloatArray(static_cast<size_t>(t.numel));
     dst.push_back(a);
@@ -209,9 +254,12 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
   for (int32_t r : b.logit_rows)
     KVQ_CHECK(r >= 0 && r < T, "forward: logit row " + std::to_string(r) + " out of range");
   for (int32_t t : b.tokens)
-    if (t < 0 || t >= vocab_)
+    if ((t < 0 || t >= vocab_) && !(t == kMaskToken && arch_.dflash))
       throw InputError("token id " + std::to_string(t) + " is outside the vocabulary (0.." +
                        std::to_string(vocab_ - 1) + ")");
+  const size_t ncap = b.capture_layers.size();
+  KVQ_CHECK(b.captured.size() == ncap * static_cast<size_t>(T) * static_cast<size_t>(hidden_),
+            "forward: captured span does not hold tokens x capture_layers x hidden floats");
   for (int32_t p : b.positions) KVQ_CHECK(p >= 0, "forward: negative position");
   if (T == 0) return;
 
@@ -235,8 +283,10 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
 
 #pragma omp parallel for schedule(static) if (T >= 16)
   for (int i = 0; i < T; ++i) {
-    std::copy_n(weights_->embed.data() + static_cast<size_t>(b.tokens[i]) * H, H,
-                x + size_t(i) * H);
+    const int32_t tok = b.tokens[static_cast<size_t>(i)];
+    std::copy_n(tok == kMaskToken ? weights_->mask_embedding.data()
+                                  : weights_->embedding() + static_cast<size_t>(tok) * H,
+                H, x + size_t(i) * H);
     float* cs = rope + size_t(i) * d;
     for (int f = 0; f < half; ++f) {
       const double a = b.positions[i] * inv_freq_[static_cast<size_t>(f)];
@@ -312,20 +362,114 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
     model::matmul_wt(T, H, I, mlp, 2 * I, w.down.data(), x, H, 1.0f);
     if (!w.down_bias.empty())
       for (int i = 0; i < T; ++i) add_bias(x + size_t(i) * H, w.down_bias.data(), H);
+    for (size_t c = 0; c < ncap; ++c)
+      if (b.capture_layers[c] == l)
+        for (int i = 0; i < T; ++i)
+          std::copy_n(x + size_t(i) * H, H,
+                      b.captured.data() + (size_t(i) * ncap + c) * static_cast<size_t>(H));
   }
 
   if (R == 0) return;
   for (int r = 0; r < R; ++r)
     model::rms_norm(x + size_t(b.logit_rows[static_cast<size_t>(r)]) * H,
                     weights_->final_norm.data(), H, eps, h + size_t(r) * H);
-  const float* head = weights_->lm_head.empty() ? weights_->embed.data() : weights_->lm_head.data();
-  model::matmul_wt(R, vocab_, H, h, H, head, logits.data(), vocab_, 0.0f);
+  model::matmul_wt(R, vocab_, H, h, H, weights_->head(), logits.data(), vocab_, 0.0f);
+}
+
+void DecoderModel::write_feature_kv(std::span<const float> features,
+                                    std::span<const int32_t> positions,
+                                    std::span<const int64_t> slots, PagedKvCache& cache) const {
+  KVQ_CHECK(arch_.dflash.has_value(), "write_feature_kv: not a DFlash drafter");
+  const int T = static_cast<int>(positions.size());
+  const int H = hidden_, d = head_dim_, half = head_dim_ / 2;
+  const size_t F = arch_.dflash->target_layer_ids.size() *
+                   static_cast<size_t>(arch_.dflash->target_hidden_size);
+  KVQ_CHECK(slots.size() == positions.size() && features.size() == F * static_cast<size_t>(T),
+            "write_feature_kv: features, positions and slots differ in length");
+  if (T == 0) return;
+  const size_t t = static_cast<size_t>(T);
+  FloatArray scratch(2 * t * H + t * d + t * 2 * kv_dim_ + 2 * t * kv_dim_);
+  float* fused = scratch.data();   // fc(features) [T][H]
+  float* c = fused + t * H;        // hidden_norm(fused) [T][H]
+  float* rope = c + t * H;         // [T][d/2][2]
+  float* kv = rope + t * d;        // k|v projections [T][2 kv_dim]
+  float* kb = kv + t * 2 * kv_dim_;
+  float* vb = kb + t * kv_dim_;
+  model::matmul_wt(T, H, static_cast<int>(F), features.data(), static_cast<int>(F),
+                   weights_->fc.data(), fused, H, 0.0f);
+  for (int i = 0; i < T; ++i) {
+    model::rms_norm(fused + size_t(i) * H, weights_->hidden_norm.data(), H, arch_.rms_norm_eps,
+                    c + size_t(i) * H);
+    float* cs = rope + size_t(i) * d;
+    for (int f = 0; f < half; ++f) {
+      const double a = positions[static_cast<size_t>(i)] * inv_freq_[static_cast<size_t>(f)];
+      cs[2 * f] = static_cast<float>(std::cos(a));
+      cs[2 * f + 1] = static_cast<float>(std::sin(a));
+    }
+  }
+  for (int l = 0; l < num_layers_; ++l) {
+    // No input_layernorm: the context rows are the fused feature itself.
+    project_kv(weights_->layers[static_cast<size_t>(l)], T, c, rope, kv, kb, vb);
+    write_kv_reference(plan_.layers[static_cast<size_t>(l)], cache.layer_view(static_cast<size_t>(l)),
+                       slots, kb, vb);
+  }
+}
+
+void DecoderModel::project_kv(const LayerWeights& w, int T, const float* h, const float* rope,
+                              float* kv, float* kb, float* vb) const {
+  const int H = hidden_, d = head_dim_;
+  // Rows q_dim .. q_dim + 2 kv_dim of the fused q|k|v matrix are k_proj then v_proj.
+  model::matmul_wt(T, 2 * kv_dim_, H, h, H, w.qkv.data() + static_cast<size_t>(q_dim_) * H, kv,
+                   2 * kv_dim_, 0.0f);
+  for (int i = 0; i < T; ++i) {
+    float* row = kv + size_t(i) * 2 * kv_dim_;
+    if (!w.qkv_bias.empty()) add_bias(row, w.qkv_bias.data() + q_dim_, 2 * kv_dim_);
+    for (int hd = 0; hd < num_kv_heads_; ++hd) {
+      float* kd = kb + size_t(i) * kv_dim_ + size_t(hd) * d;
+      const float* ks = row + size_t(hd) * d;
+      if (arch_.qk_norm) {
+        model::rms_norm(ks, w.k_norm.data(), d, arch_.rms_norm_eps, kd);
+      } else {
+        std::copy_n(ks, d, kd);
+      }
+      model::apply_rope(kd, d, rope + size_t(i) * d);
+    }
+    std::copy_n(row + kv_dim_, kv_dim_, vb + size_t(i) * kv_dim_);
+  }
 }
 
 }  // namespace
 
 std::unique_ptr<Model> Model::load(const KvPlan& plan, std::string_view forced_backend) {
+  if (parse_architecture(plan.model).dflash)
+    throw InputError(plan.model.dir + ": a DFlash drafter is loaded over its target "
+                                      "(--speculative-config with method dflash), not alone");
   return std::make_unique<DecoderModel>(plan, forced_backend, nullptr);
+}
+
+std::unique_ptr<Model> Model::load_dflash_drafter(const KvPlan& plan, const Model& target,
+                                                  std::string_view forced_backend) {
+  const auto* t = dynamic_cast<const DecoderModel*>(&target);
+  if (t == nullptr)
+    throw InputError("--speculative-config: a DFlash drafter runs on the CPU only in this kvq "
+                     "(--device cpu); the CUDA drafter is not built yet");
+  const ArchitectureConfig a = parse_architecture(plan.model);
+  const std::string src = plan.model.dir + "/config.json";
+  if (!a.dflash)
+    throw InputError(src + ": method dflash needs a KvqDFlashDrafter config (architectures " +
+                     "[\"KvqDFlashDrafter\"]), got '" + plan.model.architecture + "'");
+  const ArchitectureConfig& ta = target.arch();
+  if (a.dflash->num_target_layers != target.plan().model.num_layers ||
+      a.dflash->target_hidden_size != ta.hidden_size || a.vocab_size != ta.vocab_size ||
+      a.hidden_size != ta.hidden_size)
+    throw InputError(src + ": the drafter was made for a target of " +
+                     std::to_string(a.dflash->num_target_layers) + " layers, hidden " +
+                     std::to_string(a.dflash->target_hidden_size) + ", vocabulary " +
+                     std::to_string(a.vocab_size) + "; this target has " +
+                     std::to_string(target.plan().model.num_layers) + " layers, hidden " +
+                     std::to_string(ta.hidden_size) + ", vocabulary " +
+                     std::to_string(ta.vocab_size));
+  return std::make_unique<DecoderModel>(plan, forced_backend, nullptr, t->weights());
 }
 
 }  // namespace kvq

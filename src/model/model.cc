@@ -15,4 +15,9 @@ void Model::forward_sample(const ForwardBatch&, PagedKvCache&, std::span<const D
   throw InternalError("forward_sample called on a model that samples on the host");
 }
 
+void Model::write_feature_kv(std::span<const float>, std::span<const int32_t>,
+                             std::span<const int64_t>, PagedKvCache&) const {
+  throw InternalError("write_feature_kv called on a model that is not a DFlash drafter");
+}
+
 }  // namespace kvq

@@ -17,9 +17,18 @@ WeightLayout checkpoint_layout(const ModelConfig& c, const ArchitectureConfig& a
     out.pieces.push_back({std::move(name), std::move(shape), t, offset});
   };
 
-  add("model.embed_tokens.weight", {V, H}, tensor(WeightKind::kEmbed, -1, V * H), 0);
-  if (!arch.tie_word_embeddings && has_lm_head)
-    add("lm_head.weight", {V, H}, tensor(WeightKind::kLmHead, -1, V * H), 0);
+  if (arch.dflash) {
+    // The embedding and the LM head are the target's.
+    const int64_t F = static_cast<int64_t>(arch.dflash->target_layer_ids.size()) *
+                      arch.dflash->target_hidden_size;
+    add("fc.weight", {H, F}, tensor(WeightKind::kDflashFc, -1, H * F), 0);
+    add("hidden_norm.weight", {H}, tensor(WeightKind::kDflashHiddenNorm, -1, H), 0);
+    add("mask_embedding", {H}, tensor(WeightKind::kDflashMask, -1, H), 0);
+  } else {
+    add("model.embed_tokens.weight", {V, H}, tensor(WeightKind::kEmbed, -1, V * H), 0);
+    if (!arch.tie_word_embeddings && has_lm_head)
+      add("lm_head.weight", {V, H}, tensor(WeightKind::kLmHead, -1, V * H), 0);
+  }
   add("model.norm.weight", {H}, tensor(WeightKind::kFinalNorm, -1, H), 0);
 
   for (int i = 0; i < c.num_layers; ++i) {

@@ -28,6 +28,9 @@ enum class WeightKind : uint8_t {
   kGateUpBias,  // [2I]
   kDown,        // [H][I]
   kDownBias,    // [H]
+  kDflashFc,          // [H][layers * target hidden] (DFlash drafter)
+  kDflashHiddenNorm,  // [H]
+  kDflashMask,        // [H]: the mask rows' input embedding
 };
 
 // One destination tensor (layer -1 for the model-level ones).

@@ -119,6 +119,13 @@ ModelConfig parse_model_config(const json& j, const std::string& src) {
       c.layer_attention.assign(static_cast<size_t>(c.num_layers), AttentionKind::kSlidingWindow);
     }
   }
+  // A block-diffusion drafter's layers attend non-causally (a block sees itself whole).
+  if (c.architecture == "KvqDFlashDrafter") {
+    for (auto k : c.layer_attention)
+      if (k != AttentionKind::kCausal)
+        throw InputError(src + ": a KvqDFlashDrafter's layer_types must all be full_attention");
+    c.layer_attention.assign(static_cast<size_t>(c.num_layers), AttentionKind::kNonCausal);
+  }
   bool any_sliding = false;
   for (auto k : c.layer_attention) any_sliding |= k == AttentionKind::kSlidingWindow;
   if (any_sliding && c.sliding_window <= 0)

@@ -79,11 +79,9 @@ std::shared_ptr<Proposer> Speculation::proposer(int32_t num_blocks, int32_t max_
     case SpecMethod::kDraftModel:
       return make_draft_model_proposer(drafter, num_blocks, max_step);
     case SpecMethod::kDflash:
-      break;
+      return make_dflash_proposer(drafter, num_blocks);
   }
-  throw InputError("--speculative-config: method \"dflash\" is not runnable in this kvq yet "
-                   "(the drafter format is in docs/notes/dflash.md); accepted now: ngram, "
-                   "draft_model");
+  throw InternalError("Speculation::proposer: unknown method");
 }
 
 size_t Speculation::drafter_block_bytes() const {
@@ -106,10 +104,17 @@ std::optional<Speculation> ModelFlags::load_speculation(const Model& target,
   if (!c) return std::nullopt;
   Speculation s;
   s.config = *c;
-  if (c->method == SpecMethod::kDflash)
-    throw InputError("--speculative-config: method \"dflash\" is not runnable in this kvq yet "
-                     "(the drafter format is in docs/notes/dflash.md); accepted now: ngram, "
-                     "draft_model");
+  if (c->method == SpecMethod::kDflash) {
+    const KvPlan dp = plan.drafter_plan(*c);
+    for (const auto& w : dp.warnings) log_warning("drafter: " + w);
+    s.drafter = std::shared_ptr<const Model>(Model::load_dflash_drafter(dp, target, attention_backend));
+    const int max_k = s.drafter->arch().dflash->max_speculative_tokens;
+    if (c->num_speculative_tokens > max_k)
+      throw InputError("--speculative-config: num_speculative_tokens " +
+                       std::to_string(c->num_speculative_tokens) + " exceeds the drafter " +
+                       c->model + "'s max_speculative_tokens " + std::to_string(max_k) +
+                       " (its block holds 1 + " + std::to_string(max_k) + " tokens)");
+  }
   if (c->method == SpecMethod::kDraftModel) {
     const KvPlan dp = plan.drafter_plan(*c);
     for (const auto& w : dp.warnings) log_warning("drafter: " + w);

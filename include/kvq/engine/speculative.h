@@ -48,6 +48,15 @@ class Proposer {
   virtual void propose(std::span<const DraftRequest> requests, std::span<Draft> out) = 0;
   // The sequence is gone (finished, cancelled or preempted): drop its state.
   virtual void release(uint64_t seq) { (void)seq; }
+  // Target layers whose outputs this proposer needs for every position the target keeps (a
+  // DFlash drafter's features); empty: none. The caller captures them in each target forward.
+  virtual std::span<const int32_t> target_layers() const { return {}; }
+  // The target kept positions [first, first + n) of `seq` (prefill chunks, and the accepted
+  // part of a verify step): their captured features, [n][target_layers().size()][hidden].
+  virtual void on_target_features(uint64_t seq, int32_t first, int32_t n,
+                                  std::span<const float> features) {
+    (void)seq, (void)first, (void)n, (void)features;
+  }
 };
 
 // Prompt lookup: the longest n-gram (prompt_lookup_max down to prompt_lookup_min) that ends the
@@ -63,6 +72,14 @@ std::unique_ptr<Proposer> make_ngram_proposer(int prompt_lookup_min, int prompt_
 std::unique_ptr<Proposer> make_draft_model_proposer(std::shared_ptr<const Model> drafter,
                                                     int32_t num_blocks,
                                                     int32_t max_step_tokens = 512);
+
+// A block-diffusion (DFlash) drafter: one forward pass drafts k tokens for every sequence (the
+// block [last token, mask x k] attends non-causally to the context K/V that the drafter wrote
+// from the target's features into its own paged cache of `num_blocks` blocks). A sequence
+// whose context features are incomplete (a prefix-cache hit skipped their computation) drafts
+// nothing.
+std::unique_ptr<Proposer> make_dflash_proposer(std::shared_ptr<const Model> drafter,
+                                               int32_t num_blocks);
 
 // The token count and vocabulary checks for a drafter model next to its target: InputError
 // (naming the drafter's directory) when the vocabularies differ.

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -32,8 +33,18 @@ struct RopeScaling {
 
 // What the forward pass needs beyond ModelConfig, read from config.json (transformers 4 and 5
 // spellings: rope_theta or rope_parameters.rope_theta, rope_scaling or rope_parameters).
+// A block-diffusion (DFlash) drafter's own fields (config.json "dflash_config"; see
+// docs/notes/dflash.md): which target layers feed it, and how many drafts one block holds.
+struct DflashConfig {
+  std::vector<int32_t> target_layer_ids;  // target decoder layers whose outputs are the features
+  int num_target_layers = 0;
+  int target_hidden_size = 0;
+  int max_speculative_tokens = 0;
+};
+
 struct ArchitectureConfig {
   ModelFamily family = ModelFamily::kLlama;
+  std::optional<DflashConfig> dflash;  // set for architectures ["KvqDFlashDrafter"]
   int hidden_size = 0;
   int intermediate_size = 0;
   int vocab_size = 0;
@@ -62,7 +73,15 @@ struct ForwardBatch {
   std::span<const int64_t> slots;  // cache slot of each new token
   BlockTableView block_table;      // the sequences' block tables, seq_lens including the new tokens
   std::span<const int32_t> logit_rows;  // indices into `tokens` whose logits are wanted, in order
+  // Optional: the outputs of these decoder layers (residual stream after the layer, before the
+  // final norm) for every token, into `captured` [tokens][capture_layers.size()][hidden] fp32
+  // (a DFlash drafter's features).
+  std::span<const int32_t> capture_layers = {};
+  std::span<float> captured = {};
 };
+
+// A token id that a DFlash drafter embeds as its learned mask vector (block rows 1..k).
+inline constexpr int32_t kMaskToken = -1;
 
 // Sampling of one logit row where the logits are (Model::forward_sample). temperature 0:
 // greedy (argmax, lowest id on ties, NaN never wins); otherwise temperature, then top-k,
@@ -87,6 +106,11 @@ class Model {
   // layer on the CPU (`forced_backend` non-empty: that one, or an InputError with its reasons).
   // Shows a progress bar on stderr for checkpoints over a few hundred MB.
   static std::unique_ptr<Model> load(const KvPlan& plan, std::string_view forced_backend = {});
+  // A DFlash drafter (plan.model: a KvqDFlashDrafter config) over `target`'s embedding and LM
+  // head (shared, not copied). InputError when the drafter does not fit the target (hidden size,
+  // layer count, vocabulary) or a layer has no backend. CPU targets only for now.
+  static std::unique_ptr<Model> load_dflash_drafter(const KvPlan& plan, const Model& target,
+                                                    std::string_view forced_backend = {});
 
   // The same weights (shared, not copied) under another plan of the same model, e.g. an
   // unquantized reference next to a quantized run in `kvq eval`. Throws InputError when the
@@ -105,6 +129,13 @@ class Model {
   // PagedKvCache over plan().layers).
   virtual void forward(const ForwardBatch& batch, PagedKvCache& cache,
                        std::span<float> logits) const = 0;
+
+  // A DFlash drafter only: writes every layer's context K/V for `positions` into their cache
+  // `slots` from the target's features ([n][layers * target hidden], the layers of
+  // arch().dflash->target_layer_ids): K/V = k_proj / v_proj of hidden_norm(fc(features)), k_norm
+  // and RoPE at the position. InternalError for other models.
+  virtual void write_feature_kv(std::span<const float> features, std::span<const int32_t> positions,
+                                std::span<const int64_t> slots, PagedKvCache& cache) const;
 
   // Where the forward pass runs. A kCuda model keeps its KV cache in device memory.
   virtual Device device() const { return Device::kCpu; }

@@ -187,6 +187,10 @@ struct DeviceWeights {
       case model::WeightKind::kDownBias:
         l->down_bias = f;
         break;
+      case model::WeightKind::kDflashFc:
+      case model::WeightKind::kDflashHiddenNorm:
+      case model::WeightKind::kDflashMask:
+        throw InputError("a DFlash drafter runs on the CPU only in this kvq (--device cpu)");
     }
     return p;
   }
@@ -413,6 +417,9 @@ class CudaDecoderModel final : public CudaModel {
 ArchitectureConfig CudaDecoderModel::validate(const KvPlan& plan, const CudaModelOptions& o) {
   ArchitectureConfig arch = parse_architecture(plan.model);
   const ModelConfig& c = plan.model;
+  if (arch.dflash)
+    throw InputError(c.dir + ": a DFlash drafter runs on the CPU only in this kvq (--device cpu); "
+                             "the CUDA drafter is not built yet");
   if (!(o.gpu_memory_utilization > 0.0f && o.gpu_memory_utilization <= 1.0f))
     throw InputError("--gpu-memory-utilization " + std::to_string(o.gpu_memory_utilization) +
                      " is outside (0, 1]");
