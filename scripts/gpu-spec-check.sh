@@ -22,7 +22,7 @@ if "speedup" in j:
     print(f"{j['method']:11s} k={j['num_speculative_tokens']} B={j['batch']:2d} {j['plan'][:22]:22s} "
           f"plain {j['plain_tokens_per_s']:8.0f} spec {j['speculative_tokens_per_s']:8.0f} "
           f"x{j['speedup']:.2f} acc {j['acceptance_rate']:.2f} len {j['mean_accepted_length']:.2f} "
-          f"same {j['greedy_outputs_identical']}/{j['batch']}", file=sys.stderr)
+          f"same {j['greedy_outputs_identical']}/{j['num_prompts']}", file=sys.stderr)
 else:
     print(f"{j['plan'][:10]:10s} ctx {j['input_len']:5d} B={j['batch']:2d} verify {j['verify_tokens']}: "
           f"{j['decode_step_ms_median']:.3f} ms/step", file=sys.stderr)
@@ -51,9 +51,10 @@ grid)
   for kv in ${KVS:-bfloat16 fp8 int4_per_token_head}; do
     for batch in ${BATCHES:-1 8 32}; do
       for k in ${KS:-2 4 8}; do
-        for spec in "$NGRAM" "$DRAFT"; do
+        for spec in ${SPECS:-"$NGRAM" "$DRAFT"}; do
           $K bench --model models/kvq-code-tiny --device ${DEVICE:-cuda} --kv-cache-dtype $kv --batch $batch \
-            --input-len 256 --output-len 128 --dataset models/kvq-code-tiny/heldout.txt \
+            --input-len 256 --output-len 128 --num-prompts $((batch < 16 ? 16 : batch)) \
+            --dataset models/kvq-code-tiny/heldout.txt \
             --speculative-config "{$spec,\"num_speculative_tokens\":$k}" --json 2>/dev/null |
             python3 /tmp/spec_fmt.py \
             >> "$OUT/spec-grid.jsonl"
@@ -64,7 +65,7 @@ grid)
   ;;
 verify8b)
   for kv in bfloat16 fp8; do
-    for ctx in 1024 8192; do
+    for ctx in 1024 8000; do
       for batch in 1 8 32; do
         for v in 0 7; do
           $K bench --synthetic llama3-8b --device cuda --kv-cache-dtype $kv --batch $batch \

@@ -125,8 +125,8 @@ std::string gib(double bytes) {
 // kvq bench --speculative-config: the same greedy workload (B prompts cut from --dataset, each
 // generating --output-len tokens, EOS ignored) through LlmEngine twice, plain and speculative,
 // in one process on the same weights; tokens/s of both, the speedup, and the acceptance.
-int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B, int L, int M,
-                      int64_t seed, bool json) {
+int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B, int N, int L,
+                      int M, int64_t seed, bool json) {
   if (dataset.empty())
     throw InputError("--speculative-config in kvq bench needs --dataset FILE (a text file the "
                      "prompts are cut from: drafts of random tokens are never accepted)");
@@ -144,7 +144,7 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
                      " tokens, fewer than --input-len " + std::to_string(L));
   std::mt19937_64 rng(static_cast<uint64_t>(seed));
   std::uniform_int_distribution<size_t> at(0, ids.size() - static_cast<size_t>(L));
-  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(B));
+  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(std::max(N, B)));
   for (auto& p : prompts) {
     const size_t a = at(rng);
     p.assign(ids.begin() + static_cast<std::ptrdiff_t>(a),
@@ -153,7 +153,7 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
   const int32_t bt = lm.model->plan().layers.front().block_tokens;
   const int k = spec->config.num_speculative_tokens;
   const int64_t per_seq = (static_cast<int64_t>(L) + M + k + 1 + bt - 1) / bt;
-  const int64_t num_blocks = per_seq * B + B;
+  const int64_t num_blocks = per_seq * B + B;  // B sequences at a time (max_num_seqs = B)
 
   struct Run {
     double seconds = 0.0;
@@ -228,6 +228,7 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
   j["num_speculative_tokens"] = k;
   j["dataset"] = dataset;
   j["batch"] = B;
+  j["num_prompts"] = prompts.size();
   j["input_len"] = L;
   j["output_len"] = M;
   j["plain_tokens_per_s"] = plain_tps;
@@ -245,15 +246,16 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
   }
   std::printf("model: %s on %s | KV plan: %s\nspeculative: %s\n", flags.plan.model.c_str(),
               flags.device.c_str(), j["plan"].get<std::string>().c_str(), spec->summary().c_str());
-  std::printf("batch %d, prompts of %d tokens from %s, %d generated each (greedy)\n", B, L,
-              dataset.c_str(), M);
+  std::printf("%zu prompts of %d tokens from %s, %d at a time, %d generated each (greedy)\n",
+              prompts.size(), L, dataset.c_str(), B, M);
   std::printf("plain:       %.1f tokens/s (%.2f s)\n", plain_tps, plain.seconds);
   std::printf("speculative: %.1f tokens/s (%.2f s), speedup %.2fx\n", spec_tps, specd.seconds,
               spec_tps / plain_tps);
   std::printf("drafted %lld, accepted %lld (%.1f%%), mean accepted length %.2f tokens per verify "
               "step; greedy outputs identical %d/%d\n",
               static_cast<long long>(specd.spec.drafted), static_cast<long long>(specd.spec.accepted),
-              100.0 * specd.spec.acceptance_rate(), specd.spec.mean_accepted_length(), same, B);
+              100.0 * specd.spec.acceptance_rate(), specd.spec.mean_accepted_length(), same,
+              static_cast<int>(prompts.size()));
   return 0;
 }
 
@@ -271,6 +273,7 @@ Action add_bench_command(CLI::App& app) {
     int64_t seed = 0;
     bool json = false;
     int verify_tokens = 0;
+    int num_prompts = 0;
     std::string dataset;
   };
   auto st = std::make_shared<State>();
@@ -279,6 +282,9 @@ Action add_bench_command(CLI::App& app) {
   sub->add_option("--dataset", st->dataset,
                   "with --speculative-config: a text file the prompts are cut from (speculation "
                   "needs real text; random tokens are never accepted)");
+  sub->add_option("--num-prompts", st->num_prompts,
+                  "with --speculative-config: prompts run, --batch at a time (default: --batch)")
+      ->check(CLI::Range(0, 1 << 16));
   sub->add_option("--verify-tokens", st->verify_tokens,
                   "time verification steps: each decode step runs 1 + N query tokens per sequence "
                   "(random drafts, all rows sampled, the N rolled back) instead of 1 (default 0)")
@@ -304,8 +310,8 @@ Action add_bench_command(CLI::App& app) {
   sub->add_flag("--json", st->json, "print the results as JSON");
   return [st]() {
     if (!st->model.plan.speculative_config.empty())
-      return speculative_bench(st->model, st->dataset, st->batch, st->input_len, st->output_len,
-                               st->seed, st->json);
+      return speculative_bench(st->model, st->dataset, st->batch, st->num_prompts, st->input_len,
+                               st->output_len, st->seed, st->json);
     if (!st->dataset.empty())
       throw InputError("--dataset is for --speculative-config runs (the plain bench uses random "
                        "prompts)");

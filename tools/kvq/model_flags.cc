@@ -117,6 +117,10 @@ std::optional<Speculation> ModelFlags::load_speculation(const Model& target,
   }
   if (c->method == SpecMethod::kDraftModel) {
     const KvPlan dp = plan.drafter_plan(*c);
+    if (dp.model.architecture == "KvqDFlashDrafter")
+      throw InputError("--speculative-config: " + c->model +
+                       " is a block-diffusion drafter (KvqDFlashDrafter); use \"method\": "
+                       "\"dflash\" for it");
     for (const auto& w : dp.warnings) log_warning("drafter: " + w);
     const Tokenizer dt = Tokenizer::load(c->model);
     if (dt.vocab_size() != tokenizer.vocab_size())

@@ -729,6 +729,9 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
   KVQ_CHECK(cache.num_layers() == static_cast<size_t>(num_layers_) && cache.external_storage(),
             "forward: the cache was not made by this model's create_cache()");
   KVQ_CHECK(R <= T, "forward: more logit rows than tokens");
+  if (!b.capture_layers.empty())
+    throw InputError("capturing layer outputs (a DFlash drafter's features) is not built in the "
+                     "CUDA model yet; run the target with --device cpu");
   KVQ_CHECK(b.block_table.block_tokens == plan_.layers.front().block_tokens,
             "forward: block table block_tokens differs from the plan's");
   if (T > T_cap_)
