@@ -153,6 +153,7 @@ TEST_P(DflashGreedy, GenerateGivesPlainGreedyIdsWithBothCachesQuantized) {
   SpecCounters total;
   int near_ties = 0;
   for (int k : {2, 8}) {
+    if (kUnderSanitizer && k == 2) continue;
     auto proposer = make_dflash_proposer(drafter, 64);
     GeneratorOptions o;
     o.proposer = proposer.get();
@@ -164,15 +165,19 @@ TEST_P(DflashGreedy, GenerateGivesPlainGreedyIdsWithBothCachesQuantized) {
                                         ids.begin() + static_cast<std::ptrdiff_t>(at) + 70);
       SamplingParams p;
       p.temperature = 0.0f;
-      p.max_tokens = 40;
+      p.max_tokens = kUnderSanitizer ? 16 : 40;
       p.ignore_eos = true;
-      const GenerationResult want = generate(*target, reference_tokenizer(), prompt, p, {});
+      GeneratorOptions plain;
+      plain.prefill_chunk = o.prefill_chunk;
+      const GenerationResult want = generate(*target, reference_tokenizer(), prompt, p, plain);
       const GenerationResult got = generate(*target, reference_tokenizer(), prompt, p, o);
       Collected c;
       c.ids = got.output_ids;
       c.text = got.text;
       c.finish_reason = got.finish_reason;
-      EXPECT_EQ(compare_greedy(prompt, want, c, &near_ties, target.get()), "") << "seed " << seed;
+      const float tie = traits(kv).scale_kind == ScaleKind::kPerTokenHead ? 5e-3f : 1e-3f;
+      EXPECT_EQ(compare_greedy(prompt, want, c, &near_ties, target.get(), tie), "")
+          << "seed " << seed;
       total.add(got.spec);
     }
   }
@@ -202,17 +207,17 @@ TEST(DflashEngine, BatchWithPrefixHitsAndPreemptionGivesSoloIds) {
   config.num_speculative_tokens = 4;
   const std::unique_ptr<Model> solo_model = engine_model(plan);
   config.proposer = make_dflash_proposer(dflash_drafter(*solo_model, KvDtype::kFp8E4M3), 64);
+  Collector collector;  // outlives the engine and its callbacks
   auto engine = make_engine(config, plan);
   std::ifstream f(kModelDir + "/heldout.txt");
   const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   const std::vector<int32_t> ids = reference_tokenizer().encode(text.substr(0, 30000), false);
-  Collector collector;
   std::vector<std::vector<int32_t>> prompts;
   std::vector<RequestId> rid;
   std::vector<GenerationResult> want;
   SamplingParams p;
   p.temperature = 0.0f;
-  p.max_tokens = 30;
+  p.max_tokens = kUnderSanitizer ? 14 : 30;
   p.ignore_eos = true;
   const std::vector<int32_t> head(ids.begin(), ids.begin() + 34);  // shared: prefix-cache hits
   for (int i = 0; i < 8; ++i) {

@@ -123,7 +123,8 @@ GenerationResult solo(const std::vector<int32_t>& prompt, const SamplingParams& 
 }
 
 std::string compare_greedy(const std::vector<int32_t>& prompt, const GenerationResult& want,
-                           const Collected& got, int* near_ties, const Model* model) {
+                           const Collected& got, int* near_ties, const Model* model,
+                           float rel_tol) {
   if (got.ids == want.output_ids) {
     if (got.text != want.text)
       return "same ids, different text: '" + got.text + "' vs '" + want.text + "'";
@@ -149,7 +150,7 @@ std::string compare_greedy(const std::vector<int32_t>& prompt, const GenerationR
                });
   const float a = last[static_cast<size_t>(want.output_ids[k])];
   const float b = last[static_cast<size_t>(got.ids[k])];
-  if (std::abs(a - b) <= 1e-3f * (1.0f + std::abs(a))) {
+  if (std::abs(a - b) <= rel_tol * (1.0f + std::abs(a))) {
     ++*near_ties;
     std::fprintf(stderr, "note: greedy outputs part at a near tie (token %zu, logits %g vs %g)\n",
                  k, a, b);

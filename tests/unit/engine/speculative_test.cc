@@ -340,12 +340,18 @@ TEST_P(GreedySpeculation, GenerateGivesPlainGreedyIds) {
   options.prefill_chunk = 24;
   int near_ties = 0;
   SpecCounters total;
-  for (const auto& prompt : code_prompts(rng, 4, 5, 60)) {
-    const SamplingParams p = greedy(std::uniform_int_distribution<int>(20, 45)(rng));
-    const GenerationResult want = generate(*target, reference_tokenizer(), prompt, p, {});
+  // Per-token-head int caches: a last-bit difference between the verify and decode shapes can
+  // move a K/V value by one codec level, so their near ties are looser.
+  const float tie = traits(gc.kv).scale_kind == ScaleKind::kPerTokenHead ? 5e-3f : 1e-3f;
+  GeneratorOptions plain;
+  plain.prefill_chunk = options.prefill_chunk;  // the same prefill shapes as the speculative run
+  for (const auto& prompt : code_prompts(rng, kUnderSanitizer ? 1 : 2, 5, 60)) {
+    const SamplingParams p = greedy(std::uniform_int_distribution<int>(kUnderSanitizer ? 12 : 20,
+                                                                       kUnderSanitizer ? 18 : 36)(rng));
+    const GenerationResult want = generate(*target, reference_tokenizer(), prompt, p, plain);
     const GenerationResult got =
         generate(*target, reference_tokenizer(), prompt, p, options);
-    EXPECT_EQ(compare_greedy(prompt, want, as_collected(got), &near_ties, target.get()), "")
+    EXPECT_EQ(compare_greedy(prompt, want, as_collected(got), &near_ties, target.get(), tie), "")
         << "seed " << seed;
     EXPECT_EQ(got.output_ids.size(), want.output_ids.size());
     total.add(got.spec);
@@ -395,20 +401,23 @@ TEST_P(EngineSpeculation, GreedyBatchGivesSoloIdsAndFreesEveryBlock) {
                         ? std::shared_ptr<Proposer>(make_ngram_proposer(1, 3))
                         : std::shared_ptr<Proposer>(make_draft_model_proposer(
                               drafter_for(KvDtype::kFp8E4M3), ec.num_blocks + 32));
+  Collector collector;  // outlives the engine and its callbacks
   auto engine = make_engine(config, plan);
   const std::unique_ptr<Model> solo_model = engine_model(plan);
-  auto prompts = code_prompts(rng, ec.num_blocks < 40 ? 8 : 32, 5, 40);
+  // Batch 32 for n-gram drafting; fewer (and a tiny cache: preemption) otherwise.
+  auto prompts = code_prompts(
+      rng, ec.num_blocks < 40 ? 8 : (ec.method == SpecMethod::kNgram ? 32 : 12), 5, 40);
+  const int min_new = kUnderSanitizer ? 9 : 17, max_new = kUnderSanitizer ? 14 : 32;
   if (ec.shared_prefix) {
     // Every prompt starts with the same 40 tokens (2.5 blocks): later ones hit the prefix cache.
     const auto head = code_prompts(rng, 1, 40, 40).front();
     for (auto& p : prompts) p.insert(p.begin(), head.begin(), head.end());
   }
-  Collector collector;
   std::vector<RequestId> ids;
   std::vector<GenerationResult> want;
   std::vector<SamplingParams> params;
   for (const auto& p : prompts) {
-    params.push_back(greedy(std::uniform_int_distribution<int>(17, 40)(rng)));
+    params.push_back(greedy(std::uniform_int_distribution<int>(min_new, max_new)(rng)));
     want.push_back(generate(*solo_model, reference_tokenizer(), p, params.back(), {}));
   }
   for (size_t i = 0; i < prompts.size(); ++i)
@@ -452,10 +461,11 @@ TEST(EngineSpeculation, SampledRequestsRunAndOptOutDraftsNothing) {
   config.num_blocks = 128;
   config.num_speculative_tokens = 3;
   config.proposer = make_draft_model_proposer(drafter_for(KvDtype::kFp8E4M3), 160);
-  auto engine = make_engine(config, plan);
+  // Declared before the engine, so the engine (and its callbacks) is gone before they are.
   Collector collector;
   std::mutex mu;
   std::map<RequestId, SpecCounters> spec;
+  auto engine = make_engine(config, plan);
   auto cb = collector.callback([&](const RequestOutput& o) {
     std::lock_guard lock(mu);
     spec[o.id] = o.spec;
@@ -473,6 +483,8 @@ TEST(EngineSpeculation, SampledRequestsRunAndOptOutDraftsNothing) {
     ids.push_back(engine->add_request(prompts[i], p, cb, /*logprobs=*/i == 1));
   }
   ASSERT_TRUE(collector.wait_finished(prompts.size()));
+  const EngineStats s = engine->stats();
+  engine.reset();  // every callback has returned
   for (size_t i = 0; i < prompts.size(); ++i) {
     const Collected got = collector.get(ids[i]);
     EXPECT_EQ(got.ids.size(), 30u);
@@ -490,7 +502,6 @@ TEST(EngineSpeculation, SampledRequestsRunAndOptOutDraftsNothing) {
       for (float lp : got.logprobs) EXPECT_LE(lp, 0.0f);
     }
   }
-  const EngineStats s = engine->stats();
   EXPECT_GT(s.spec.drafted, 0);
   EXPECT_EQ(s.blocks_used, 0);
 }
