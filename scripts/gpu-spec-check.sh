@@ -3,6 +3,8 @@
 # $KVQ_E2E_BUILD/tests/kvq_cuda_model_tests (default build):
 #   here:   KVQ_BUNDLE_FILE=.carry/bundle-spec.tar.xz bash scripts/gpu-bundle.sh build/kvq build/tests/kvq_cuda_model_tests
 #   device: KVQ_BUNDLE_FILE=.carry/bundle-spec.tar.xz bash scripts/gpu-bundle.sh --run 'bash scripts/gpu-spec-check.sh PART'
+# (KVQ=path overrides the binary, e.g. KVQ=build-cpu/kvq DEVICE=cpu for the CPU grid; KVS, BATCHES,
+# KS, SPECS, NUMP, OUTLEN narrow it.)
 # PART: tests (CUDA model tests + CPU/GPU greedy agreement with speculation), grid (the default
 # model on held-out text: proposers x k x KV dtype x batch, kvq bench --speculative-config),
 # verify8b (the Llama-3-8B shape: a verification step of 1 + 7 tokens vs a decode step).
@@ -30,6 +32,9 @@ PY
 step() { echo "=== [${SECONDS}s] $*"; }
 DRAFT='"method":"draft_model","model":"models/kvq-code-tiny-draft"'
 NGRAM='"method":"ngram","prompt_lookup_min":1,"prompt_lookup_max":3'
+DFLASH='"method":"dflash","model":"models/kvq-code-tiny-dflash"'
+# The grid also runs on the CPU here: DEVICE=cpu K=build-cpu/kvq SPECS="$NGRAM $DRAFT $DFLASH" ...
+K=${KVQ:-$K}
 case "$PART" in
 tests)
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -53,7 +58,7 @@ grid)
       for k in ${KS:-2 4 8}; do
         for spec in ${SPECS:-"$NGRAM" "$DRAFT"}; do
           $K bench --model models/kvq-code-tiny --device ${DEVICE:-cuda} --kv-cache-dtype $kv --batch $batch \
-            --input-len 256 --output-len 128 --num-prompts $((batch < 16 ? 16 : batch)) \
+            --input-len 256 --output-len ${OUTLEN:-128} --num-prompts ${NUMP:-$((batch < 16 ? 16 : batch))} \
             --dataset models/kvq-code-tiny/heldout.txt \
             --speculative-config "{$spec,\"num_speculative_tokens\":$k}" --json 2>/dev/null |
             python3 /tmp/spec_fmt.py \
