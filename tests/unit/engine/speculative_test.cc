@@ -510,3 +510,50 @@ TEST(EngineSpeculation, SampledRequestsRunAndOptOutDraftsNothing) {
 
 }  // namespace
 }  // namespace kvq::test
+
+namespace kvq::test {
+namespace {
+
+// Skip rules reach the drafter too: with fp8 and boundary:1 both models keep their first and last
+// layers in bf16, and greedy speculation still gives plain greedy's ids.
+TEST(SpeculativeSkipLayers, DrafterFollowsTheTargetsSkipRule) {
+  KVQ_REQUIRE_MODEL();
+  const std::string dir = std::string(KVQ_SOURCE_DIR) + kDraftDir;
+  if (!std::filesystem::exists(dir + "/model.safetensors")) GTEST_SKIP() << dir << " absent";
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  KvPlanOptions o;
+  o.kv = DtypeFlag{KvDtype::kFp8E4M3, "--kv-cache-dtype fp8"};
+  o.skip_layers = "boundary:1";
+  const KvPlan plan = make_kv_plan(load_model_config(kModelDir), o);
+  SpeculativeConfig sc;
+  sc.method = SpecMethod::kDraftModel;
+  sc.model = dir;
+  const KvPlan dplan = make_drafter_kv_plan(load_model_config(dir), o, sc);
+  for (const KvPlan* p : {&plan, &dplan}) {
+    EXPECT_EQ(p->layers.front().k_dtype, KvDtype::kBFloat16);
+    EXPECT_EQ(p->layers.back().v_dtype, KvDtype::kBFloat16);
+    EXPECT_EQ(p->decisions.front().k.provenance, Provenance::kSkipRule);
+  }
+  const std::unique_ptr<Model> target = engine_model(plan);
+  auto proposer =
+      make_draft_model_proposer(std::shared_ptr<const Model>(Model::load(dplan)), 64);
+  GeneratorOptions options;
+  options.proposer = proposer.get();
+  options.num_speculative_tokens = 4;
+  int near_ties = 0;
+  SpecCounters total;
+  for (const auto& prompt : code_prompts(rng, 2, 10, 50)) {
+    const SamplingParams p = greedy(24);
+    const GenerationResult want = generate(*target, reference_tokenizer(), prompt, p, {});
+    const GenerationResult got = generate(*target, reference_tokenizer(), prompt, p, options);
+    EXPECT_EQ(compare_greedy(prompt, want, as_collected(got), &near_ties, target.get()), "")
+        << "seed " << seed;
+    total.add(got.spec);
+  }
+  EXPECT_LE(near_ties, 1);
+  EXPECT_GT(total.drafted, 0);
+}
+
+}  // namespace
+}  // namespace kvq::test
