@@ -24,37 +24,61 @@ size_t bytes_per_block(const KvPlan& plan) {
   return n;
 }
 
+// One forward pass of a single sequence: `tokens` appended at positions from `first_position`,
+// logits for its last `num_rows` tokens, and the proposer's target features when it wants them.
+struct SingleSequencePass {
+  std::vector<int64_t> slots;
+  std::vector<int32_t> positions, rows;
+  int32_t q_indptr[2] = {0, 0};
+  SequenceId ids[1] = {0};
+  PagedKvCache::BlockTableStorage storage;
+  std::vector<float> captured;
+  ForwardBatch batch;
+
+  SingleSequencePass(const Model& model, PagedKvCache& cache, SequenceId seq,
+                     std::span<const int32_t> tokens, int32_t first_position, int32_t num_rows,
+                     const Proposer* features_to) {
+    const int32_t n = static_cast<int32_t>(tokens.size());
+    slots = cache.append(seq, n);
+    if (slots.empty()) throw InternalError("KV cache has no free block for the sequence");
+    positions.resize(static_cast<size_t>(n));
+    std::iota(positions.begin(), positions.end(), first_position);
+    q_indptr[1] = n;
+    ids[0] = seq;
+    rows.resize(static_cast<size_t>(num_rows));
+    std::iota(rows.begin(), rows.end(), n - num_rows);
+    batch = ForwardBatch{tokens, positions, q_indptr, slots, cache.block_table(ids, storage), rows};
+    if (features_to != nullptr && !features_to->target_layers().empty()) {
+      batch.capture_layers = features_to->target_layers();
+      captured.resize(static_cast<size_t>(n) * batch.capture_layers.size() *
+                      static_cast<size_t>(model.arch().hidden_size));
+      batch.captured = captured;
+    }
+  }
+  // `batch` points into the members: the object never moves.
+  SingleSequencePass(const SingleSequencePass&) = delete;
+  SingleSequencePass& operator=(const SingleSequencePass&) = delete;
+
+  // The features of the first n tokens to the proposer (when captured).
+  void hand_features(Proposer* to, SequenceId seq, int32_t n) const {
+    if (to == nullptr || captured.empty()) return;
+    const size_t per_token = captured.size() / batch.tokens.size();
+    to->on_target_features(static_cast<uint64_t>(seq), positions.front(), n,
+                           std::span<const float>(captured).first(per_token * static_cast<size_t>(n)));
+  }
+};
+
 // Runs the new tokens of a single sequence; fills `logits` with every token's row when
 // `all_logits` (otherwise no logits are computed).
 void step(const Model& model, PagedKvCache& cache, SequenceId seq, std::span<const int32_t> tokens,
           int32_t first_position, bool all_logits, std::vector<float>& logits,
           Proposer* features_to = nullptr) {
   const int32_t n = static_cast<int32_t>(tokens.size());
-  std::vector<int64_t> slots = cache.append(seq, n);
-  if (slots.empty()) throw InternalError("KV cache has no free block for the sequence");
-  std::vector<int32_t> positions(static_cast<size_t>(n));
-  std::iota(positions.begin(), positions.end(), first_position);
-  const int32_t q_indptr[2] = {0, n};
-  PagedKvCache::BlockTableStorage storage;
-  const SequenceId ids[1] = {seq};
-  const BlockTableView table = cache.block_table(ids, storage);
-  std::vector<int32_t> rows;
-  if (all_logits) {
-    rows.resize(static_cast<size_t>(n));
-    std::iota(rows.begin(), rows.end(), 0);
-  }
-  ForwardBatch batch{tokens, positions, q_indptr, slots, table, rows};
-  std::vector<float> captured;
-  if (features_to != nullptr && !features_to->target_layers().empty()) {
-    batch.capture_layers = features_to->target_layers();
-    captured.resize(static_cast<size_t>(n) * batch.capture_layers.size() *
-                    static_cast<size_t>(model.arch().hidden_size));
-    batch.captured = captured;
-  }
-  logits.resize(rows.size() * static_cast<size_t>(model.vocab_size()));
-  model.forward(batch, cache, logits);
-  if (features_to != nullptr && !captured.empty())
-    features_to->on_target_features(static_cast<uint64_t>(seq), first_position, n, captured);
+  SingleSequencePass pass(model, cache, seq, tokens, first_position, all_logits ? n : 0,
+                          features_to);
+  logits.resize(pass.rows.size() * static_cast<size_t>(model.vocab_size()));
+  model.forward(pass.batch, cache, logits);
+  pass.hand_features(features_to, seq, n);
 }
 
 int32_t blocks_for_tokens(int64_t tokens, int32_t block_tokens) {
@@ -125,7 +149,6 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
   bool cancelled = false, done = false;
   std::vector<int32_t> tokens(prompt.begin(), prompt.end());
   Draft draft;
-  std::vector<float> captured;
   std::vector<PassResult> results;
   while (!done) {
     const int32_t generated = static_cast<int32_t>(result.output_ids.size());
@@ -141,36 +164,16 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
     }
     std::vector<int32_t> run(tokens.begin() + computed, tokens.end());
     run.insert(run.end(), draft.tokens.begin(), draft.tokens.end());
-    const int32_t n = static_cast<int32_t>(run.size());
-    std::vector<int64_t> slots = cache.append(seq, n);
-    if (slots.empty()) throw InternalError("KV cache has no free block for the sequence");
-    std::vector<int32_t> positions(static_cast<size_t>(n));
-    std::iota(positions.begin(), positions.end(), computed);
-    const int32_t q_indptr[2] = {0, n};
-    PagedKvCache::BlockTableStorage storage;
-    const SequenceId ids[1] = {seq};
     // One row per draft plus the row of the last kept token.
-    std::vector<int32_t> rows(draft.tokens.size() + 1);
-    std::iota(rows.begin(), rows.end(), n - static_cast<int32_t>(rows.size()));
-    ForwardBatch batch{run, positions, q_indptr, slots, cache.block_table(ids, storage), rows};
-    if (features_to != nullptr && !features_to->target_layers().empty()) {
-      batch.capture_layers = features_to->target_layers();
-      captured.resize(static_cast<size_t>(n) * batch.capture_layers.size() *
-                      static_cast<size_t>(model.arch().hidden_size));
-      batch.captured = captured;
-    }
+    const SingleSequencePass pass(model, cache, seq, run, computed,
+                                  static_cast<int32_t>(draft.tokens.size()) + 1, features_to);
     const PassSequence ps{&sampler, static_cast<uint64_t>(generated), draft.tokens, draft.q,
                           false};
-    forward_and_accept(model, batch, cache, {&ps, 1}, results, logits);
+    forward_and_accept(model, pass.batch, cache, {&ps, 1}, results, logits);
     const Verified& v = results.front().verified;
-    // The rejected drafts' K/V are rolled back: the cache holds every kept token but the last.
-    // The target's features of the kept positions (every one it ran but the rejected drafts).
-    const int32_t kept = len + v.accepted - computed;
-    if (!captured.empty())
-      features_to->on_target_features(
-          static_cast<uint64_t>(seq), computed, kept,
-          std::span<const float>(captured).first(captured.size() / static_cast<size_t>(n) *
-                                                  static_cast<size_t>(kept)));
+    // The rejected drafts' K/V are rolled back: the cache holds every kept token but the last;
+    // the target's features of the kept positions go to the proposer.
+    pass.hand_features(features_to, seq, len + v.accepted - computed);
     computed = len + v.accepted;
     cache.truncate(seq, computed);
     if (!draft.tokens.empty()) {
