@@ -202,12 +202,13 @@ void LlmEngine::Impl::schedule_and_forward() {
     Request& r = *running[i];
     const int32_t remaining = r.len() - r.computed;
     int32_t n = 1;
+    int32_t younger_decodes = 0;
+    if (remaining > 1 || !r.draft.tokens.empty())
+      for (size_t j = i + 1; j < running.size(); ++j)
+        if (running[j]->len() - running[j]->computed == 1) ++younger_decodes;
     if (remaining == 1 && !r.draft.tokens.empty()) {
       // Drafts take what the budget leaves after one token for every younger decode, and only
       // blocks at hand: nobody is preempted for a draft.
-      int32_t younger_decodes = 0;
-      for (size_t j = i + 1; j < running.size(); ++j)
-        if (running[j]->len() - running[j]->computed == 1) ++younger_decodes;
       int32_t d = std::min(static_cast<int32_t>(r.draft.tokens.size()),
                            std::max(0, budget - 1 - younger_decodes));
       while (d > 0 && blocks.blocks_needed(r.seq(), 1 + d) > blocks.num_available()) --d;
@@ -215,9 +216,6 @@ void LlmEngine::Impl::schedule_and_forward() {
       if (r.draft.q.size() > static_cast<size_t>(d)) r.draft.q.resize(static_cast<size_t>(d));
       n = 1 + d;
     } else if (remaining > 1) {
-      int32_t younger_decodes = 0;
-      for (size_t j = i + 1; j < running.size(); ++j)
-        if (running[j]->len() - running[j]->computed == 1) ++younger_decodes;
       n = std::min(remaining, budget - younger_decodes);
       if (n <= 0) continue;
       // A chunk shrinks to the blocks at hand before anyone is preempted for it.
@@ -326,30 +324,30 @@ void LlmEngine::Impl::schedule_and_forward() {
     const int32_t first = r.computed;
     r.computed += own;
     const auto it = std::find(sampled.begin(), sampled.end(), &r);
-    const int32_t accepted =
-        it == sampled.end() ? 0 : results[static_cast<size_t>(it - sampled.begin())].verified.accepted;
+    const Verified* v =
+        it == sampled.end() ? nullptr : &results[static_cast<size_t>(it - sampled.begin())].verified;
+    const int32_t accepted = v != nullptr ? v->accepted : 0;
     if (!capture.empty() && r.speculate)
       config.proposer->on_target_features(
           static_cast<uint64_t>(r.seq()), first, own + accepted,
           std::span<const float>(captured).subspan(static_cast<size_t>(q_indptr[b]) * feature_size,
                                                    static_cast<size_t>(own + accepted) * feature_size));
-    if (it == sampled.end()) {
+    if (v == nullptr) {
       blocks.publish_full_blocks(r.seq(), r.tokens, r.computed);
       continue;
     }
-    const Verified& v = results[static_cast<size_t>(it - sampled.begin())].verified;
-    r.computed += v.accepted;
+    r.computed += accepted;
     blocks.truncate(r.seq(), r.computed);
     const size_t before = r.tokens.size();
-    r.tokens.insert(r.tokens.end(), v.tokens.begin(), v.tokens.end());
+    r.tokens.insert(r.tokens.end(), v->tokens.begin(), v->tokens.end());
     blocks.publish_full_blocks(r.seq(), r.tokens, r.computed);
     r.tokens.resize(before);
     if (!r.draft.tokens.empty()) {
       SpecCounters c;
       c.drafted = static_cast<int64_t>(r.draft.tokens.size());
-      c.accepted = v.accepted;
+      c.accepted = accepted;
       c.verify_steps = 1;
-      c.emitted = static_cast<int64_t>(v.tokens.size());
+      c.emitted = static_cast<int64_t>(v->tokens.size());
       r.spec.add(c);
       counters.spec.add(c);
     }

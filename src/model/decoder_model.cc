@@ -74,6 +74,12 @@ class DecoderModel final : public Model {
   // table `rope` [T][d/2][2] into kb/vb (the k and v part of the fused q|k|v projection).
   void project_kv(const LayerWeights& w, int T, const float* h, const float* rope, float* kv,
                   float* kb, float* vb) const;
+  // One token's cos/sin table [d/2][2] at `position`.
+  void rope_row(int32_t position, float* cs) const;
+  // One token's K (k_norm, RoPE by `cs`) and V from its k|v projections (k at `k_row`, v at
+  // `k_row + kv_dim`, biases added), into kd [nkv][d] and vd [nkv][d].
+  void finish_kv_row(const LayerWeights& w, const float* k_row, const float* cs, float* kd,
+                     float* vd) const;
 
   KvPlan plan_;
   ArchitectureConfig arch_;
@@ -263,7 +269,7 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
   for (int32_t p : b.positions) KVQ_CHECK(p >= 0, "forward: negative position");
   if (T == 0) return;
 
-  const int H = hidden_, I = inter_, d = head_dim_, half = head_dim_ / 2;
+  const int H = hidden_, I = inter_, d = head_dim_;
   const float eps = arch_.rms_norm_eps;
   const size_t t = static_cast<size_t>(T);
 
@@ -287,12 +293,7 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
     std::copy_n(tok == kMaskToken ? weights_->mask_embedding.data()
                                   : weights_->embedding() + static_cast<size_t>(tok) * H,
                 H, x + size_t(i) * H);
-    float* cs = rope + size_t(i) * d;
-    for (int f = 0; f < half; ++f) {
-      const double a = b.positions[i] * inv_freq_[static_cast<size_t>(f)];
-      cs[2 * f] = static_cast<float>(std::cos(a));
-      cs[2 * f + 1] = static_cast<float>(std::sin(a));
-    }
+    rope_row(b.positions[static_cast<size_t>(i)], rope + size_t(i) * d);
   }
 
   const float softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
@@ -320,17 +321,7 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
         }
         model::apply_rope(dst, d, cs);
       }
-      for (int hd = 0; hd < num_kv_heads_; ++hd) {
-        float* kd = kb + size_t(i) * kv_dim_ + size_t(hd) * d;
-        const float* ks = row + q_dim_ + size_t(hd) * d;
-        if (arch_.qk_norm) {
-          model::rms_norm(ks, w.k_norm.data(), d, eps, kd);
-        } else {
-          std::copy_n(ks, d, kd);
-        }
-        model::apply_rope(kd, d, cs);
-      }
-      std::copy_n(row + q_dim_ + kv_dim_, kv_dim_, vb + size_t(i) * kv_dim_);
+      finish_kv_row(w, row + q_dim_, cs, kb + size_t(i) * kv_dim_, vb + size_t(i) * kv_dim_);
     }
 
     const LayerCacheView view = cache.layer_view(static_cast<size_t>(l));
@@ -381,7 +372,7 @@ void DecoderModel::write_feature_kv(std::span<const float> features,
                                     std::span<const int64_t> slots, PagedKvCache& cache) const {
   KVQ_CHECK(arch_.dflash.has_value(), "write_feature_kv: not a DFlash drafter");
   const int T = static_cast<int>(positions.size());
-  const int H = hidden_, d = head_dim_, half = head_dim_ / 2;
+  const int H = hidden_, d = head_dim_;
   const size_t F = arch_.dflash->target_layer_ids.size() *
                    static_cast<size_t>(arch_.dflash->target_hidden_size);
   KVQ_CHECK(slots.size() == positions.size() && features.size() == F * static_cast<size_t>(T),
@@ -400,12 +391,7 @@ void DecoderModel::write_feature_kv(std::span<const float> features,
   for (int i = 0; i < T; ++i) {
     model::rms_norm(fused + size_t(i) * H, weights_->hidden_norm.data(), H, arch_.rms_norm_eps,
                     c + size_t(i) * H);
-    float* cs = rope + size_t(i) * d;
-    for (int f = 0; f < half; ++f) {
-      const double a = positions[static_cast<size_t>(i)] * inv_freq_[static_cast<size_t>(f)];
-      cs[2 * f] = static_cast<float>(std::cos(a));
-      cs[2 * f + 1] = static_cast<float>(std::sin(a));
-    }
+    rope_row(positions[static_cast<size_t>(i)], rope + size_t(i) * d);
   }
   for (int l = 0; l < num_layers_; ++l) {
     // No input_layernorm: the context rows are the fused feature itself.
@@ -424,18 +410,32 @@ void DecoderModel::project_kv(const LayerWeights& w, int T, const float* h, cons
   for (int i = 0; i < T; ++i) {
     float* row = kv + size_t(i) * 2 * kv_dim_;
     if (!w.qkv_bias.empty()) add_bias(row, w.qkv_bias.data() + q_dim_, 2 * kv_dim_);
-    for (int hd = 0; hd < num_kv_heads_; ++hd) {
-      float* kd = kb + size_t(i) * kv_dim_ + size_t(hd) * d;
-      const float* ks = row + size_t(hd) * d;
-      if (arch_.qk_norm) {
-        model::rms_norm(ks, w.k_norm.data(), d, arch_.rms_norm_eps, kd);
-      } else {
-        std::copy_n(ks, d, kd);
-      }
-      model::apply_rope(kd, d, rope + size_t(i) * d);
-    }
-    std::copy_n(row + kv_dim_, kv_dim_, vb + size_t(i) * kv_dim_);
+    finish_kv_row(w, row, rope + size_t(i) * d, kb + size_t(i) * kv_dim_, vb + size_t(i) * kv_dim_);
   }
+}
+
+void DecoderModel::rope_row(int32_t position, float* cs) const {
+  for (int f = 0; f < head_dim_ / 2; ++f) {
+    const double a = position * inv_freq_[static_cast<size_t>(f)];
+    cs[2 * f] = static_cast<float>(std::cos(a));
+    cs[2 * f + 1] = static_cast<float>(std::sin(a));
+  }
+}
+
+void DecoderModel::finish_kv_row(const LayerWeights& w, const float* k_row, const float* cs,
+                                 float* kd, float* vd) const {
+  const int d = head_dim_;
+  for (int hd = 0; hd < num_kv_heads_; ++hd) {
+    float* dst = kd + size_t(hd) * d;
+    const float* src = k_row + size_t(hd) * d;
+    if (arch_.qk_norm) {
+      model::rms_norm(src, w.k_norm.data(), d, arch_.rms_norm_eps, dst);
+    } else {
+      std::copy_n(src, d, dst);
+    }
+    model::apply_rope(dst, d, cs);
+  }
+  std::copy_n(k_row + kv_dim_, kv_dim_, vd);
 }
 
 }  // namespace
