@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <condition_variable>
 #include <map>
 #include <memory>
@@ -28,7 +29,10 @@ inline constexpr bool kUnderSanitizer = true;
 inline constexpr bool kUnderSanitizer = false;
 #endif
 
+// A fresh random seed per call; KVQ_TEST_SEED=N replays a failure (tests print their seed).
 inline uint32_t fresh_seed() {
+  if (const char* env = std::getenv("KVQ_TEST_SEED"); env != nullptr && *env != '\0')
+    return static_cast<uint32_t>(std::strtoul(env, nullptr, 10));
   return std::random_device{}();
 }
 
