@@ -43,7 +43,7 @@ tests)
   grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]|^note:|identical, " "$OUT/model_tests.log"
   step "kvq generate: plain vs speculative, CPU and GPU (64 greedy tokens)"
   for kv in bfloat16 fp8 int4_per_token_head; do
-    for spec in "{$NGRAM,\"num_speculative_tokens\":4}" "{$DRAFT,\"num_speculative_tokens\":4}"; do
+    for spec in "{$NGRAM,\"num_speculative_tokens\":4}" "{$DRAFT,\"num_speculative_tokens\":4}" "{$DFLASH,\"num_speculative_tokens\":8}"; do
       for dev in cpu cuda; do
         a=$($K generate --model models/kvq-code-tiny --prompt $'import os\n\ndef ' --temperature 0 -n 64 --output-ids --kv-cache-dtype $kv --device $dev 2>/dev/null)
         b=$($K generate --model models/kvq-code-tiny --prompt $'import os\n\ndef ' --temperature 0 -n 64 --output-ids --kv-cache-dtype $kv --device $dev --speculative-config "$spec" 2>"$OUT/gen.err")
@@ -56,7 +56,7 @@ grid)
   for kv in ${KVS:-bfloat16 fp8 int4_per_token_head}; do
     for batch in ${BATCHES:-1 8 32}; do
       for k in ${KS:-2 4 8}; do
-        for spec in ${SPECS:-"$NGRAM" "$DRAFT"}; do
+        for spec in ${SPECS:-"$NGRAM" "$DRAFT" "$DFLASH"}; do
           $K bench --model models/kvq-code-tiny --device ${DEVICE:-cuda} --kv-cache-dtype $kv --batch $batch \
             --input-len 256 --output-len ${OUTLEN:-128} --num-prompts ${NUMP:-$((batch < 16 ? 16 : batch))} \
             --dataset models/kvq-code-tiny/heldout.txt \

@@ -105,14 +105,27 @@ class DflashProposer final : public Proposer {
     const ForwardBatch fb{tokens, pos, q_indptr, block_slots, cache_->block_table(ids, storage),
                           rows};
     const size_t vocab = static_cast<size_t>(drafter_->vocab_size());
-    logits_.resize(rows.size() * vocab);
-    drafter_->forward(fb, *cache_, logits_);
+    // All greedy on a device that samples: only the argmax ids cross to the host.
+    bool all_greedy = drafter_->samples_on_device();
+    for (size_t r : ran) all_greedy = all_greedy && requests[r].sampler->greedy();
+    if (all_greedy) {
+      ids_.resize(rows.size());
+      const DeviceSampling argmax[1] = {DeviceSampling{}};
+      drafter_->forward_sample(fb, *cache_, argmax, ids_);
+    } else {
+      logits_.resize(rows.size() * vocab);
+      drafter_->forward(fb, *cache_, logits_);
+    }
     size_t row = 0;
     for (size_t i = 0; i < ran.size(); ++i) {
       const DraftRequest& q = requests[ran[i]];
       Draft& d = out[ran[i]];
       const int32_t k = q_indptr[i + 1] - q_indptr[i] - 1;
       for (int32_t j = 0; j < k; ++j, ++row) {
+        if (all_greedy) {
+          d.tokens.push_back(ids_[row]);
+          continue;
+        }
         const std::span<const float> l(logits_.data() + row * vocab, vocab);
         if (q.sampler->greedy()) {
           d.tokens.push_back(q.sampler->sample(l));
@@ -143,6 +156,7 @@ class DflashProposer final : public Proposer {
   int32_t max_k_ = 0;
   std::unordered_map<uint64_t, State> state_;
   std::vector<float> logits_;
+  std::vector<int32_t> ids_;
 };
 
 }  // namespace

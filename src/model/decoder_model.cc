@@ -159,8 +159,9 @@ std::shared_ptr<const ModelWeights> DecoderModel::load_weights(
   ModelWeights& mw = *weights;
   mw.target = std::move(target);
   if (arch_.dflash && !mw.target)
-    throw InputError(plan_.model.dir + ": a DFlash drafter is loaded over its target "
-                                       "(--speculative-config with method dflash), not alone");
+    throw InputError(plan_.model.dir +
+                     ": a DFlash drafter is loaded over its target "
+                     "(--speculative-config with method dflash), not alone");
   model::CheckpointReader reader(plan_.model.dir);
   // Every tensor's name, shape and place (shared with the CUDA model); all are checked before
   // any is converted.
@@ -373,17 +374,17 @@ void DecoderModel::write_feature_kv(std::span<const float> features,
   KVQ_CHECK(arch_.dflash.has_value(), "write_feature_kv: not a DFlash drafter");
   const int T = static_cast<int>(positions.size());
   const int H = hidden_, d = head_dim_;
-  const size_t F = arch_.dflash->target_layer_ids.size() *
-                   static_cast<size_t>(arch_.dflash->target_hidden_size);
+  const size_t F =
+      arch_.dflash->target_layer_ids.size() * static_cast<size_t>(arch_.dflash->target_hidden_size);
   KVQ_CHECK(slots.size() == positions.size() && features.size() == F * static_cast<size_t>(T),
             "write_feature_kv: features, positions and slots differ in length");
   if (T == 0) return;
   const size_t t = static_cast<size_t>(T);
   FloatArray scratch(2 * t * H + t * d + t * 2 * kv_dim_ + 2 * t * kv_dim_);
-  float* fused = scratch.data();   // fc(features) [T][H]
-  float* c = fused + t * H;        // hidden_norm(fused) [T][H]
-  float* rope = c + t * H;         // [T][d/2][2]
-  float* kv = rope + t * d;        // k|v projections [T][2 kv_dim]
+  float* fused = scratch.data();  // fc(features) [T][H]
+  float* c = fused + t * H;       // hidden_norm(fused) [T][H]
+  float* rope = c + t * H;        // [T][d/2][2]
+  float* kv = rope + t * d;       // k|v projections [T][2 kv_dim]
   float* kb = kv + t * 2 * kv_dim_;
   float* vb = kb + t * kv_dim_;
   model::matmul_wt(T, H, static_cast<int>(F), features.data(), static_cast<int>(F),
@@ -396,8 +397,8 @@ void DecoderModel::write_feature_kv(std::span<const float> features,
   for (int l = 0; l < num_layers_; ++l) {
     // No input_layernorm: the context rows are the fused feature itself.
     project_kv(weights_->layers[static_cast<size_t>(l)], T, c, rope, kv, kb, vb);
-    write_kv_reference(plan_.layers[static_cast<size_t>(l)], cache.layer_view(static_cast<size_t>(l)),
-                       slots, kb, vb);
+    write_kv_reference(plan_.layers[static_cast<size_t>(l)],
+                       cache.layer_view(static_cast<size_t>(l)), slots, kb, vb);
   }
 }
 
@@ -442,17 +443,13 @@ void DecoderModel::finish_kv_row(const LayerWeights& w, const float* k_row, cons
 
 std::unique_ptr<Model> Model::load(const KvPlan& plan, std::string_view forced_backend) {
   if (parse_architecture(plan.model).dflash)
-    throw InputError(plan.model.dir + ": a DFlash drafter is loaded over its target "
-                                      "(--speculative-config with method dflash), not alone");
+    throw InputError(plan.model.dir +
+                     ": a DFlash drafter is loaded over its target "
+                     "(--speculative-config with method dflash), not alone");
   return std::make_unique<DecoderModel>(plan, forced_backend, nullptr);
 }
 
-std::unique_ptr<Model> Model::load_dflash_drafter(const KvPlan& plan, const Model& target,
-                                                  std::string_view forced_backend) {
-  const auto* t = dynamic_cast<const DecoderModel*>(&target);
-  if (t == nullptr)
-    throw InputError("--speculative-config: a DFlash drafter runs on the CPU only in this kvq "
-                     "(--device cpu); the CUDA drafter is not built yet");
+ArchitectureConfig Model::check_dflash_drafter(const KvPlan& plan, const Model& target) {
   const ArchitectureConfig a = parse_architecture(plan.model);
   const std::string src = plan.model.dir + "/config.json";
   if (!a.dflash)
@@ -469,6 +466,17 @@ std::unique_ptr<Model> Model::load_dflash_drafter(const KvPlan& plan, const Mode
                      std::to_string(target.plan().model.num_layers) + " layers, hidden " +
                      std::to_string(ta.hidden_size) + ", vocabulary " +
                      std::to_string(ta.vocab_size));
+  return a;
+}
+
+std::unique_ptr<Model> Model::load_dflash_drafter(const KvPlan& plan, const Model& target,
+                                                  std::string_view forced_backend) {
+  const auto* t = dynamic_cast<const DecoderModel*>(&target);
+  if (t == nullptr)
+    throw InputError(
+        "--speculative-config: Model::load_dflash_drafter loads a drafter for a "
+        "CPU target; a CUDA target's drafter is CudaModel::load_dflash_drafter");
+  (void)check_dflash_drafter(plan, target);
   return std::make_unique<DecoderModel>(plan, forced_backend, nullptr, t->weights());
 }
 

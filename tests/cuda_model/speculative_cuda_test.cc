@@ -1,7 +1,7 @@
-// Speculative decoding on the GPU: greedy speculation (ngram and draft_model, the drafter on
-// the GPU with its own device cache, both quantized the same way) gives the ids of plain greedy
-// decoding with the same CUDA model, up to near ties (the verification pass runs the prefill
-// attention over k + 1 query rows where plain decoding runs the decode kernel, and bf16
+// Speculative decoding on the GPU: greedy speculation (ngram, draft_model and dflash, the
+// drafters on the GPU with their own device caches, quantized like the target) gives the ids of
+// plain greedy decoding with the same CUDA model, up to near ties (the verification pass runs the
+// prefill attention over k + 1 query rows where plain decoding runs the decode kernel, and bf16
 // arithmetic may then move a near tie). Skips without a CUDA device.
 #include <gtest/gtest.h>
 
@@ -27,6 +27,7 @@ namespace {
 
 const std::string kTiny = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
 const std::string kDraft = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny-draft";
+const std::string kDflash = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny-dflash";
 
 CudaModelOptions options(bool graphs = true) {
   CudaModelOptions o;
@@ -48,6 +49,8 @@ class CudaSpeculation : public ::testing::TestWithParam<KvDtype> {};
 TEST_P(CudaSpeculation, GreedyIdsEqualPlainGreedyUpToNearTies) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   if (!std::filesystem::exists(kDraft + "/model.safetensors")) GTEST_SKIP() << kDraft << " absent";
+  if (!std::filesystem::exists(kDflash + "/model.safetensors"))
+    GTEST_SKIP() << kDflash << " absent";
   const KvDtype kv = GetParam();
   const KvPlan plan = make_kv_plan(load_model_config(kTiny), flags(kv));
   std::shared_ptr<const Model> target = CudaModel::load(plan, options());
@@ -60,6 +63,15 @@ TEST_P(CudaSpeculation, GreedyIdsEqualPlainGreedyUpToNearTies) {
   const KvPlan dplan = make_drafter_kv_plan(load_model_config(kDraft), flags(kv), sc);
   std::shared_ptr<const Model> drafter = CudaModel::load(dplan, options());
   for (const auto& l : drafter->plan().layers) EXPECT_EQ(l.k_dtype, kv);
+  // The block-diffusion drafter on the target's device, its non-causal layers quantized alike.
+  sc.method = SpecMethod::kDflash;
+  sc.model = kDflash;
+  std::shared_ptr<const Model> dflash = CudaModel::load_dflash_drafter(
+      make_drafter_kv_plan(load_model_config(kDflash), flags(kv), sc), *target, options());
+  for (const auto& l : dflash->plan().layers) {
+    EXPECT_EQ(l.k_dtype, kv);
+    EXPECT_EQ(l.attention, AttentionKind::kNonCausal);
+  }
   const Tokenizer tok = Tokenizer::load(kTiny);
   std::ifstream f(kTiny + "/heldout.txt");
   const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -71,23 +83,27 @@ TEST_P(CudaSpeculation, GreedyIdsEqualPlainGreedyUpToNearTies) {
   p.max_tokens = 48;
   p.ignore_eos = true;
   int compared = 0, identical = 0, near_ties = 0;
-  SpecCounters total;
-  for (int method = 0; method < 2; ++method) {
+  SpecCounters total, by_method[3];
+  const char* names[3] = {"ngram", "draft_model", "dflash"};
+  for (int method = 0; method < 3; ++method) {
     for (int k : {2, 4, 8}) {
-      std::unique_ptr<Proposer> proposer = method == 0 ? make_ngram_proposer(1, 3)
-                                                       : make_draft_model_proposer(drafter, 64);
+      std::unique_ptr<Proposer> proposer = method == 0   ? make_ngram_proposer(1, 3)
+                                           : method == 1 ? make_draft_model_proposer(drafter, 64)
+                                                         : make_dflash_proposer(dflash, 64);
       GeneratorOptions o;
       o.proposer = proposer.get();
       o.num_speculative_tokens = k;
       for (int t = 0; t < 3; ++t) {
         const size_t at = std::uniform_int_distribution<size_t>(0, ids.size() - 200)(rng);
-        const std::vector<int32_t> prompt(ids.begin() + static_cast<std::ptrdiff_t>(at),
-                                          ids.begin() + static_cast<std::ptrdiff_t>(at) + 40 + t * 50);
+        const std::vector<int32_t> prompt(
+            ids.begin() + static_cast<std::ptrdiff_t>(at),
+            ids.begin() + static_cast<std::ptrdiff_t>(at) + 40 + t * 50);
         const GenerationResult want = generate(*target, tok, prompt, p, {});
         EXPECT_EQ(generate(*eager, tok, prompt, p, {}).output_ids, want.output_ids)
             << "plain greedy differs with graphs off; seed " << seed;
         const GenerationResult got = generate(*target, tok, prompt, p, o);
         total.add(got.spec);
+        by_method[method].add(got.spec);
         ++compared;
         ASSERT_EQ(got.output_ids.size(), want.output_ids.size());
         size_t n = 0;
@@ -106,10 +122,9 @@ TEST_P(CudaSpeculation, GreedyIdsEqualPlainGreedyUpToNearTies) {
         });
         const float a = last[static_cast<size_t>(want.output_ids[n])];
         const float b = last[static_cast<size_t>(got.output_ids[n])];
-        std::fprintf(stderr, "note: %s k=%d parts at token %zu, logits %g vs %g\n",
-                     method == 0 ? "ngram" : "draft_model", k, n, a, b);
-        EXPECT_LE(std::abs(a - b), 0.08f * (1.0f + std::abs(a)))
-            << "not a near tie; seed " << seed;
+        std::fprintf(stderr, "note: %s k=%d parts at token %zu, logits %g vs %g\n", names[method],
+                     k, n, a, b);
+        EXPECT_LE(std::abs(a - b), 0.08f * (1.0f + std::abs(a))) << "not a near tie; seed " << seed;
         ++near_ties;
       }
     }
@@ -121,13 +136,16 @@ TEST_P(CudaSpeculation, GreedyIdsEqualPlainGreedyUpToNearTies) {
                static_cast<long long>(total.drafted), static_cast<long long>(total.accepted),
                total.mean_accepted_length());
   EXPECT_GT(identical, 0) << "seed " << seed;
-  EXPECT_GT(total.accepted, 0);
+  for (int m = 0; m < 3; ++m) {
+    std::fprintf(stderr, "  %s: mean accepted length %.2f\n", names[m],
+                 by_method[m].mean_accepted_length());
+    EXPECT_GT(by_method[m].accepted, 0) << names[m] << " never helped; seed " << seed;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(KvDtypes, CudaSpeculation,
                          ::testing::Values(KvDtype::kBFloat16, KvDtype::kFp8E4M3,
-                                           KvDtype::kInt8PerTokenHead,
-                                           KvDtype::kInt4PerTokenHead),
+                                           KvDtype::kInt8PerTokenHead, KvDtype::kInt4PerTokenHead),
                          [](const auto& param_info) {
                            return std::string(traits(param_info.param).name);
                          });

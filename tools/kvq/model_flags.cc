@@ -49,6 +49,16 @@ std::unique_ptr<Model> ModelFlags::load_model(const KvPlan& p) const {
 #ifdef KVQ_WITH_CUDA
   if (cuda_device_count() == 0)
     throw InputError("--device cuda: no CUDA device is available to this process; accepted: cpu");
+  const CudaModelOptions o = cuda_options();
+  if (!plan.synthetic.empty()) return CudaModel::synthetic(p, o);
+  return CudaModel::load(p, o);
+#else
+  throw InputError("--device cuda: this kvq was built without CUDA (KVQ_CUDA=OFF); accepted: cpu");
+#endif
+}
+
+#ifdef KVQ_WITH_CUDA
+CudaModelOptions ModelFlags::cuda_options() const {
   CudaModelOptions o;
   o.weights = parse_weight_precision(weight_dtype, "--dtype");
   o.gpu_memory_utilization = gpu_memory_utilization;
@@ -56,12 +66,9 @@ std::unique_ptr<Model> ModelFlags::load_model(const KvPlan& p) const {
   o.max_num_batched_tokens = max_num_batched_tokens;
   o.cuda_graphs = !enforce_eager;
   o.forced_backend = attention_backend;
-  if (!plan.synthetic.empty()) return CudaModel::synthetic(p, o);
-  return CudaModel::load(p, o);
-#else
-  throw InputError("--device cuda: this kvq was built without CUDA (KVQ_CUDA=OFF); accepted: cpu");
-#endif
+  return o;
 }
+#endif
 
 LoadedModel ModelFlags::load() const {
   KvPlan p = make_plan(plan.options());
@@ -92,9 +99,10 @@ size_t Speculation::drafter_block_bytes() const {
 }
 
 std::string Speculation::summary() const {
-  std::string s = std::string(to_string(config.method)) + " k=" +
-                  std::to_string(config.num_speculative_tokens);
-  if (drafter) s += " (drafter " + drafter->plan().model.dir + ": " + summarize_kv_plan(drafter->plan()) + ")";
+  std::string s =
+      std::string(to_string(config.method)) + " k=" + std::to_string(config.num_speculative_tokens);
+  if (drafter)
+    s += " (drafter " + drafter->plan().model.dir + ": " + summarize_kv_plan(drafter->plan()) + ")";
   return s;
 }
 
@@ -107,7 +115,14 @@ std::optional<Speculation> ModelFlags::load_speculation(const Model& target,
   if (c->method == SpecMethod::kDflash) {
     const KvPlan dp = plan.drafter_plan(*c);
     for (const auto& w : dp.warnings) log_warning("drafter: " + w);
-    s.drafter = std::shared_ptr<const Model>(Model::load_dflash_drafter(dp, target, attention_backend));
+#ifdef KVQ_WITH_CUDA
+    if (target.device() == Device::kCuda)
+      s.drafter =
+          std::shared_ptr<const Model>(CudaModel::load_dflash_drafter(dp, target, cuda_options()));
+#endif
+    if (!s.drafter)
+      s.drafter =
+          std::shared_ptr<const Model>(Model::load_dflash_drafter(dp, target, attention_backend));
     const int max_k = s.drafter->arch().dflash->max_speculative_tokens;
     if (c->num_speculative_tokens > max_k)
       throw InputError("--speculative-config: num_speculative_tokens " +

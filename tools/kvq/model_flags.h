@@ -8,6 +8,7 @@
 
 #include "kvq/engine/sampler.h"
 #include "kvq/engine/speculative.h"
+#include "kvq/model/cuda_model.h"
 #include "kvq/model/model.h"
 #include "kvq/tokenizer/tokenizer.h"
 #include "plan_flags.h"
@@ -54,10 +55,15 @@ struct ModelFlags {
   LoadedModel load() const;
   // The weights only, under `plan`, on --device (random weights for --synthetic).
   std::unique_ptr<Model> load_model(const KvPlan& plan) const;
+#ifdef KVQ_WITH_CUDA
+  // --dtype, --gpu-memory-utilization, --enforce-eager, ... as the CUDA model's options.
+  CudaModelOptions cuda_options() const;
+#endif
   KvPlan make_plan(const KvPlanOptions& options) const;
   // --speculative-config: nullopt when not given; InputError for an inconsistent one (bad JSON,
   // a drafter with another vocabulary or tokenizer, layers no backend can run).
-  std::optional<Speculation> load_speculation(const Model& target, const Tokenizer& tokenizer) const;
+  std::optional<Speculation> load_speculation(const Model& target,
+                                              const Tokenizer& tokenizer) const;
 };
 
 struct SamplingFlags {

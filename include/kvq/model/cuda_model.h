@@ -64,6 +64,13 @@ class CudaModel : public Model {
   // generated on the device from `seed`; scaled so activations stay finite through every layer.
   static std::unique_ptr<CudaModel> synthetic(const KvPlan& plan, const CudaModelOptions& options,
                                               uint64_t seed = 1);
+  // A DFlash drafter (plan.model: a KvqDFlashDrafter config) on the device of `target`, a CUDA
+  // model: its own tensors are uploaded in the target's weight precision, the embedding and the
+  // LM head are the target's device tensors (shared). InputError when the target is not a CUDA
+  // model, the drafter does not fit it (Model::check_dflash_drafter) or a layer has no CUDA
+  // kernel.
+  static std::unique_ptr<CudaModel> load_dflash_drafter(const KvPlan& plan, const Model& target,
+                                                        const CudaModelOptions& options);
 
   Device device() const override { return Device::kCuda; }
   virtual const CudaModelOptions& options() const = 0;

@@ -108,9 +108,14 @@ class Model {
   static std::unique_ptr<Model> load(const KvPlan& plan, std::string_view forced_backend = {});
   // A DFlash drafter (plan.model: a KvqDFlashDrafter config) over `target`'s embedding and LM
   // head (shared, not copied). InputError when the drafter does not fit the target (hidden size,
-  // layer count, vocabulary) or a layer has no backend. CPU targets only for now.
+  // layer count, vocabulary) or a layer has no backend. CPU targets (a CUDA target's drafter:
+  // CudaModel::load_dflash_drafter).
   static std::unique_ptr<Model> load_dflash_drafter(const KvPlan& plan, const Model& target,
                                                     std::string_view forced_backend = {});
+  // The drafter's architecture when plan.model is a DFlash drafter made for `target` (its
+  // target layers, hidden size and vocabulary); InputError naming config.json otherwise. Shared
+  // by the CPU and the CUDA drafters.
+  static ArchitectureConfig check_dflash_drafter(const KvPlan& plan, const Model& target);
 
   // The same weights (shared, not copied) under another plan of the same model, e.g. an
   // unquantized reference next to a quantized run in `kvq eval`. Throws InputError when the

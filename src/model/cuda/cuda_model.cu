@@ -25,6 +25,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -122,6 +123,10 @@ struct DeviceWeights {
   const void* embed = nullptr;
   const void* lm_head = nullptr;  // == embed when tied
   const float* final_norm = nullptr;
+  // A DFlash drafter's own tensors; its embedding and LM head are the target's (`target`).
+  const void* fc = nullptr;
+  const float *hidden_norm = nullptr, *mask = nullptr;
+  std::shared_ptr<const DeviceWeights> target;
   struct Layer {
     const float *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
     const void *qkv = nullptr, *o = nullptr, *gate_up = nullptr, *down = nullptr;
@@ -134,7 +139,7 @@ struct DeviceWeights {
   static bool is_matrix(model::WeightKind k) {
     using K = model::WeightKind;
     return k == K::kEmbed || k == K::kLmHead || k == K::kQkv || k == K::kO || k == K::kGateUp ||
-           k == K::kDown;
+           k == K::kDown || k == K::kDflashFc;
   }
   void* place(const model::WeightTensor& t) {
     const size_t elem = is_matrix(t.kind) && bf16 ? 2 : 4;
@@ -188,21 +193,31 @@ struct DeviceWeights {
         l->down_bias = f;
         break;
       case model::WeightKind::kDflashFc:
+        fc = p;
+        break;
       case model::WeightKind::kDflashHiddenNorm:
+        hidden_norm = f;
+        break;
       case model::WeightKind::kDflashMask:
-        throw InputError("a DFlash drafter runs on the CPU only in this kvq (--device cpu)");
+        mask = f;
+        break;
     }
     return p;
   }
   void finish() {
+    if (target) {
+      embed = target->embed;
+      lm_head = target->lm_head;
+    }
     if (!lm_head) lm_head = embed;
   }
 };
 
-std::shared_ptr<DeviceWeights> load_checkpoint_weights(const KvPlan& plan,
-                                                       const ArchitectureConfig& arch,
-                                                       WeightPrecision requested,
-                                                       WeightPrecision& chosen) {
+// `target`: a DFlash drafter's target, whose embedding and LM head it shares (and whose
+// precision it takes).
+std::shared_ptr<DeviceWeights> load_checkpoint_weights(
+    const KvPlan& plan, const ArchitectureConfig& arch, WeightPrecision requested,
+    WeightPrecision& chosen, std::shared_ptr<const DeviceWeights> target = nullptr) {
   model::CheckpointReader reader(plan.model.dir);
   const model::WeightLayout layout =
       model::checkpoint_layout(plan.model, arch, reader.has("lm_head.weight"));
@@ -213,6 +228,11 @@ std::shared_ptr<DeviceWeights> load_checkpoint_weights(const KvPlan& plan,
                                                        : WeightPrecision::kBFloat16;
   auto w = std::make_shared<DeviceWeights>();
   w->bf16 = chosen == WeightPrecision::kBFloat16;
+  if (target) {
+    w->bf16 = target->bf16;
+    chosen = target->bf16 ? WeightPrecision::kBFloat16 : WeightPrecision::kFloat32;
+    w->target = std::move(target);
+  }
   w->layers.resize(static_cast<size_t>(plan.model.num_layers));
   std::vector<std::vector<const model::WeightPiece*>> pieces(layout.tensors.size());
   for (const model::WeightPiece& pc : layout.pieces) pieces[pc.tensor].push_back(&pc);
@@ -300,9 +320,13 @@ class CudaDecoderModel final : public CudaModel {
   std::vector<const AttentionBackend*> layer_backends() const override { return backends_; }
   void forward(const ForwardBatch& batch, PagedKvCache& cache,
                std::span<float> logits) const override;
+  void write_feature_kv(std::span<const float> features, std::span<const int32_t> positions,
+                        std::span<const int64_t> slots, PagedKvCache& cache) const override;
   std::unique_ptr<PagedKvCache> create_cache(int32_t num_blocks) const override;
   int64_t max_cache_blocks() const override;
 
+  // The device weights, for a DFlash drafter built over this model.
+  const std::shared_ptr<const DeviceWeights>& weights() const { return w_; }
   const CudaModelOptions& options() const override { return options_; }
   WeightPrecision weight_precision() const override { return precision_; }
   CudaMemoryReport memory() const override;
@@ -313,8 +337,9 @@ class CudaDecoderModel final : public CudaModel {
                    std::span<const std::pair<int32_t, int32_t>> src_dst) const override;
 
   // Validates the plan against the model and the CUDA kernels (InputError naming the layer);
-  // returns the parsed architecture.
-  static ArchitectureConfig validate(const KvPlan& plan, const CudaModelOptions& options);
+  // returns the parsed architecture. A DFlash drafter's config passes only with `drafter`.
+  static ArchitectureConfig validate(const KvPlan& plan, const CudaModelOptions& options,
+                                     bool drafter = false);
 
  private:
   // One step as the device runs it.
@@ -330,6 +355,7 @@ class CudaDecoderModel final : public CudaModel {
     bool verify = false;
     int Q = 0;            // verify: most queries of a sequence
     int context = 0;      // decode: context bucket
+    int capture_set = 0;  // 0: no capture; else 1 + index into capture_sets_
     size_t num_indices = 0;
     int fallback_context = 0;  // prefill without the prefill kernels: bucket of the rows
 #if KVQ_MODEL_CUDA_PREFILL
@@ -338,9 +364,14 @@ class CudaDecoderModel final : public CudaModel {
   };
 
   void allocate_buffers();
+  // The index (1-based) of this list of capture layers, with the capture buffer grown to hold
+  // it (growing it drops the graphs, which hold its address).
+  int capture_set(std::span<const int32_t> layers) const;
   Step stage(const ForwardBatch& b, PagedKvCache& cache,
              std::span<const DeviceSampling> per_row) const;
   void run_step(const Step& st, PagedKvCache& cache) const;
+  // The captured rows of the batch's real tokens to b.captured (host), on the stream.
+  void copy_captured(const ForwardBatch& b) const;
   void run_body(const Step& st, const std::vector<LayerCacheView>& views) const;
   void attention(const Step& st, int layer, const LayerCacheView& view) const;
   // Final norm + lm_head for logit rows [first, first + n) into logits_ rows [0, n).
@@ -387,6 +418,18 @@ class CudaDecoderModel final : public CudaModel {
   void* sample_ws_ = nullptr;
   size_t attn_ws_bytes_ = 0;
   int32_t* d_ids_ = nullptr;
+  // A DFlash drafter's features [T_cap][F] (fp32, and bf16 for bf16 weights).
+  float* feat_ = nullptr;
+  void* feat_h_ = nullptr;
+  // Their positions [T_cap] and slots [T_cap] (pinned and device), apart from the step staging
+  // so a feature write need not wait for its copies before the next step is staged.
+  std::byte* h_feat_step_ = nullptr;
+  std::byte* d_feat_step_ = nullptr;
+  // Captured layer outputs [T][layers][H] (fp32), grown on first use.
+  mutable std::unique_ptr<DeviceArena> cap_arena_;
+  mutable float* cap_ = nullptr;
+  mutable size_t cap_layers_ = 0;
+  mutable std::vector<std::vector<int32_t>> capture_sets_;
   // Step staging: the same layout in pinned host memory and on the device.
   struct Offsets {
     size_t tokens, positions, slots, q_indptr, bt_indptr, seq_lens, exp_indptr, exp_seq_lens,
@@ -397,8 +440,10 @@ class CudaDecoderModel final : public CudaModel {
   int32_t* h_ids_ = nullptr;
 
   mutable std::mutex mu_;
-  mutable std::map<std::pair<int, int>, cudaGraphExec_t> graphs_;
-  mutable std::set<std::pair<int, int>> seen_;      // keys run eagerly once (warm-up)
+  // Graphs by (batch bucket, context bucket or -Q for verify steps, capture set).
+  using GraphKey = std::tuple<int, int, int>;
+  mutable std::map<GraphKey, cudaGraphExec_t> graphs_;
+  mutable std::set<GraphKey> seen_;  // keys run eagerly once (warm-up)
   // The storage the graphs were captured for: every layer's K and V base. (Layer 0's K base
   // alone is not enough: a new cache can reuse that address while other layers moved.)
   mutable std::vector<const std::byte*> graph_cache_;
@@ -414,12 +459,14 @@ class CudaDecoderModel final : public CudaModel {
   }
 };
 
-ArchitectureConfig CudaDecoderModel::validate(const KvPlan& plan, const CudaModelOptions& o) {
+ArchitectureConfig CudaDecoderModel::validate(const KvPlan& plan, const CudaModelOptions& o,
+                                              bool drafter) {
   ArchitectureConfig arch = parse_architecture(plan.model);
   const ModelConfig& c = plan.model;
-  if (arch.dflash)
-    throw InputError(c.dir + ": a DFlash drafter runs on the CPU only in this kvq (--device cpu); "
-                             "the CUDA drafter is not built yet");
+  if (arch.dflash && !drafter)
+    throw InputError(c.dir +
+                     ": a DFlash drafter is loaded over its target "
+                     "(--speculative-config with method dflash), not alone");
   if (!(o.gpu_memory_utilization > 0.0f && o.gpu_memory_utilization <= 1.0f))
     throw InputError("--gpu-memory-utilization " + std::to_string(o.gpu_memory_utilization) +
                      " is outside (0, 1]");
@@ -448,7 +495,7 @@ CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& o
                                    std::shared_ptr<const DeviceWeights> weights,
                                    WeightPrecision precision, size_t free_at_load)
     : plan_(plan),
-      arch_(validate(plan, options)),
+      arch_(validate(plan, options, weights && weights->target != nullptr)),
       options_(options),
       w_(std::move(weights)),
       precision_(precision),
@@ -493,6 +540,7 @@ CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& o
     if (stream_) (void)cudaStreamDestroy(stream_);
     if (h_step_) (void)cudaFreeHost(h_step_);
     if (h_ids_) (void)cudaFreeHost(h_ids_);
+    if (h_feat_step_) (void)cudaFreeHost(h_feat_step_);
     throw;
   }
 }
@@ -504,6 +552,7 @@ CudaDecoderModel::~CudaDecoderModel() {
   if (stream_) (void)cudaStreamDestroy(stream_);
   if (h_step_) (void)cudaFreeHost(h_step_);
   if (h_ids_) (void)cudaFreeHost(h_ids_);
+  if (h_feat_step_) (void)cudaFreeHost(h_feat_step_);
 }
 
 cuda::DecodePlan CudaDecoderModel::decode_plan(int group, int num_seqs, int context) const {
@@ -531,7 +580,12 @@ void CudaDecoderModel::allocate_buffers() {
 
   S_cap_ = options_.max_num_seqs;
   T_cap_ = std::max(options_.max_num_batched_tokens, options_.max_num_seqs);
-  R_cap_ = std::min(T_cap_, std::max(S_cap_, 256));
+  // Logit rows: every decode row, and every padded row of a verification step of up to
+  // kMaxVerifyQueries per sequence (so its graph holds the logits) while those stay under
+  // 256 MiB; larger verification steps run eagerly.
+  const int verify_rows = static_cast<int>(std::min<int64_t>(
+      int64_t{S_cap_} * kMaxVerifyQueries, (int64_t{256} << 20) / (int64_t{vocab_} * 4)));
+  R_cap_ = std::min(T_cap_, std::max({S_cap_, 256, verify_rows}));
   for (int b = 1; b < S_cap_; b <<= 1) batch_buckets_.push_back(b);
   batch_buckets_.push_back(S_cap_);
   const int max_len =
@@ -572,6 +626,13 @@ void CudaDecoderModel::allocate_buffers() {
   cs_ = static_cast<float*>(buf_.alloc(T * d_ * 4));
   logits_ = static_cast<float*>(buf_.alloc(static_cast<size_t>(R_cap_) * vocab_ * 4));
   d_ids_ = static_cast<int32_t*>(buf_.alloc(T * 4));
+  if (arch_.dflash) {
+    const size_t F = arch_.dflash->target_layer_ids.size() *
+                     static_cast<size_t>(arch_.dflash->target_hidden_size);
+    feat_ = static_cast<float*>(buf_.alloc(T * F * 4));
+    if (bf16_) feat_h_ = buf_.alloc(T * F * 2);
+    d_feat_step_ = static_cast<std::byte*>(buf_.alloc(T * 12));
+  }
 #if KVQ_MODEL_CUDA_SAMPLING
   sample_ws_ = buf_.alloc(cuda::sampling_workspace_bytes(R_cap_, vocab_));
 #endif
@@ -605,6 +666,10 @@ void CudaDecoderModel::allocate_buffers() {
   h_step_ = static_cast<std::byte*>(hp);
   KVQ_CUDA_CHECK(cudaHostAlloc(&hp, T * 4, cudaHostAllocDefault));
   h_ids_ = static_cast<int32_t*>(hp);
+  if (arch_.dflash) {
+    KVQ_CUDA_CHECK(cudaHostAlloc(&hp, T * 12, cudaHostAllocDefault));
+    h_feat_step_ = static_cast<std::byte*>(hp);
+  }
   KVQ_CUDA_CHECK(cudaDeviceSynchronize());
 
   size_t free_now = 0, total = 0;
@@ -653,7 +718,8 @@ CudaMemoryReport CudaDecoderModel::memory() const {
   r.weights = w_->arena.bytes();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    r.activations = buf_.bytes() + off_.total + static_cast<size_t>(T_cap_) * 4 + graph_bytes_;
+    r.activations = buf_.bytes() + off_.total + static_cast<size_t>(T_cap_) * 4 + graph_bytes_ +
+                    (cap_arena_ ? cap_arena_->bytes() : 0);
   }
   const double budget =
       static_cast<double>(options_.gpu_memory_utilization) * total - double(total - free_now);
@@ -729,9 +795,12 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
   KVQ_CHECK(cache.num_layers() == static_cast<size_t>(num_layers_) && cache.external_storage(),
             "forward: the cache was not made by this model's create_cache()");
   KVQ_CHECK(R <= T, "forward: more logit rows than tokens");
-  if (!b.capture_layers.empty())
-    throw InputError("capturing layer outputs (a DFlash drafter's features) is not built in the "
-                     "CUDA model yet; run the target with --device cpu");
+  for (int32_t l : b.capture_layers)
+    KVQ_CHECK(l >= 0 && l < num_layers_,
+              "forward: capture layer " + std::to_string(l) + " outside the model's layers");
+  KVQ_CHECK(b.captured.size() ==
+                b.capture_layers.size() * static_cast<size_t>(T) * static_cast<size_t>(H_),
+            "forward: captured span does not hold tokens x capture_layers x hidden floats");
   KVQ_CHECK(b.block_table.block_tokens == plan_.layers.front().block_tokens,
             "forward: block table block_tokens differs from the plan's");
   if (T > T_cap_)
@@ -743,7 +812,7 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
   for (int32_t r : b.logit_rows)
     KVQ_CHECK(r >= 0 && r < T, "forward: logit row " + std::to_string(r) + " out of range");
   for (int32_t t : b.tokens)
-    if (t < 0 || t >= vocab_)
+    if ((t < 0 || t >= vocab_) && !(t == kMaskToken && arch_.dflash))
       throw InputError("token id " + std::to_string(t) + " is outside the vocabulary (0.." +
                        std::to_string(vocab_ - 1) + ")");
   const int64_t num_slots =
@@ -763,6 +832,7 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
   Step st;
   st.R = R;
   st.num_indices = num_indices;
+  st.capture_set = b.capture_layers.empty() ? 0 : capture_set(b.capture_layers);
   bool decode = S > 0 && S == T;
   int max_len = 1;
   for (int i = 0; i < S; ++i) {
@@ -782,7 +852,8 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
   st.decode = decode;
   int max_q = 0;
   for (int i = 0; i < S; ++i)
-    max_q = std::max(max_q, b.q_indptr[static_cast<size_t>(i) + 1] - b.q_indptr[static_cast<size_t>(i)]);
+    max_q = std::max(max_q,
+                     b.q_indptr[static_cast<size_t>(i) + 1] - b.q_indptr[static_cast<size_t>(i)]);
   if (decode) {
     st.S = st.T = *std::lower_bound(batch_buckets_.begin(), batch_buckets_.end(), S);
     st.context = std::max(kMinContextBucket, context_bucket(max_len));
@@ -792,7 +863,8 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
 #if KVQ_MODEL_CUDA_PREFILL
     // Small-q steps (speculative verification) are padded to a batch bucket of Q rows per
     // sequence; the padding sequences have no queries and no cache, the padding rows no slot.
-    if (options_.cuda_graphs && S > 0 && max_q >= 2 && max_q <= kMaxVerifyQueries && !any_generic_) {
+    if (options_.cuda_graphs && S > 0 && max_q >= 2 && max_q <= kMaxVerifyQueries &&
+        !any_generic_) {
       const int sb = *std::lower_bound(batch_buckets_.begin(), batch_buckets_.end(), S);
       // Q buckets 2, 3, 5, 9, 17 (k = 1, 2, 4, 8, 16 drafts): few graphs however drafts vary.
       int qb = 2;
@@ -865,10 +937,11 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
         continue;
       }
       st.prefill_plans.push_back(
-          st.verify ? cuda::plan_prefill(s, bucket_qi, bucket_sl)
-                    : cuda::plan_prefill(
-                          s, std::span<const int32_t>(b.q_indptr.data(), static_cast<size_t>(S) + 1),
-                          std::span<const int32_t>(b.block_table.seq_lens, static_cast<size_t>(S))));
+          st.verify
+              ? cuda::plan_prefill(s, bucket_qi, bucket_sl)
+              : cuda::plan_prefill(
+                    s, std::span<const int32_t>(b.q_indptr.data(), static_cast<size_t>(S) + 1),
+                    std::span<const int32_t>(b.block_table.seq_lens, static_cast<size_t>(S))));
       KVQ_CHECK(st.prefill_plans.back().workspace_bytes <= attn_ws_bytes_,
                 "forward: the prefill workspace exceeds what was sized at load");
     }
@@ -964,7 +1037,7 @@ void CudaDecoderModel::logits_rows(int first, int n) const {
 void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView>& views) const {
   const int T = st.T;
   const int32_t* tokens = d_at<int32_t>(off_.tokens);
-  cuda_model::embed_gather(w_->embed, bf16_, tokens, T, H_, x_, stream_);
+  cuda_model::embed_gather(w_->embed, bf16_, w_->mask, tokens, T, H_, x_, stream_);
   cuda_model::rope_table(d_at<int32_t>(off_.positions), T, inv_freq_, d_ / 2, cs_, stream_);
   for (int l = 0; l < num_layers_; ++l) {
     const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
@@ -988,9 +1061,109 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     cuda_model::silu_mul(mlp_, w.gate_up_bias, T, I_, h_, bf16_, stream_);
     gemm(T, H_, I_, h_, I_, w.down, x_, H_, 1.0f);
     if (w.down_bias) cuda_model::add_bias_rows(x_, w.down_bias, T, H_, stream_);
+    if (st.capture_set > 0) {
+      // This layer's output rows into their column of the [T][layers][H] capture buffer.
+      const std::vector<int32_t>& cap = capture_sets_[static_cast<size_t>(st.capture_set) - 1];
+      for (size_t c = 0; c < cap.size(); ++c)
+        if (cap[c] == l)
+          KVQ_CUDA_CHECK(cudaMemcpy2DAsync(
+              cap_ + c * H_, cap.size() * H_ * sizeof(float), x_, H_ * sizeof(float),
+              H_ * sizeof(float), static_cast<size_t>(T), cudaMemcpyDeviceToDevice, stream_));
+    }
   }
   // A decode step computes its (padded) logit rows inside the body, so a graph holds them.
   if (st.decode || st.verify) logits_rows(0, st.T);
+}
+
+int CudaDecoderModel::capture_set(std::span<const int32_t> layers) const {
+  const std::vector<int32_t> want(layers.begin(), layers.end());
+  size_t i = 0;
+  while (i < capture_sets_.size() && capture_sets_[i] != want) ++i;
+  if (i == capture_sets_.size()) capture_sets_.push_back(want);
+  if (want.size() > cap_layers_) {
+    // The graphs hold the old buffer's address: drop them (their keys stay warm).
+    KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (auto& [key, exec] : graphs_) KVQ_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    graphs_.clear();
+    auto arena = std::make_unique<DeviceArena>();
+    cap_ = static_cast<float*>(
+        arena->alloc(static_cast<size_t>(T_cap_) * want.size() * static_cast<size_t>(H_) * 4));
+    cap_arena_ = std::move(arena);
+    cap_layers_ = want.size();
+  }
+  return static_cast<int>(i) + 1;
+}
+
+void CudaDecoderModel::copy_captured(const ForwardBatch& b) const {
+  if (b.capture_layers.empty() || b.tokens.empty()) return;
+  // Padded rows come after the real ones, so the first T rows are the batch's tokens.
+  KVQ_CUDA_CHECK(cudaMemcpyAsync(b.captured.data(), cap_, b.captured.size() * sizeof(float),
+                                 cudaMemcpyDeviceToHost, stream_));
+}
+
+void CudaDecoderModel::write_feature_kv(std::span<const float> features,
+                                        std::span<const int32_t> positions,
+                                        std::span<const int64_t> slots, PagedKvCache& cache) const {
+  KVQ_CHECK(arch_.dflash.has_value(), "write_feature_kv: not a DFlash drafter");
+  const size_t F =
+      arch_.dflash->target_layer_ids.size() * static_cast<size_t>(arch_.dflash->target_hidden_size);
+  const size_t T = positions.size();
+  KVQ_CHECK(slots.size() == T && features.size() == F * T,
+            "write_feature_kv: features, positions and slots differ in length");
+  KVQ_CHECK(cache.num_layers() == static_cast<size_t>(num_layers_) && cache.external_storage(),
+            "write_feature_kv: the cache was not made by this model's create_cache()");
+  const int64_t num_slots =
+      static_cast<int64_t>(cache.layer_view(0).num_blocks) * plan_.layers.front().block_tokens;
+  for (size_t i = 0; i < T; ++i) {
+    KVQ_CHECK(positions[i] >= 0, "write_feature_kv: negative position");
+    KVQ_CHECK(slots[i] >= 0 && slots[i] < num_slots,
+              "write_feature_kv: slot " + std::to_string(slots[i]) + " outside the cache's " +
+                  std::to_string(num_slots) + " slots");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<LayerCacheView> views;
+  for (size_t l = 0; l < cache.num_layers(); ++l) views.push_back(cache.layer_view(l));
+  const int Fi = static_cast<int>(F);
+  // [T_cap] int64 slots, then [T_cap] int32 positions.
+  auto* d_slots = reinterpret_cast<int64_t*>(d_feat_step_);
+  auto* d_positions = reinterpret_cast<int32_t*>(d_feat_step_ + size_t(T_cap_) * 8);
+  for (size_t r0 = 0; r0 < T; r0 += static_cast<size_t>(T_cap_)) {
+    const int n = static_cast<int>(std::min(static_cast<size_t>(T_cap_), T - r0));
+    // Earlier copies from the pinned staging (a previous chunk or call) must be done before it
+    // is refilled; after a forward() (which waits for its step) this costs nothing.
+    KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::copy_n(slots.begin() + static_cast<ptrdiff_t>(r0), n,
+                reinterpret_cast<int64_t*>(h_feat_step_));
+    std::copy_n(positions.begin() + static_cast<ptrdiff_t>(r0), n,
+                reinterpret_cast<int32_t*>(h_feat_step_ + size_t(T_cap_) * 8));
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(d_feat_step_, h_feat_step_, size_t(T_cap_) * 8 + size_t(n) * 4,
+                                   cudaMemcpyHostToDevice, stream_));
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(feat_, features.data() + r0 * F,
+                                   static_cast<size_t>(n) * F * sizeof(float),
+                                   cudaMemcpyHostToDevice, stream_));
+    const void* in = feat_;
+    if (bf16_) {
+      cuda_model::to_bf16(feat_, static_cast<int64_t>(n) * Fi, feat_h_, stream_);
+      in = feat_h_;
+    }
+    // The context rows: hidden_norm(fc(features)), then each layer's k/v projections of them
+    // (no input_layernorm), k_norm and RoPE, written in the layer's cache format.
+    gemm(n, H_, Fi, in, Fi, w_->fc, x_, H_, 0.0f);
+    cuda_model::rms_norm_rows(x_, nullptr, n, H_, w_->hidden_norm, eps_, h_, bf16_, stream_);
+    cuda_model::rope_table(d_positions, n, inv_freq_, d_ / 2, cs_, stream_);
+    for (int l = 0; l < num_layers_; ++l) {
+      const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
+      // The whole q|k|v product (the q columns are not used): one GEMM shape shared with the
+      // forward pass, at the cost of the q columns' flops.
+      gemm(n, qkv_dim_, H_, h_, H_, w.qkv, qkv_, qkv_dim_, 0.0f);
+      cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, n, nq_, nkv_, d_, eps_, q_,
+                           k_, v_, stream_);
+      write_kv_cuda(plan_.layers[static_cast<size_t>(l)], views[static_cast<size_t>(l)], d_slots, n,
+                    k_, v_, stream_);
+    }
+  }
+  // No wait: the next step on this stream runs after these writes, and the features (pageable
+  // host memory) were staged by the driver before cudaMemcpyAsync returned.
 }
 
 void CudaDecoderModel::tune_gemms(int m) const {
@@ -1033,7 +1206,7 @@ void CudaDecoderModel::run_step(const Step& st, PagedKvCache& cache) const {
     graph_cache_ = cache_id;
   }
   // Verify graphs are keyed by (batch bucket, -Q): their attention reads lengths on the device.
-  const std::pair<int, int> key{st.S, st.verify ? -st.Q : st.context};
+  const GraphKey key{st.S, st.verify ? -st.Q : st.context, st.capture_set};
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     if (seen_.insert(key).second) {  // first time: run eagerly (loads modules, warms cuBLAS)
@@ -1080,6 +1253,7 @@ void CudaDecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
                                    static_cast<size_t>(n) * V * sizeof(float),
                                    cudaMemcpyDeviceToHost, stream_));
   }
+  copy_captured(b);
   KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -1115,6 +1289,7 @@ void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache
   }
   KVQ_CUDA_CHECK(
       cudaMemcpyAsync(h_ids_, d_ids_, R * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  copy_captured(b);
   KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::copy(h_ids_, h_ids_ + R, next_tokens.begin());
 }
@@ -1141,6 +1316,25 @@ std::unique_ptr<CudaModel> CudaModel::load(const KvPlan& plan, const CudaModelOp
     (void)select_attention_backend(s, Device::kCuda, options.forced_backend);
   WeightPrecision chosen = options.weights;
   auto weights = load_checkpoint_weights(plan, arch, options.weights, chosen);
+  return std::make_unique<CudaDecoderModel>(plan, options, std::move(weights), chosen,
+                                            free_at_load);
+}
+
+std::unique_ptr<CudaModel> CudaModel::load_dflash_drafter(const KvPlan& plan, const Model& target,
+                                                          const CudaModelOptions& options) {
+  const auto* t = dynamic_cast<const CudaDecoderModel*>(&target);
+  if (t == nullptr)
+    throw InputError(
+        "--speculative-config: a DFlash drafter on the GPU needs a CUDA target "
+        "(--device cuda); for a CPU target use Model::load_dflash_drafter");
+  size_t total = 0;
+  const size_t free_at_load = init_device(total);
+  (void)Model::check_dflash_drafter(plan, target);
+  const ArchitectureConfig arch = CudaDecoderModel::validate(plan, options, /*drafter=*/true);
+  for (const LayerKvSpec& s : plan.layers)
+    (void)select_attention_backend(s, Device::kCuda, options.forced_backend);
+  WeightPrecision chosen = t->weight_precision();
+  auto weights = load_checkpoint_weights(plan, arch, chosen, chosen, t->weights());
   return std::make_unique<CudaDecoderModel>(plan, options, std::move(weights), chosen,
                                             free_at_load);
 }

@@ -28,11 +28,18 @@ __device__ __forceinline__ float load(const void* in, int64_t i, bool bf16) {
               : static_cast<const float*>(in)[i];
 }
 
-__global__ void embed_kernel(const void* embed, bool bf16, const int32_t* tokens, int H, float* x) {
+__global__ void embed_kernel(const void* embed, bool bf16, const float* mask, const int32_t* tokens,
+                             int H, float* x) {
   const int t = static_cast<int>(blockIdx.x);
-  const int64_t base = static_cast<int64_t>(tokens[t]) * H;
+  const int32_t tok = tokens[t];
+  float* row = x + static_cast<int64_t>(t) * H;
+  if (tok < 0) {  // kMaskToken: a DFlash drafter's mask vector (stage() admits it only there)
+    for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x) row[i] = mask[i];
+    return;
+  }
+  const int64_t base = static_cast<int64_t>(tok) * H;
   for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
-    x[static_cast<int64_t>(t) * H + i] = load(embed, base + i, bf16);
+    row[i] = load(embed, base + i, bf16);
 }
 
 template <typename T>
@@ -196,10 +203,10 @@ __global__ void argmax_kernel(const float* logits, int vocab, int32_t* out) {
 
 }  // namespace
 
-void embed_gather(const void* embed, bool bf16, const int32_t* tokens, int T, int H, float* x,
-                  cudaStream_t stream) {
+void embed_gather(const void* embed, bool bf16, const float* mask, const int32_t* tokens, int T,
+                  int H, float* x, cudaStream_t stream) {
   if (T == 0) return;
-  embed_kernel<<<T, kThreads, 0, stream>>>(embed, bf16, tokens, H, x);
+  embed_kernel<<<T, kThreads, 0, stream>>>(embed, bf16, mask, tokens, H, x);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

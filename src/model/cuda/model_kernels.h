@@ -9,9 +9,10 @@
 
 namespace kvq::cuda_model {
 
-// x[t][:] = embed[tokens[t]][:] as fp32.
-void embed_gather(const void* embed, bool bf16, const int32_t* tokens, int T, int H, float* x,
-                  cudaStream_t stream);
+// x[t][:] = embed[tokens[t]][:] as fp32; a negative token (kMaskToken) takes the fp32 row
+// `mask` (a DFlash drafter's mask embedding; callers admit negative ids only with one).
+void embed_gather(const void* embed, bool bf16, const float* mask, const int32_t* tokens, int T,
+                  int H, float* x, cudaStream_t stream);
 
 // out[i][:] = rms_norm(x[rows ? rows[i] : i][:]) * w, n rows of H (sum of squares in fp64,
 // like the CPU path), written as bf16 or fp32.

@@ -36,11 +36,11 @@ std::shared_ptr<const Model> dflash_drafter(const Model& target, KvDtype kv) {
       make_drafter_kv_plan(load_model_config(kDflashDir), kv_flags(kv), sc), target));
 }
 
-#define KVQ_REQUIRE_DFLASH()                                                      \
-  do {                                                                            \
-    KVQ_REQUIRE_MODEL();                                                          \
-    if (!std::filesystem::exists(kDflashDir + "/model.safetensors"))              \
-      GTEST_SKIP() << kDflashDir << " absent";                                    \
+#define KVQ_REQUIRE_DFLASH()                                         \
+  do {                                                               \
+    KVQ_REQUIRE_MODEL();                                             \
+    if (!std::filesystem::exists(kDflashDir + "/model.safetensors")) \
+      GTEST_SKIP() << kDflashDir << " absent";                       \
   } while (0)
 
 TEST(DflashDrafter, PlansNonCausalLayersQuantizedLikeTheTarget) {
@@ -189,8 +189,7 @@ TEST_P(DflashGreedy, GenerateGivesPlainGreedyIdsWithBothCachesQuantized) {
 
 INSTANTIATE_TEST_SUITE_P(KvDtypes, DflashGreedy,
                          ::testing::Values(KvDtype::kBFloat16, KvDtype::kFp8E4M3,
-                                           KvDtype::kInt8PerTokenHead,
-                                           KvDtype::kInt4PerTokenHead),
+                                           KvDtype::kInt8PerTokenHead, KvDtype::kInt4PerTokenHead),
                          [](const auto& param_info) {
                            return std::string(traits(param_info.param).name);
                          });
@@ -232,9 +231,9 @@ TEST(DflashEngine, BatchWithPrefixHitsAndPreemptionGivesSoloIds) {
   ASSERT_TRUE(collector.wait_finished(prompts.size()));
   int near_ties = 0;
   for (size_t i = 0; i < prompts.size(); ++i)
-    EXPECT_EQ(compare_greedy(prompts[i], want[i], collector.get(rid[i]), &near_ties,
-                             solo_model.get()),
-              "")
+    EXPECT_EQ(
+        compare_greedy(prompts[i], want[i], collector.get(rid[i]), &near_ties, solo_model.get()),
+        "")
         << "request " << i << ", seed " << seed;
   EXPECT_LE(near_ties, 2);
   const EngineStats s = engine->stats();

@@ -343,10 +343,9 @@ TEST_P(GreedySpeculation, GenerateGivesPlainGreedyIds) {
   std::mt19937 rng(seed);
   const KvPlan plan = default_plan(gc.kv);
   const std::unique_ptr<Model> target = engine_model(plan);
-  std::unique_ptr<Proposer> proposer =
-      gc.method == SpecMethod::kNgram
-          ? make_ngram_proposer(1, 3)
-          : make_draft_model_proposer(drafter_for(gc.kv), 64);
+  std::unique_ptr<Proposer> proposer = gc.method == SpecMethod::kNgram
+                                           ? make_ngram_proposer(1, 3)
+                                           : make_draft_model_proposer(drafter_for(gc.kv), 64);
   GeneratorOptions options;
   options.proposer = proposer.get();
   options.num_speculative_tokens = gc.k;
@@ -359,11 +358,10 @@ TEST_P(GreedySpeculation, GenerateGivesPlainGreedyIds) {
   GeneratorOptions plain;
   plain.prefill_chunk = options.prefill_chunk;  // the same prefill shapes as the speculative run
   for (const auto& prompt : code_prompts(rng, 2, 5, 60)) {
-    const SamplingParams p = greedy(std::uniform_int_distribution<int>(kUnderSanitizer ? 16 : 20,
-                                                                       kUnderSanitizer ? 24 : 36)(rng));
+    const SamplingParams p = greedy(std::uniform_int_distribution<int>(
+        kUnderSanitizer ? 16 : 20, kUnderSanitizer ? 24 : 36)(rng));
     const GenerationResult want = generate(*target, reference_tokenizer(), prompt, p, plain);
-    const GenerationResult got =
-        generate(*target, reference_tokenizer(), prompt, p, options);
+    const GenerationResult got = generate(*target, reference_tokenizer(), prompt, p, options);
     EXPECT_EQ(compare_greedy(prompt, want, as_collected(got), &near_ties, target.get(), tie), "")
         << "seed " << seed;
     EXPECT_EQ(got.output_ids.size(), want.output_ids.size());
@@ -388,12 +386,13 @@ INSTANTIATE_TEST_SUITE_P(
                       GreedyCase{SpecMethod::kDraftModel, KvDtype::kInt4PerTokenHead, 2}),
     [](const auto& param_info) {
       return std::string(to_string(param_info.param.method)) + "_" +
-             std::string(traits(param_info.param.kv).name) + "_k" + std::to_string(param_info.param.k);
+             std::string(traits(param_info.param.kv).name) + "_k" +
+             std::to_string(param_info.param.k);
     });
 
 struct EngineCase {
   SpecMethod method;
-  int num_blocks;   // small: preemption
+  int num_blocks;  // small: preemption
   bool shared_prefix;
 };
 
@@ -549,8 +548,7 @@ TEST(SpeculativeSkipLayers, DrafterFollowsTheTargetsSkipRule) {
     EXPECT_EQ(p->decisions.front().k.provenance, Provenance::kSkipRule);
   }
   const std::unique_ptr<Model> target = engine_model(plan);
-  auto proposer =
-      make_draft_model_proposer(std::shared_ptr<const Model>(Model::load(dplan)), 64);
+  auto proposer = make_draft_model_proposer(std::shared_ptr<const Model>(Model::load(dplan)), 64);
   GeneratorOptions options;
   options.proposer = proposer.get();
   options.num_speculative_tokens = 4;
