@@ -58,10 +58,14 @@ test::Tolerance prefill_tolerance(const CudaAttnCase& c) {
   return {tolerance(c.k_dtype, c.v_dtype), 2.0 * u, std::sqrt(double(c.head_dim_k))};
 }
 
-// run_prefill directly, every table on the device, on a stream.
-std::vector<float> run_device_api(const CudaAttnProblem& p, float soft_cap) {
+// run_prefill directly, every table on the device, on a stream (split-KV by `options`).
+std::vector<float> run_device_api(const CudaAttnProblem& p, float soft_cap,
+                                  const cuda::PrefillOptions& options = {},
+                                  int* num_splits = nullptr) {
   test::DeviceBatch dev(p);
-  const cuda::PrefillPlan plan = cuda::plan_prefill(p.spec(), p.q_indptr(), p.seq_lens());
+  const cuda::PrefillPlan plan = cuda::plan_prefill(p.spec(), p.q_indptr(), p.seq_lens(), options);
+  if (num_splits != nullptr) *num_splits = plan.num_splits;
+  EXPECT_LE(plan.workspace_bytes, cuda::kPrefillSplitWorkspaceBytes);
   DeviceBuffer<std::byte> ws(plan.workspace_bytes);
   cudaStream_t stream = nullptr;
   EXPECT_EQ(cudaStreamCreate(&stream), cudaSuccess);
@@ -139,6 +143,56 @@ INSTANTIATE_TEST_SUITE_P(EveryPair, CudaPrefillGrid, ::testing::ValuesIn(support
                            return pair_name(p.param);
                          });
 
+// Split-KV, the speculative verification shape: many sequences of 1-17 queries at the end of
+// contexts up to 1500 tokens, planned as a graph plan is (for longer sequences than these),
+// every pair x head_dim x mask kind; some splits of a block see nothing (short sequences).
+TEST(CudaPrefill, SplitKvForSmallQueryBatchesMatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                 AttentionKind::kNonCausal};
+  const int ratios[] = {1, 4, 8};
+  cuda::PrefillOptions o;
+  o.num_sms = 132;
+  o.max_kv_len = 2048;
+  int index = 0;
+  double worst = 0.0;
+  for (const auto& [kd, vd] : supported_pairs()) {
+    for (int hd : {64, 128, 256}) {
+      CudaAttnCase c;
+      c.k_dtype = kd;
+      c.v_dtype = vd;
+      c.set_head_dim(hd);
+      c.block_tokens = index % 2 == 0 ? 16 : 32;
+      c.ratio = ratios[index % 3];
+      c.num_kv_heads = c.ratio == 1 ? 2 : 1;
+      c.kind = kinds[(index / 3) % 3];
+      c.window = std::uniform_int_distribution<int>(8, 300)(rng);
+      c.soft_cap = index % 4 == 1 ? 5.0f : 0.0f;
+      c.outliers = index % 5 == 2;
+      c.q_lens.clear();
+      c.kv_lens.clear();
+      const int n = 1 + index % 6;
+      for (int i = 0; i < n; ++i) {
+        const int q = std::uniform_int_distribution<int>(1, 17)(rng);
+        c.q_lens.push_back(q);
+        c.kv_lens.push_back(std::uniform_int_distribution<int>(q, i == 0 ? 1500 : 400)(rng));
+      }
+      const unsigned case_seed = seed + static_cast<unsigned>(index++) + 1;
+      const CudaAttnProblem problem(c, case_seed);
+      int splits = 0;
+      const std::vector<float> got = run_device_api(problem, c.soft_cap, o, &splits);
+      EXPECT_GT(splits, 1) << c.describe();
+      EXPECT_TRUE(problem.check(got, problem.reference(), prefill_tolerance(c)))
+          << c.describe() << ", " << splits << " splits, seed " << seed << " (case seed "
+          << case_seed << ")";
+      worst = std::max(worst, problem.worst());
+    }
+  }
+  std::printf("  split-KV: largest |error| / allowed error %.2f over %d cases\n", worst, index);
+}
+
 // Long sequences: thousands of kv tiles skipped / masked per block, a sliding window that
 // starts inside a tile, GQA ratio 12 (row tiles that split a token's heads).
 TEST(CudaPrefill, LongSequencesAndOddGroups) {
@@ -192,6 +246,16 @@ TEST(CudaPrefill, SmallForSanitizers) {
     EXPECT_TRUE(
         problem.check(run_device_api(problem, 0.0f), problem.reference(), prefill_tolerance(c)))
         << c.describe() << ", seed " << seed;
+    // And split over the kv range (partials and the merge kernel), planned for longer
+    // sequences so that some splits of a block are empty.
+    cuda::PrefillOptions o;
+    o.num_sms = 132;
+    o.max_kv_len = 2048;
+    int splits = 0;
+    EXPECT_TRUE(problem.check(run_device_api(problem, 0.0f, o, &splits), problem.reference(),
+                              prefill_tolerance(c)))
+        << c.describe() << ", split, seed " << seed;
+    EXPECT_GT(splits, 1);
   }
 }
 

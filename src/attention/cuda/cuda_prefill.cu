@@ -36,7 +36,7 @@ std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec) {
 }
 
 PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_indptr,
-                         std::span<const int32_t> seq_lens) {
+                         std::span<const int32_t> seq_lens, const PrefillOptions& options) {
   const auto reasons = prefill_unsupported_reasons(spec);
   KVQ_CHECK(reasons.empty(), "plan_prefill: unsupported layer: " + reasons.front());
   KVQ_CHECK(spec.num_kv_heads > 0 && spec.num_q_heads % spec.num_kv_heads == 0,
@@ -49,8 +49,9 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   plan.num_seqs = static_cast<int32_t>(seq_lens.size());
   const int64_t ratio = spec.gqa_ratio();
   const int64_t rows_per_block = prefill_rows_per_block(spec.head_dim_k);
-  int64_t max_tiles = 0;
+  int64_t max_tiles = 0, max_kv = options.max_kv_len;
   for (size_t i = 0; i < seq_lens.size(); ++i) {
+    max_kv = std::max<int64_t>(max_kv, seq_lens[i]);
     const int64_t q_len = static_cast<int64_t>(q_indptr[i + 1]) - q_indptr[i];
     if (q_len < 0 || q_len > seq_lens[i])
       throw InputError("plan_prefill: sequence " + std::to_string(i) + " has " +
@@ -60,8 +61,69 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   }
   KVQ_CHECK(max_tiles < (int64_t{1} << 31), "plan_prefill: too many queries in one sequence");
   plan.max_q_tiles = static_cast<int32_t>(max_tiles);
+  plan.total_q = q_indptr.empty() ? 0 : q_indptr.back();
   plan.workspace_bytes = 0;
+  if (options.num_sms > 0 && max_tiles > 0 && plan.total_q > 0) {
+    // Enough blocks to fill every SM twice, each split at least 4 kv tiles of the longest
+    // sequence, at most 32 splits, and the partials within kPrefillSplitWorkspaceBytes.
+    const int64_t blocks = max_tiles * spec.num_kv_heads * plan.num_seqs;
+    const int64_t kv_tile = spec.head_dim_k <= 64 ? 64 : 32;
+    const int64_t kv_tiles = (max_kv + kv_tile - 1) / kv_tile;
+    const int64_t per_split = int64_t{plan.total_q} * spec.num_q_heads * (spec.head_dim_v * 4 + 8);
+    int64_t splits = (2 * int64_t{options.num_sms} + blocks - 1) / blocks;
+    splits = std::min({splits, int64_t{32}, kv_tiles / 4,
+                       static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
+    if (splits > 1) {
+      plan.num_splits = static_cast<int32_t>(splits);
+      plan.workspace_bytes = static_cast<size_t>(splits * per_split);
+    }
+  }
   return plan;
+}
+
+namespace {
+
+// One warp per query row: out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s over the splits
+// that saw anything (l_s > 0).
+__global__ void prefill_merge_kernel(PrefillKernelParams p, int head_dim, int num_seqs) {
+  const int rows = min(p.q_indptr[num_seqs] * p.num_q_heads, p.part_rows);
+  const int warps = static_cast<int>(blockDim.x) / 32, lane = static_cast<int>(threadIdx.x) & 31;
+  for (int row = static_cast<int>(blockIdx.x) * warps + static_cast<int>(threadIdx.x) / 32;
+       row < rows; row += static_cast<int>(gridDim.x) * warps) {
+    float mx = -__int_as_float(0x7f800000);
+    for (int sp = 0; sp < p.num_splits; ++sp) {
+      const float2 ml = p.part_ml[static_cast<size_t>(sp) * p.part_rows + row];
+      if (ml.y > 0.0f) mx = fmaxf(mx, ml.x);
+    }
+    float sum = 0.0f, acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+    for (int sp = 0; sp < p.num_splits; ++sp) {
+      const float2 ml = p.part_ml[static_cast<size_t>(sp) * p.part_rows + row];
+      if (!(ml.y > 0.0f)) continue;
+      const float w = exp2f(ml.x - mx);
+      sum += w * ml.y;
+      const float* src = p.part_o + (static_cast<size_t>(sp) * p.part_rows + row) * head_dim;
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (32 * e < head_dim) acc[e] = fmaf(w, src[lane + 32 * e], acc[e]);
+    }
+    const float inv = 1.0f / sum;
+    float* dst = p.out + static_cast<size_t>(row) * head_dim;
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (32 * e < head_dim) dst[lane + 32 * e] = acc[e] * inv;
+  }
+}
+
+}  // namespace
+
+void launch_prefill_merge(const PrefillKernelParams& p, int head_dim, int num_seqs,
+                          cudaStream_t stream) {
+  constexpr int kWarps = 8;
+  const int blocks = std::max(1, std::min((p.part_rows + kWarps - 1) / kWarps, 4096));
+  prefill_merge_kernel<<<blocks, kWarps * 32, 0, stream>>>(p, head_dim, num_seqs);
+  KVQ_CUDA_CHECK_LAUNCH();
 }
 
 void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const PrefillArgs& args,
@@ -97,12 +159,21 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   kp.softmax_scale = args.softmax_scale;
   kp.soft_cap = args.logit_soft_cap;
   kp.signs = make_hadamard_signs();
-  const dim3 grid(static_cast<unsigned>(plan.max_q_tiles), static_cast<unsigned>(spec.num_kv_heads),
-                  static_cast<unsigned>(plan.num_seqs));
+  kp.num_splits = std::max(1, plan.num_splits);
+  if (kp.num_splits > 1) {
+    KVQ_CHECK(args.workspace != nullptr, "run_prefill: a split plan needs its workspace");
+    kp.part_rows = plan.total_q * spec.num_q_heads;
+    kp.part_o = static_cast<float*>(args.workspace);
+    kp.part_ml = reinterpret_cast<float2*>(kp.part_o + static_cast<size_t>(kp.num_splits) *
+                                                           kp.part_rows * spec.head_dim_v);
+  }
+  const dim3 grid(static_cast<unsigned>(plan.max_q_tiles * kp.num_splits),
+                  static_cast<unsigned>(spec.num_kv_heads), static_cast<unsigned>(plan.num_seqs));
   const bool launched = with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
     launch_prefill<decltype(k)::value, decltype(v)::value>(kp, spec.head_dim_k, grid, stream);
   });
   KVQ_CHECK(launched, "run_prefill: no kernel for this (K, V) pair");
+  if (kp.num_splits > 1) launch_prefill_merge(kp, spec.head_dim_v, plan.num_seqs, stream);
 }
 
 }  // namespace kvq::cuda

@@ -56,15 +56,33 @@ std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec);
 
 struct PrefillPlan {
   int32_t num_seqs = 0;
-  int32_t max_q_tiles = 0;     // blocks per (sequence, kv head) in the grid, at most
-  size_t workspace_bytes = 0;  // 0 today; callers still pass a buffer of this size
+  int32_t max_q_tiles = 0;  // blocks per (sequence, kv head) in the grid, at most
+  // Split-KV for small-q batches (speculative verification, short chunks after a long
+  // context): each block's kv tiles are divided among num_splits blocks, which write
+  // unnormalized partial outputs and their (max, sum) to the workspace; a merge kernel combines
+  // them. 1: no split, no workspace.
+  int32_t num_splits = 1;
+  int32_t total_q = 0;         // query rows the workspace holds (tokens)
+  size_t workspace_bytes = 0;  // num_splits > 1: the partials; else 0
+};
+
+// Workspace a split plan may take at most (plan_prefill lowers num_splits to stay under it).
+inline constexpr size_t kPrefillSplitWorkspaceBytes = size_t{32} << 20;
+
+struct PrefillOptions {
+  // > 0: split the kv range when the grid would not fill this many SMs twice (0: never split).
+  int num_sms = 0;
+  // Plan for sequences up to this long (a plan replayed from a CUDA graph on later, longer
+  // steps); 0: the longest of seq_lens. The kernel divides each block's own tiles among the
+  // splits, so a plan made for longer sequences stays correct on shorter ones.
+  int32_t max_kv_len = 0;
 };
 
 // Host-side sizing. q_indptr (num_seqs + 1) and seq_lens (num_seqs) are the host copies of
 // what run_prefill gets on the device; every sequence needs 0 <= q_len <= kv_len. Throws
 // InputError on a bad batch, InternalError on an unsupported spec.
 PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_indptr,
-                         std::span<const int32_t> seq_lens);
+                         std::span<const int32_t> seq_lens, const PrefillOptions& options = {});
 
 // Everything in device memory. q: [total_q][num_q_heads][head_dim] fp32, model space (not
 // rotated); out: the same shape. Sequence i's queries are rows q_indptr[i] .. q_indptr[i+1]

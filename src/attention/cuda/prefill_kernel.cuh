@@ -372,8 +372,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
   const int g = lane >> 2, c = lane & 3;
   const int seq = static_cast<int>(blockIdx.z);
   const int kvh = static_cast<int>(blockIdx.y);
-  // Highest row tiles first: under a causal mask they carry the most kv tiles.
-  const int qtile = static_cast<int>(gridDim.x - 1 - blockIdx.x);
+  // Highest row tiles first: under a causal mask they carry the most kv tiles. With split-KV,
+  // blockIdx.x = split x q tiles + that order.
+  const int num_qt = static_cast<int>(gridDim.x) / p.num_splits;
+  const int split = static_cast<int>(blockIdx.x) / num_qt;
+  const int qtile = num_qt - 1 - (static_cast<int>(blockIdx.x) - split * num_qt);
 
   const int q_start = p.q_indptr[seq];
   const int q_len = p.q_indptr[seq + 1] - q_start;
@@ -391,7 +394,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
   const int hi = noncausal ? kv_len : p_hi + 1;
   const int all_lo = sliding ? p_hi - p.window + 1 : 0;
   const int all_hi = noncausal ? kv_len : p_lo + 1;
-  const int tile_b = lo / kBc, tile_e = (hi + kBc - 1) / kBc;
+  int tile_b = lo / kBc, tile_e = (hi + kBc - 1) / kBc;
+  // The index of query row r (token x head) in out / part_o.
+  auto row_index = [&](int r) {
+    const int t = r / p.ratio, h = r - t * p.ratio;
+    return (q_start + t) * p.num_q_heads + kvh * p.ratio + h;
+  };
+  if (p.num_splits > 1) {
+    // This block's share of the q tile's kv tiles; an empty share reports "nothing seen".
+    const int per = (tile_e - tile_b + p.num_splits - 1) / p.num_splits;
+    const int b = tile_b + split * per;
+    tile_e = min(tile_e, b + per);
+    tile_b = b;
+    if (tile_b >= tile_e) {
+      for (int r = r0 + tid; r < min(rows_total, r0 + kRows); r += kThreads)
+        p.part_ml[static_cast<size_t>(split) * p.part_rows + row_index(r)] =
+            make_float2(-__uint_as_float(kF32Inf), 0.0f);
+      return;
+    }
+  }
 
   const int32_t* blocks = p.indices + p.indptr[seq];
   const uint8_t* k_head = p.k.base + static_cast<uint64_t>(kvh) * p.k.head_stride;
@@ -806,11 +827,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
   if constexpr (tensor_scaled(DV)) scale_o = p.v.tensor_scale[kvh];
   if constexpr (C::kMetaV) scale_o = s_run;
   float inv_l[kLR], zt[kLR];
+  const bool partial = p.num_splits > 1;
 #pragma unroll
   for (int i = 0; i < kLR; ++i) {
-    inv_l[i] = 1.0f / quad_sum(l[i]);
+    const float lsum = quad_sum(l[i]);
+    // A split's output stays unnormalized; its (max, sum) go with it.
+    inv_l[i] = partial ? 1.0f : 1.0f / lsum;
     zt[i] = C::kInt4V ? quad_sum(zacc[i]) : 0.0f;
+    if (partial && c == 0) {
+      const int r = r0 + warp * kWarpRows + 16 * (i >> 1) + g + 8 * (i & 1);
+      if (r < rows_total)
+        p.part_ml[static_cast<size_t>(split) * p.part_rows + row_index(r)] = make_float2(m[i], lsum);
+    }
   }
+  // Where row r's output goes: out, or this split's partial.
+  auto out_row = [&](int r) -> float* {
+    const size_t at = static_cast<size_t>(row_index(r)) * HD;
+    return partial ? p.part_o + static_cast<size_t>(split) * p.part_rows * HD + at : p.out + at;
+  };
   // Output dims of accumulator o[mt][j][2 hf + b]: 8j + 2c + b, or for a Reg8 V (pairs of
   // n-tiles 2u, 2u + 1) 16u + 4c + 2b + (j % 2).
   if constexpr (!C::kRotV) {
@@ -819,9 +853,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
       const int mt = i >> 1, hf = i & 1;
       const int r = r0 + warp * kWarpRows + 16 * mt + g + 8 * hf;
       if (r >= rows_total) continue;
-      const int t = r / p.ratio, h = r - t * p.ratio;
-      float* dst =
-          p.out + (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD;
+      float* dst = out_row(r);
       auto fin = [&](float x) { return (x * scale_o + zt[i]) * inv_l[i]; };
       if constexpr (kReg8V) {
 #pragma unroll
@@ -858,10 +890,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
 #pragma unroll
       for (int e = 0; e < E; ++e) x[e] = epi[rr * C::kEpiStride + lane * E + e];
       warp_hadamard_unrotate<E>(x, lane, p.signs);
-      const int t = r / p.ratio, h = r - t * p.ratio;
-      float* dst = p.out +
-                   (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
-                   lane * E;
+      float* dst = out_row(r) + lane * E;
 #pragma unroll
       for (int e = 0; e < E; ++e) dst[e] = x[e];
     }

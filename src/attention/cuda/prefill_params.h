@@ -29,7 +29,19 @@ struct PrefillKernelParams {
   int num_q_heads, num_kv_heads, ratio, block_tokens, attention_kind, window;
   float softmax_scale, soft_cap;  // soft_cap 0: off
   HadamardSigns signs;
+  // Split-KV (PrefillPlan::num_splits > 1): grid.x = q tiles x num_splits; block (split, q tile)
+  // takes its share of the q tile's kv tiles and writes, per query row (token x head, the index
+  // of `out`), the unnormalized output to part_o[split][row][HD] and (max in log2 units, sum)
+  // to part_ml[split][row]; rows with nothing visible in the share get sum 0.
+  int num_splits;
+  int part_rows;  // rows per split in part_o / part_ml (total_q x num_q_heads of the plan)
+  float* part_o;
+  float2* part_ml;
 };
+
+// Combines the split partials of rows [0, q_indptr[num_seqs] x num_q_heads) into out.
+void launch_prefill_merge(const PrefillKernelParams& p, int head_dim, int num_seqs,
+                          cudaStream_t stream);
 
 // One instantiation per (K, V) pair, for head_dim 64, 128 and 256, defined in
 // prefill_<k>.cu (K == V) or prefill_<k>__<v>.cu.

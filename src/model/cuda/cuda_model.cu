@@ -608,8 +608,11 @@ void CudaDecoderModel::allocate_buffers() {
     // Sized on the largest batch shape; checked again per step.
     std::vector<int32_t> qi{0, T_cap_}, sl{std::max(T_cap_, max_len)};
     for (const LayerKvSpec& s : group_spec_)
-      if (!cuda::uses_generic_attention(s))
+      if (!cuda::uses_generic_attention(s)) {
         attn_ws_bytes_ = std::max(attn_ws_bytes_, cuda::plan_prefill(s, qi, sl).workspace_bytes);
+        // Split-KV plans of small-q steps (verification) stay under this bound.
+        attn_ws_bytes_ = std::max(attn_ws_bytes_, cuda::kPrefillSplitWorkspaceBytes);
+      }
   }
 #endif
   attn_ws_ = buf_.alloc(attn_ws_bytes_);
@@ -931,6 +934,11 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
       for (int i = 0; i <= st.S; ++i) bucket_qi.push_back(i * st.Q);
       bucket_sl.assign(static_cast<size_t>(st.S), st.Q);
     }
+    // Split-KV where the grid is small (few sequences, few queries): planned for this step's
+    // lengths, or for a verify graph, for the longest sequence the model takes.
+    cuda::PrefillOptions po;
+    po.num_sms = num_sms_;
+    if (st.verify) po.max_kv_len = max_seq_len_;
     for (const LayerKvSpec& s : group_spec_) {
       if (cuda::uses_generic_attention(s)) {
         st.prefill_plans.emplace_back();  // the generic kernel needs only the batch shape
@@ -938,10 +946,10 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
       }
       st.prefill_plans.push_back(
           st.verify
-              ? cuda::plan_prefill(s, bucket_qi, bucket_sl)
+              ? cuda::plan_prefill(s, bucket_qi, bucket_sl, po)
               : cuda::plan_prefill(
                     s, std::span<const int32_t>(b.q_indptr.data(), static_cast<size_t>(S) + 1),
-                    std::span<const int32_t>(b.block_table.seq_lens, static_cast<size_t>(S))));
+                    std::span<const int32_t>(b.block_table.seq_lens, static_cast<size_t>(S)), po));
       KVQ_CHECK(st.prefill_plans.back().workspace_bytes <= attn_ws_bytes_,
                 "forward: the prefill workspace exceeds what was sized at load");
     }
