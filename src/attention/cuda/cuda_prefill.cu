@@ -64,13 +64,13 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   plan.total_q = q_indptr.empty() ? 0 : q_indptr.back();
   plan.workspace_bytes = 0;
   if (options.num_sms > 0 && max_tiles > 0 && plan.total_q > 0) {
-    // Enough blocks to fill every SM twice, each split at least 4 kv tiles of the longest
-    // sequence, at most 32 splits, and the partials within kPrefillSplitWorkspaceBytes.
+    // About four blocks per SM (a few waves, so no long tail), each split at least 4 kv tiles of
+    // the longest sequence, at most 32 splits, and the partials within kPrefillSplitWorkspaceBytes.
     const int64_t blocks = max_tiles * spec.num_kv_heads * plan.num_seqs;
     const int64_t kv_tile = spec.head_dim_k <= 64 ? 64 : 32;
     const int64_t kv_tiles = (max_kv + kv_tile - 1) / kv_tile;
     const int64_t per_split = int64_t{plan.total_q} * spec.num_q_heads * (spec.head_dim_v * 4 + 8);
-    int64_t splits = (2 * int64_t{options.num_sms} + blocks - 1) / blocks;
+    int64_t splits = (4 * int64_t{options.num_sms} + blocks - 1) / blocks;
     splits = std::min({splits, int64_t{32}, kv_tiles / 4,
                        static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
     if (splits > 1) {

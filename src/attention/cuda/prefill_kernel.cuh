@@ -541,6 +541,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
       kReg8K ? lane * kKPitch : ((lane & 7) + 8 * (lane >> 4)) * kKPitch + 16 * ((lane >> 3) & 1);
   const uint32_t v_off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * kVPitch + 16 * (lane >> 4);
 
+  // A warp whose rows are all past the last query row (a small-q block: 8 tokens x 4 heads fill
+  // one warp of four) stages tiles with the others but skips the math.
+  const bool warp_live = r0 + warp * kWarpRows < rows_total;
 #pragma unroll 1
   for (int tile = tile_b; tile < tile_e; ++tile) {
     cp_async_wait<kS - 2>();
@@ -583,6 +586,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
       }
     }
     if (C::kAnyDeq || (!C::kDeqV && edge)) __syncthreads();
+    if (!warp_live) continue;  // no block barrier below this point in the loop
 
     // Per-token metadata of the columns this lane touches (8j + 2c + b), 0 outside [lo, hi).
     auto meta = [&](int off, int col) -> uint32_t {
@@ -837,7 +841,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
     if (partial && c == 0) {
       const int r = r0 + warp * kWarpRows + 16 * (i >> 1) + g + 8 * (i & 1);
       if (r < rows_total)
-        p.part_ml[static_cast<size_t>(split) * p.part_rows + row_index(r)] = make_float2(m[i], lsum);
+        p.part_ml[static_cast<size_t>(split) * p.part_rows + row_index(r)] =
+            make_float2(m[i], lsum);
     }
   }
   // Where row r's output goes: out, or this split's partial.
