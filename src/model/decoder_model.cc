@@ -1,6 +1,7 @@
-// The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3: weights in fp32
-// (q/k/v and gate/up fused so each is one sgemm), activations fp32, K/V written into each
-// layer's own cache format and attended by the backend chosen for that layer's spec.
+// The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3: matrices as
+// model::Linear (bf16 where the checkpoint is bf16, else fp32; q/k/v and gate/up fused so each
+// is one product), activations fp32, K/V written into each layer's own cache format and
+// attended by the backend chosen for that layer's spec.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -10,6 +11,8 @@
 #include "kvq/model/model.h"
 #include "model/checkpoint_reader.h"
 #include "model/kernels.h"
+#include "model/linear.h"
+#include "model/step_profile.h"
 #include "model/weight_layout.h"
 
 namespace kvq {
@@ -17,28 +20,35 @@ namespace kvq {
 namespace {
 
 using model::FloatArray;
+using model::Linear;
 
 struct LayerWeights {
   FloatArray input_norm, post_norm;  // [H]
   FloatArray q_norm, k_norm;         // [d] (Qwen3)
-  FloatArray qkv, qkv_bias;          // [q_dim + 2 kv_dim][H], [q_dim + 2 kv_dim]
-  FloatArray o, o_bias;              // [H][q_dim], [H]
-  FloatArray gate_up, gate_up_bias;  // [2I][H] (gate rows, then up rows), [2I]
-  FloatArray down, down_bias;        // [H][I], [H]
+  Linear qkv;                        // [q_dim + 2 kv_dim][H]
+  FloatArray qkv_bias;               // [q_dim + 2 kv_dim]
+  Linear o;                          // [H][q_dim]
+  FloatArray o_bias;                 // [H]
+  Linear gate_up;                    // [2I][H] (gate rows, then up rows)
+  FloatArray gate_up_bias;           // [2I]
+  Linear down;                       // [H][I]
+  FloatArray down_bias;              // [H]
 };
 
 // Weights are immutable after loading and shared by every plan of the model (with_plan).
 struct ModelWeights {
-  FloatArray embed, lm_head, final_norm;  // lm_head empty when tied to embed
+  Linear embed, lm_head;  // lm_head empty when tied to embed
+  FloatArray final_norm;
   std::vector<LayerWeights> layers;
   // A DFlash drafter's own tensors (its embedding and LM head are its target's).
-  FloatArray fc, hidden_norm, mask_embedding;
+  Linear fc;
+  FloatArray hidden_norm, mask_embedding;
   std::shared_ptr<const ModelWeights> target;  // the target's weights (DFlash drafter only)
 
-  const float* embedding() const { return target ? target->embed.data() : embed.data(); }
-  const float* head() const {
+  const Linear& embedding() const { return target ? target->embed : embed; }
+  const Linear& head() const {
     const ModelWeights& w = target ? *target : *this;
-    return w.lm_head.empty() ? w.embed.data() : w.lm_head.data();
+    return w.lm_head.empty() ? w.embed : w.lm_head;
   }
 };
 
@@ -168,16 +178,22 @@ std::shared_ptr<const ModelWeights> DecoderModel::load_weights(
   const model::WeightLayout layout =
       model::checkpoint_layout(plan_.model, arch_, reader.has("lm_head.weight"));
   mw.layers.resize(static_cast<size_t>(num_layers_));
+  // Vectors land in their FloatArray; matrices are read as fp32 and become a Linear (bf16
+  // when every piece of the tensor is stored as bf16, so the rounding is exact).
   std::vector<FloatArray*> dst;
-  for (const model::WeightTensor& t : layout.tensors) {
+  std::vector<FloatArray> matrix_values(layout.tensors.size());
+  std::vector<std::pair<Linear*, int>> matrix(layout.tensors.size(),
+                                              {nullptr, 0});  // (Linear, rows)
+  for (size_t ti = 0; ti < layout.tensors.size(); ++ti) {
+    const model::WeightTensor& t = layout.tensors[ti];
     LayerWeights* w = t.layer >= 0 ? &mw.layers[static_cast<size_t>(t.layer)] : nullptr;
-    FloatArray* a = nullptr;
+    FloatArray* a = &matrix_values[ti];
     switch (t.kind) {
       case model::WeightKind::kEmbed:
-        a = &mw.embed;
+        matrix[ti] = {&mw.embed, vocab_};
         break;
       case model::WeightKind::kLmHead:
-        a = &mw.lm_head;
+        matrix[ti] = {&mw.lm_head, vocab_};
         break;
       case model::WeightKind::kFinalNorm:
         a = &mw.final_norm;
@@ -189,7 +205,7 @@ std::shared_ptr<const ModelWeights> DecoderModel::load_weights(
         a = &w->post_norm;
         break;
       case model::WeightKind::kQkv:
-        a = &w->qkv;
+        matrix[ti] = {&w->qkv, qkv_dim_};
         break;
       case model::WeightKind::kQkvBias:
         a = &w->qkv_bias;
@@ -201,25 +217,25 @@ std::shared_ptr<const ModelWeights> DecoderModel::load_weights(
         a = &w->k_norm;
         break;
       case model::WeightKind::kO:
-        a = &w->o;
+        matrix[ti] = {&w->o, hidden_};
         break;
       case model::WeightKind::kOBias:
         a = &w->o_bias;
         break;
       case model::WeightKind::kGateUp:
-        a = &w->gate_up;
+        matrix[ti] = {&w->gate_up, 2 * inter_};
         break;
       case model::WeightKind::kGateUpBias:
         a = &w->gate_up_bias;
         break;
       case model::WeightKind::kDown:
-        a = &w->down;
+        matrix[ti] = {&w->down, hidden_};
         break;
       case model::WeightKind::kDownBias:
         a = &w->down_bias;
         break;
       case model::WeightKind::kDflashFc:
-        a = &mw.fc;
+        matrix[ti] = {&mw.fc, hidden_};
         break;
       case model::WeightKind::kDflashHiddenNorm:
         a = &mw.hidden_norm;
@@ -232,9 +248,19 @@ std::shared_ptr<const ModelWeights> DecoderModel::load_weights(
     dst.push_back(a);
   }
   model::expect_layout(reader, layout);
-  for (const model::WeightPiece& pc : layout.pieces)
+  std::vector<bool> bf16(layout.tensors.size(), true);
+  for (const model::WeightPiece& pc : layout.pieces) {
     reader.read(pc.name, dst[pc.tensor]->data() + pc.offset);
+    bf16[pc.tensor] = bf16[pc.tensor] && reader.dtype(pc.name) == TensorDtype::kBF16;
+  }
   reader.finish();
+  for (size_t ti = 0; ti < layout.tensors.size(); ++ti) {
+    auto [lin, rows] = matrix[ti];
+    if (!lin) continue;
+    const int cols = static_cast<int>(layout.tensors[ti].numel / rows);
+    *lin = Linear(std::move(matrix_values[ti]), rows, cols,
+                  bf16[ti] ? Linear::Storage::kBFloat16 : Linear::Storage::kFloat32);
+  }
   return weights;
 }
 
@@ -269,6 +295,7 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
             "forward: captured span does not hold tokens x capture_layers x hidden floats");
   for (int32_t p : b.positions) KVQ_CHECK(p >= 0, "forward: negative position");
   if (T == 0) return;
+  KVQ_PROFILE_SCOPE("forward");
 
   const int H = hidden_, I = inter_, d = head_dim_;
   const float eps = arch_.rms_norm_eps;
@@ -291,9 +318,11 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
 #pragma omp parallel for schedule(static) if (T >= 16)
   for (int i = 0; i < T; ++i) {
     const int32_t tok = b.tokens[static_cast<size_t>(i)];
-    std::copy_n(tok == kMaskToken ? weights_->mask_embedding.data()
-                                  : weights_->embedding() + static_cast<size_t>(tok) * H,
-                H, x + size_t(i) * H);
+    if (tok == kMaskToken) {
+      std::copy_n(weights_->mask_embedding.data(), H, x + size_t(i) * H);
+    } else {
+      weights_->embedding().row(tok, x + size_t(i) * H);
+    }
     rope_row(b.positions[static_cast<size_t>(i)], rope + size_t(i) * d);
   }
 
@@ -305,7 +334,10 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int i = 0; i < T; ++i)
       model::rms_norm(x + size_t(i) * H, w.input_norm.data(), H, eps, h + size_t(i) * H);
-    model::matmul_wt(T, qkv_dim_, H, h, H, w.qkv.data(), qkv, qkv_dim_, 0.0f);
+    {
+      KVQ_PROFILE_SCOPE("qkv_proj");
+      w.qkv.apply(T, h, H, qkv, qkv_dim_, 0.0f);
+    }
 
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int i = 0; i < T; ++i) {
@@ -326,7 +358,10 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
     }
 
     const LayerCacheView view = cache.layer_view(static_cast<size_t>(l));
-    write_kv_reference(spec, view, b.slots, kb, vb);
+    {
+      KVQ_PROFILE_SCOPE("kv_write");
+      write_kv_reference(spec, view, b.slots, kb, vb);
+    }
     AttentionArgs args;
     args.q = qb;
     args.out = att;
@@ -334,24 +369,36 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
     args.block_table = b.block_table;
     args.cache = view;
     args.softmax_scale = softmax_scale;
-    backends_[static_cast<size_t>(l)]->run(spec, args);
+    {
+      KVQ_PROFILE_SCOPE("attention");
+      backends_[static_cast<size_t>(l)]->run(spec, args);
+    }
 
-    // Residual adds ride on sgemm's beta = 1.
-    model::matmul_wt(T, H, q_dim_, att, q_dim_, w.o.data(), x, H, 1.0f);
+    // Residual adds ride on the product's beta = 1.
+    {
+      KVQ_PROFILE_SCOPE("o_proj");
+      w.o.apply(T, att, q_dim_, x, H, 1.0f);
+    }
     if (!w.o_bias.empty())
       for (int i = 0; i < T; ++i) add_bias(x + size_t(i) * H, w.o_bias.data(), H);
 
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int i = 0; i < T; ++i)
       model::rms_norm(x + size_t(i) * H, w.post_norm.data(), H, eps, h + size_t(i) * H);
-    model::matmul_wt(T, 2 * I, H, h, H, w.gate_up.data(), mlp, 2 * I, 0.0f);
+    {
+      KVQ_PROFILE_SCOPE("gate_up_proj");
+      w.gate_up.apply(T, h, H, mlp, 2 * I, 0.0f);
+    }
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int i = 0; i < T; ++i) {
       float* row = mlp + size_t(i) * 2 * I;
       if (!w.gate_up_bias.empty()) add_bias(row, w.gate_up_bias.data(), 2 * I);
       model::silu_mul(row, row + I, I, row);
     }
-    model::matmul_wt(T, H, I, mlp, 2 * I, w.down.data(), x, H, 1.0f);
+    {
+      KVQ_PROFILE_SCOPE("down_proj");
+      w.down.apply(T, mlp, 2 * I, x, H, 1.0f);
+    }
     if (!w.down_bias.empty())
       for (int i = 0; i < T; ++i) add_bias(x + size_t(i) * H, w.down_bias.data(), H);
     for (size_t c = 0; c < ncap; ++c)
@@ -362,10 +409,11 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
   }
 
   if (R == 0) return;
+  KVQ_PROFILE_SCOPE("lm_head");
   for (int r = 0; r < R; ++r)
     model::rms_norm(x + size_t(b.logit_rows[static_cast<size_t>(r)]) * H,
                     weights_->final_norm.data(), H, eps, h + size_t(r) * H);
-  model::matmul_wt(R, vocab_, H, h, H, weights_->head(), logits.data(), vocab_, 0.0f);
+  weights_->head().apply(R, h, H, logits.data(), vocab_, 0.0f);
 }
 
 void DecoderModel::write_feature_kv(std::span<const float> features,
@@ -387,8 +435,7 @@ void DecoderModel::write_feature_kv(std::span<const float> features,
   float* kv = rope + t * d;       // k|v projections [T][2 kv_dim]
   float* kb = kv + t * 2 * kv_dim_;
   float* vb = kb + t * kv_dim_;
-  model::matmul_wt(T, H, static_cast<int>(F), features.data(), static_cast<int>(F),
-                   weights_->fc.data(), fused, H, 0.0f);
+  weights_->fc.apply(T, features.data(), static_cast<int>(F), fused, H, 0.0f);
   for (int i = 0; i < T; ++i) {
     model::rms_norm(fused + size_t(i) * H, weights_->hidden_norm.data(), H, arch_.rms_norm_eps,
                     c + size_t(i) * H);
@@ -406,8 +453,7 @@ void DecoderModel::project_kv(const LayerWeights& w, int T, const float* h, cons
                               float* kv, float* kb, float* vb) const {
   const int H = hidden_, d = head_dim_;
   // Rows q_dim .. q_dim + 2 kv_dim of the fused q|k|v matrix are k_proj then v_proj.
-  model::matmul_wt(T, 2 * kv_dim_, H, h, H, w.qkv.data() + static_cast<size_t>(q_dim_) * H, kv,
-                   2 * kv_dim_, 0.0f);
+  w.qkv.apply(T, h, H, kv, 2 * kv_dim_, 0.0f, q_dim_, 2 * kv_dim_);
   for (int i = 0; i < T; ++i) {
     float* row = kv + size_t(i) * 2 * kv_dim_;
     if (!w.qkv_bias.empty()) add_bias(row, w.qkv_bias.data() + q_dim_, 2 * kv_dim_);

@@ -11,15 +11,13 @@
 
 namespace kvq::model {
 
-FloatArray::FloatArray(size_t n) : n_(n) {
-  if (n == 0) return;
-  const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, bytes);
+void* aligned_bytes(size_t bytes) {
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
   if (!p) throw std::bad_alloc();
-  p_.reset(static_cast<float*>(p));
+  return p;
 }
 
-void FloatArray::Free::operator()(float* p) const {
+void free_aligned(void* p) {
   std::free(p);
 }
 

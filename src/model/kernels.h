@@ -12,23 +12,31 @@
 
 namespace kvq::model {
 
-// An uninitialised, 64-byte aligned fp32 array (weights and per-call scratch: no zero fill).
-class FloatArray {
+// Uninitialised, 64-byte aligned storage of trivial values (weights and per-call scratch: no
+// zero fill).
+void* aligned_bytes(size_t bytes);  // 64-byte aligned, bad_alloc on failure
+void free_aligned(void* p);
+
+template <typename T>
+class AlignedArray {
  public:
-  FloatArray() = default;
-  explicit FloatArray(size_t n);
-  float* data() { return p_.get(); }
-  const float* data() const { return p_.get(); }
+  AlignedArray() = default;
+  explicit AlignedArray(size_t n) : n_(n) {
+    if (n > 0) p_.reset(static_cast<T*>(aligned_bytes(n * sizeof(T))));
+  }
+  T* data() { return p_.get(); }
+  const T* data() const { return p_.get(); }
   size_t size() const { return n_; }
   bool empty() const { return n_ == 0; }
 
  private:
   struct Free {
-    void operator()(float* p) const;
+    void operator()(T* p) const { free_aligned(p); }
   };
-  std::unique_ptr<float[], Free> p_;
+  std::unique_ptr<T[], Free> p_;
   size_t n_ = 0;
 };
+using FloatArray = AlignedArray<float>;
 
 // Makes OpenBLAS run each call on the calling thread (once per process): kvq parallelises
 // matrix products itself, with OpenMP (see matmul_wt).

@@ -1,0 +1,134 @@
+// model::Linear against a float64 product of the same (bf16-rounded) values: every path
+// (the AVX2 small-batch kernel, the fp32-slice sgemm path, fp32 storage), row ranges, beta 0
+// (the output is not read: poisoned with NaN) and beta 1, shapes with tails.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "model/linear.h"
+#include "model_test_util.h"
+
+namespace kvq::test {
+namespace {
+
+using model::FloatArray;
+using model::Linear;
+
+float round_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  u &= 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+struct Shape {
+  int m, n, k;
+};
+
+void check(const Linear& lin, const std::vector<float>& w, const Shape& s, int r0, int n,
+           float beta, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int lda = s.k + 3, ldc = n + 5;
+  std::vector<float> in(static_cast<size_t>(s.m) * lda), out(static_cast<size_t>(s.m) * ldc);
+  for (float& x : in) x = nd(rng);
+  for (float& x : out) x = beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : nd(rng);
+  const std::vector<float> before = out;
+  lin.apply(s.m, in.data(), lda, out.data(), ldc, beta, r0, n);
+  for (int i = 0; i < s.m; ++i)
+    for (int j = 0; j < n; ++j) {
+      double ref = 0.0, mag = 0.0;
+      for (int c = 0; c < s.k; ++c) {
+        const double p = static_cast<double>(in[static_cast<size_t>(i) * lda + c]) *
+                         w[static_cast<size_t>(r0 + j) * s.k + c];
+        ref += p;
+        mag += std::abs(p);
+      }
+      const size_t o = static_cast<size_t>(i) * ldc + j;
+      if (beta != 0.0f) {
+        ref += beta * static_cast<double>(before[o]);
+        mag += std::abs(before[o]);
+      }
+      ASSERT_NEAR(out[o], ref, 2e-6 * mag + 1e-30)
+          << "m " << s.m << " n " << n << " k " << s.k << " r0 " << r0 << " beta " << beta
+          << " at (" << i << ", " << j << ")";
+    }
+  // Nothing outside the n columns was written.
+  for (int i = 0; i < s.m; ++i)
+    for (int j = n; j < ldc; ++j) {
+      const size_t o = static_cast<size_t>(i) * ldc + j;
+      if (beta == 0.0f) {
+        ASSERT_TRUE(std::isnan(out[o])) << "column " << j << " written";
+      } else {
+        ASSERT_EQ(out[o], before[o]) << "column " << j << " written";
+      }
+    }
+}
+
+TEST(Linear, MatchesFloat64ForEveryPathAndShape) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 0.5f);
+  const Shape shapes[] = {{1, 1, 8},    {1, 13, 64},  {2, 4, 13},  {3, 21, 100},
+                          {5, 64, 256}, {16, 37, 72}, {17, 40, 9}, {40, 130, 256}};
+  for (const Shape& s : shapes)
+    for (auto storage : {Linear::Storage::kBFloat16, Linear::Storage::kFloat32}) {
+      std::vector<float> w(static_cast<size_t>(s.n) * s.k);
+      for (float& x : w) x = round_bf16(nd(rng));
+      FloatArray values(w.size());
+      std::copy(w.begin(), w.end(), values.data());
+      const Linear lin(std::move(values), s.n, s.k, storage);
+      EXPECT_EQ(lin.bytes(), w.size() * (storage == Linear::Storage::kBFloat16 ? 2 : 4));
+      for (float beta : {0.0f, 1.0f}) {
+        check(lin, w, s, 0, s.n, beta, rng);
+        if (s.n > 3) check(lin, w, s, 1, s.n - 3, beta, rng);  // a range of rows
+      }
+      std::vector<float> r(static_cast<size_t>(s.k));
+      lin.row(s.n - 1, r.data());
+      for (int c = 0; c < s.k; ++c)
+        ASSERT_EQ(r[static_cast<size_t>(c)], w[static_cast<size_t>(s.n - 1) * s.k + c]);
+    }
+}
+
+// The AVX2 kernel directly (Linear::apply picks it only for small batches on AVX2 machines).
+TEST(Linear, Avx2KernelMatchesFloat64) {
+  if (!model::cpu_has_avx2_fma()) GTEST_SKIP() << "this CPU has no AVX2/FMA";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (const Shape& s : {Shape{1, 7, 19}, Shape{4, 9, 64}, Shape{7, 5, 33}}) {
+    std::vector<uint16_t> w(static_cast<size_t>(s.n) * s.k);
+    std::vector<float> wf(w.size()), in(static_cast<size_t>(s.m) * s.k);
+    for (size_t i = 0; i < w.size(); ++i) {
+      wf[i] = round_bf16(nd(rng));
+      uint32_t u;
+      std::memcpy(&u, &wf[i], 4);
+      w[i] = static_cast<uint16_t>(u >> 16);
+    }
+    for (float& x : in) x = nd(rng);
+    std::vector<float> out(static_cast<size_t>(s.m) * s.n, std::numeric_limits<float>::quiet_NaN());
+    model::bf16_gemv_avx2(s.m, s.n, s.k, in.data(), s.k, w.data(), out.data(), s.n, 0.0f);
+    for (int i = 0; i < s.m; ++i)
+      for (int j = 0; j < s.n; ++j) {
+        double ref = 0.0, mag = 0.0;
+        for (int c = 0; c < s.k; ++c) {
+          const double p = static_cast<double>(in[static_cast<size_t>(i) * s.k + c]) *
+                           wf[static_cast<size_t>(j) * s.k + c];
+          ref += p;
+          mag += std::abs(p);
+        }
+        ASSERT_NEAR(out[static_cast<size_t>(i) * s.n + j], ref, 2e-6 * mag);
+      }
+  }
+}
+
+}  // namespace
+}  // namespace kvq::test
