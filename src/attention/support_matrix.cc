@@ -17,10 +17,16 @@ nlohmann::json int_set_or_any(const std::vector<int>& values) {
 // Facts about a backend that its whitelists do not show.
 std::string notes(const AttentionBackend& b) {
   if (b.name() == "cpu_reference") return "scalar float64 oracle";
-  if (b.name() == "cpu_avx512")
-    return cpu_attn::cpu_has_avx512() ? "AVX-512 kernels active on this CPU"
-                                      : "this CPU lacks AVX-512: runs the portable fallback";
-  return "";
+  if (b.name() != "cpu_avx512") return "";
+  switch (cpu_attn::best_isa()) {
+    case cpu_attn::Isa::kAvx512:
+      return "AVX-512 kernels active on this CPU";
+    case cpu_attn::Isa::kAvx2:
+      return "this CPU lacks AVX-512: AVX2/FMA kernels active";
+    case cpu_attn::Isa::kPortable:
+      break;
+  }
+  return "this CPU lacks AVX2 and AVX-512: runs the portable fallback";
 }
 
 }  // namespace

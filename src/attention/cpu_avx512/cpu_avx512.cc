@@ -38,6 +38,30 @@ bool cpu_has_avx512() {
   return has;
 }
 
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+}
+
+Isa best_isa() {
+  if (cpu_has_avx512()) return Isa::kAvx512;
+  if (cpu_has_avx2()) return Isa::kAvx2;
+  return Isa::kPortable;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kPortable:
+      break;
+  }
+  return "portable";
+}
+
 void decode_tile_generic(const TileSource& src, int n, float* out) {
   for (int i = 0; i < n; ++i)
     quant::decode_row(
@@ -135,14 +159,20 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, int 
   const size_t max_nq = static_cast<size_t>(pos_per_item) * ratio;
   const bool k_rotated = traits(spec.k_dtype).rotated;
   const bool v_rotated = traits(spec.v_dtype).rotated;
-  const bool avx512 = isa == Isa::kAvx512;
   KVQ_CHECK(bt.block_tokens % kTile == 0, "cpu_avx512 tiles need block_tokens % 16 == 0");
+  KVQ_CHECK(isa != Isa::kAvx512 || cpu_has_avx512(), "run_tiled: this CPU has no AVX-512");
+  KVQ_CHECK(isa != Isa::kAvx2 || cpu_has_avx2(), "run_tiled: this CPU has no AVX2/FMA/F16C");
   for (int d : {dk, dv})
-    KVQ_CHECK(!avx512 || d == 64 || d == 128 || d == 256,
-              "the AVX-512 kernel has no instance for head_dim " + std::to_string(d));
-  const auto run_item = avx512 ? run_item_avx512 : run_item_portable;
+    KVQ_CHECK(isa == Isa::kPortable || d == 64 || d == 128 || d == 256,
+              std::string("the ") + isa_name(isa) + " kernel has no instance for head_dim " +
+                  std::to_string(d));
+  const auto run_item = isa == Isa::kAvx512 ? run_item_avx512
+                        : isa == Isa::kAvx2 ? run_item_avx2
+                                            : run_item_portable;
   auto decoder = [&](KvDtype d, int dim) {
-    DecodeTileFn f = avx512 ? avx512_decoder(d, dim) : nullptr;
+    DecodeTileFn f = isa == Isa::kAvx512 ? avx512_decoder(d, dim)
+                     : isa == Isa::kAvx2 ? avx2_decoder(d, dim)
+                                         : nullptr;
     return f ? f : decode_tile_generic;
   };
   const DecodeTileFn k_decode = decoder(spec.k_dtype, dk), v_decode = decoder(spec.v_dtype, dv);
@@ -353,8 +383,7 @@ class CpuAvx512Backend final : public AttentionBackend {
 
  protected:
   void run_impl(const LayerKvSpec& spec, const AttentionArgs& args) const override {
-    cpu_attn::run_tiled(
-        spec, args, cpu_attn::cpu_has_avx512() ? cpu_attn::Isa::kAvx512 : cpu_attn::Isa::kPortable);
+    cpu_attn::run_tiled(spec, args, cpu_attn::best_isa());
   }
 
  private:

@@ -89,10 +89,20 @@ DecodeTileFn avx512_decoder(KvDtype dtype, int dim);
 
 bool cpu_has_avx512();
 
-enum class Isa { kPortable, kAvx512 };
+// AVX2 + FMA + F16C (kernel_avx2.cc). Only call when cpu_has_avx2().
+void run_item_avx2(const WorkItem& item);
+// The AVX2 decoder for rows of `dim` values of `dtype`, or nullptr (the generic one runs).
+DecodeTileFn avx2_decoder(KvDtype dtype, int dim);
+
+bool cpu_has_avx2();
+
+enum class Isa { kPortable, kAvx2, kAvx512 };
+// The best kernel this CPU runs.
+Isa best_isa();
+const char* isa_name(Isa isa);
 // The whole backend minus the argument checks of AttentionBackend::run (tests call it with
-// kPortable to cover the fallback on AVX-512 machines). Units of work whose kv range is long
-// are split until there are about `min_tasks` tasks (0: twice the OpenMP threads).
+// every Isa the machine supports, kPortable included, to cover each kernel). Units of work whose kv
+// range is long are split until there are about `min_tasks` tasks (0: twice the OpenMP threads).
 void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, int min_tasks = 0);
 
 }  // namespace kvq::cpu_attn

@@ -1,4 +1,5 @@
-// Every CPU backend (and the portable fallback of cpu_avx512) x every dtype pair with K == V
+// Every CPU backend (and each kernel of cpu_avx512: AVX-512, AVX2, portable) x every dtype pair
+// with K == V
 // plus mixed pairs x attention kind x head dim x ragged batches, against exact float64
 // attention over the dequantized K/V.
 #include <gtest/gtest.h>
@@ -21,7 +22,9 @@ using test::AttnCase;
 using test::AttnProblem;
 using test::SeqShape;
 
-enum class Impl { kReference, kAvx512, kPortable };
+// kAvx512: the cpu_avx512 backend as dispatched on this CPU (its best kernel); kAvx2 and
+// kPortable: those kernels forced (kAvx2 skips on CPUs without AVX2).
+enum class Impl { kReference, kAvx512, kAvx2, kPortable };
 
 std::string impl_name(Impl impl) {
   switch (impl) {
@@ -29,6 +32,8 @@ std::string impl_name(Impl impl) {
       return "cpu_reference";
     case Impl::kAvx512:
       return "cpu_avx512";
+    case Impl::kAvx2:
+      return "cpu_avx512_avx2";
     case Impl::kPortable:
       return "cpu_avx512_portable";
   }
@@ -43,10 +48,12 @@ void run(Impl impl, const LayerKvSpec& spec, const AttentionArgs& args) {
     case Impl::kAvx512:
       find_attention_backend("cpu_avx512")->run(spec, args);
       return;
+    case Impl::kAvx2:
     case Impl::kPortable:
-      // The fallback takes the same specs as the backend (its whitelist is the backend's).
+      // The kernels take the same specs as the backend (its whitelist is the backend's).
       ASSERT_TRUE(find_attention_backend("cpu_avx512")->reasons_unsupported(spec).empty());
-      cpu_attn::run_tiled(spec, args, cpu_attn::Isa::kPortable);
+      cpu_attn::run_tiled(spec, args,
+                          impl == Impl::kAvx2 ? cpu_attn::Isa::kAvx2 : cpu_attn::Isa::kPortable);
       return;
   }
 }
@@ -90,6 +97,7 @@ class AttentionBackendGrid : public ::testing::TestWithParam<Param> {};
 
 TEST_P(AttentionBackendGrid, MatchesExactAttentionOverDequantizedKv) {
   const Param prm = GetParam();
+  if (prm.impl == Impl::kAvx2 && !cpu_attn::cpu_has_avx2()) GTEST_SKIP() << "no AVX2 here";
   const unsigned seed = test::fresh_seed();
   const std::vector<AttentionKind> kinds = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
                                             AttentionKind::kNonCausal};
@@ -139,7 +147,7 @@ std::vector<Param> grid() {
   pairs.push_back({KvDtype::kInt8PerTokenHead, KvDtype::kFp8E5M2});
   pairs.push_back({KvDtype::kFp8PerTokenHead, KvDtype::kInt4PerTokenHead});
   std::vector<Param> params;
-  for (Impl impl : {Impl::kReference, Impl::kAvx512, Impl::kPortable})
+  for (Impl impl : {Impl::kReference, Impl::kAvx512, Impl::kAvx2, Impl::kPortable})
     for (const auto& [k, v] : pairs) params.push_back({impl, k, v});
   return params;
 }
@@ -165,7 +173,8 @@ TEST(AttentionBackends, DifferentKvHeadDimsAndLongContext) {
       {KvDtype::kBFloat16, KvDtype::kFp8E4M3, 128, 128, {{700, 1}, {600, 24}}},
   };
   int n = 0;
-  for (Impl impl : {Impl::kReference, Impl::kAvx512, Impl::kPortable})
+  for (Impl impl : {Impl::kReference, Impl::kAvx512, Impl::kAvx2, Impl::kPortable}) {
+    if (impl == Impl::kAvx2 && !cpu_attn::cpu_has_avx2()) continue;
     for (const Shape& s : shapes)
       for (AttentionKind kind : {AttentionKind::kCausal, AttentionKind::kSlidingWindow}) {
         AttnCase c;
@@ -184,6 +193,7 @@ TEST(AttentionBackends, DifferentKvHeadDimsAndLongContext) {
         EXPECT_TRUE(problem.check(tolerance(impl, c.k, c.v)))
             << impl_name(impl) << ": " << c.describe() << ", seed " << case_seed;
       }
+  }
 }
 
 // Long kv ranges split into pieces with their own softmax state, merged at the end: forced
@@ -195,8 +205,10 @@ TEST(CpuAvx512SplitKv, PiecesMergeToExactAttention) {
       {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead},
       {KvDtype::kFp8E4M3, KvDtype::kNvfp4}};
   int n = 0;
-  for (cpu_attn::Isa isa : {cpu_attn::Isa::kAvx512, cpu_attn::Isa::kPortable}) {
+  for (cpu_attn::Isa isa :
+       {cpu_attn::Isa::kAvx512, cpu_attn::Isa::kAvx2, cpu_attn::Isa::kPortable}) {
     if (isa == cpu_attn::Isa::kAvx512 && !cpu_attn::cpu_has_avx512()) continue;
+    if (isa == cpu_attn::Isa::kAvx2 && !cpu_attn::cpu_has_avx2()) continue;
     for (const auto& [k, v] : pairs)
       for (AttentionKind kind :
            {AttentionKind::kCausal, AttentionKind::kSlidingWindow, AttentionKind::kNonCausal}) {
@@ -214,16 +226,15 @@ TEST(CpuAvx512SplitKv, PiecesMergeToExactAttention) {
         AttnProblem problem(c, case_seed);
         cpu_attn::run_tiled(problem.spec(), problem.args(), isa, /*min_tasks=*/64);
         EXPECT_TRUE(problem.check(tolerance(Impl::kAvx512, k, v)))
-            << (isa == cpu_attn::Isa::kAvx512 ? "avx512" : "portable") << ": " << c.describe()
-            << ", seed " << case_seed;
+            << cpu_attn::isa_name(isa) << ": " << c.describe() << ", seed " << case_seed;
       }
   }
 }
 
-// The AVX-512 tile decoders reproduce the reference codecs bit for bit, on encoded rows of
-// random data and on random bytes (every code, NaN codes included).
-TEST(CpuAvx512Decoders, MatchReferenceDecodeBitForBit) {
-  if (!cpu_attn::cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512";
+// The AVX-512 and AVX2 tile decoders reproduce the reference codecs bit for bit, on encoded
+// rows of random data and on random bytes (every code, NaN codes included). AVX2 has no nvfp4
+// decoder (the generic one runs).
+void check_decoders(cpu_attn::Isa isa) {
   const unsigned seed = test::fresh_seed();
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 3.0f);
@@ -231,8 +242,14 @@ TEST(CpuAvx512Decoders, MatchReferenceDecodeBitForBit) {
   for (const auto& t : kKvDtypeTraits) {
     if (!t.concrete) continue;
     for (int dim : {64, 128, 256}) {
-      const cpu_attn::DecodeTileFn fast = cpu_attn::avx512_decoder(t.dtype, dim);
-      ASSERT_NE(fast, nullptr) << t.name;
+      const cpu_attn::DecodeTileFn fast = isa == cpu_attn::Isa::kAvx512
+                                              ? cpu_attn::avx512_decoder(t.dtype, dim)
+                                              : cpu_attn::avx2_decoder(t.dtype, dim);
+      if (isa == cpu_attn::Isa::kAvx2 && t.dtype == KvDtype::kNvfp4) {
+        ASSERT_EQ(fast, nullptr);
+        continue;
+      }
+      ASSERT_NE(fast, nullptr) << t.name << " " << cpu_attn::isa_name(isa);
       constexpr int kRows = 16;
       const size_t rdb = row_data_bytes(t.dtype, dim), rsb = row_scale_bytes(t.dtype);
       std::vector<std::byte> values(kRows * rdb), scales(kRows * rsb + 4);
@@ -262,11 +279,22 @@ TEST(CpuAvx512Decoders, MatchReferenceDecodeBitForBit) {
       for (size_t e = 0; e < want.size(); ++e) {
         const bool same = std::bit_cast<uint32_t>(got[e]) == std::bit_cast<uint32_t>(want[e]) ||
                           (std::isnan(got[e]) && std::isnan(want[e]));
-        ASSERT_TRUE(same) << t.name << " dim " << dim << " row " << e / dim << " elem " << e % dim
-                          << ": got " << got[e] << ", want " << want[e] << ", seed " << seed;
+        ASSERT_TRUE(same) << cpu_attn::isa_name(isa) << " " << t.name << " dim " << dim << " row "
+                          << e / dim << " elem " << e % dim << ": got " << got[e] << ", want "
+                          << want[e] << ", seed " << seed;
       }
     }
   }
+}
+
+TEST(CpuAvx512Decoders, MatchReferenceDecodeBitForBit) {
+  if (!cpu_attn::cpu_has_avx512()) GTEST_SKIP() << "this CPU has no AVX-512";
+  check_decoders(cpu_attn::Isa::kAvx512);
+}
+
+TEST(CpuAvx2Decoders, MatchReferenceDecodeBitForBit) {
+  if (!cpu_attn::cpu_has_avx2()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
+  check_decoders(cpu_attn::Isa::kAvx2);
 }
 
 }  // namespace

@@ -1,0 +1,335 @@
+// The AVX2 (+FMA, F16C) work-item kernel of cpu_avx512 and its tile decoders: what CPUs
+// without AVX-512 run (the portable kernel stays for others and as the tests' second opinion).
+//
+// As in kernel_avx512.cc, everything below the target pragma has internal linkage or a unique
+// name and uses intrinsics and raw pointers only, so no AVX2 code can leak into generic code
+// through a shared inline function or template. The driver calls in only after
+// cpu_has_avx2().
+//
+// Decoders reproduce the reference codecs bit for bit (the same arithmetic as the AVX-512
+// ones, eight lanes at a time): fp8 through fp16, int8 as float(q) * scale, int4 as
+// fma(q, S, Z). nvfp4 has no AVX2 decoder (the generic one runs).
+//
+// The item: per chunk of kChunk tokens, K and V rows are decoded once into fp32 scratch; each
+// query of the GQA group takes its chunk's logits (8-lane FMAs, two accumulators, a
+// horizontal sum per token), one online-softmax step for the chunk (scalar max and exp), and
+// accumulates the chunk's V rows eight output dims at a time, the accumulator in a register
+// across the chunk's tokens.
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "attention/cpu_avx512/kernel.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+namespace kvq::cpu_attn {
+
+namespace {
+
+int imin2(int a, int b) {
+  return a < b ? a : b;
+}
+int imax2(int a, int b) {
+  return a > b ? a : b;
+}
+
+float load_f32_avx2(const std::byte* p) {
+  float v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+uint16_t load_u16_avx2(const std::byte* p) {
+  uint16_t v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// 16 e4m3 codes -> two vectors of 8 values times `scale` (see e4m3x32 in kernel_avx512.cc).
+void e4m3x16(__m128i codes, float scale, __m256& lo, __m256& hi) {
+  const __m256i u = _mm256_cvtepu8_epi16(codes);
+  __m256i h = _mm256_slli_epi16(u, 7);  // magnitude at bits 7-13, sign at bit 14
+  h = _mm256_add_epi16(h, _mm256_and_si256(h, _mm256_set1_epi16(0x4000)));  // sign to bit 15
+  const __m256i nan =
+      _mm256_cmpeq_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F));
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00), nan);
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  const float folded = 256.0f * scale;
+  if (__builtin_isinf(folded) && !__builtin_isinf(scale)) {
+    lo = _mm256_mul_ps(_mm256_mul_ps(lo, _mm256_set1_ps(256.0f)), _mm256_set1_ps(scale));
+    hi = _mm256_mul_ps(_mm256_mul_ps(hi, _mm256_set1_ps(256.0f)), _mm256_set1_ps(scale));
+  } else {
+    lo = _mm256_mul_ps(lo, _mm256_set1_ps(folded));
+    hi = _mm256_mul_ps(hi, _mm256_set1_ps(folded));
+  }
+}
+
+// ---- tile decoders: rows [0, n) of src to out[n][dim], dim a multiple of 32 ------------
+
+const std::byte* row_values(const TileSource& s, int i) {
+  return s.values + static_cast<size_t>(i) * s.row_data_bytes;
+}
+const std::byte* row_meta(const TileSource& s, int i) {
+  return s.scales + static_cast<size_t>(i) * s.row_scale_bytes;
+}
+
+void decode_f32_avx2(const TileSource& s, int n, float* out) {
+  for (int i = 0; i < n; ++i) {
+    const float* r = reinterpret_cast<const float*>(row_values(s, i));
+    float* o = out + static_cast<size_t>(i) * s.dim;
+    for (int c = 0; c < s.dim; c += 8) _mm256_storeu_ps(o + c, _mm256_loadu_ps(r + c));
+  }
+}
+
+void decode_f16_avx2(const TileSource& s, int n, float* out) {
+  for (int i = 0; i < n; ++i) {
+    const std::byte* r = row_values(s, i);
+    float* o = out + static_cast<size_t>(i) * s.dim;
+    for (int c = 0; c < s.dim; c += 8)
+      _mm256_storeu_ps(
+          o + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2 * c))));
+  }
+}
+
+void decode_bf16_avx2(const TileSource& s, int n, float* out) {
+  for (int i = 0; i < n; ++i) {
+    const std::byte* r = row_values(s, i);
+    float* o = out + static_cast<size_t>(i) * s.dim;
+    for (int c = 0; c < s.dim; c += 8) {
+      const __m256i w =
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2 * c)));
+      _mm256_storeu_ps(o + c, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  }
+}
+
+void e4m3_row(const std::byte* r, float scale, int dim, float* o) {
+  for (int c = 0; c < dim; c += 16) {
+    __m256 lo, hi;
+    e4m3x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + c)), scale, lo, hi);
+    _mm256_storeu_ps(o + c, lo);
+    _mm256_storeu_ps(o + c + 8, hi);
+  }
+}
+
+void decode_e4m3_avx2(const TileSource& s, int n, float* out) {
+  for (int i = 0; i < n; ++i)
+    e4m3_row(row_values(s, i), s.tensor_scale, s.dim, out + static_cast<size_t>(i) * s.dim);
+}
+
+void decode_fp8_pth_avx2(const TileSource& s, int n, float* out) {
+  for (int i = 0; i < n; ++i)
+    e4m3_row(row_values(s, i), load_f32_avx2(row_meta(s, i)), s.dim,
+             out + static_cast<size_t>(i) * s.dim);
+}
+
+void decode_e5m2_avx2(const TileSource& s, int n, float* out) {
+  const __m256 k = _mm256_set1_ps(s.tensor_scale);
+  for (int i = 0; i < n; ++i) {
+    const std::byte* r = row_values(s, i);
+    float* o = out + static_cast<size_t>(i) * s.dim;
+    for (int c = 0; c < s.dim; c += 16) {
+      const __m256i h = _mm256_slli_epi16(
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + c))), 8);
+      _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k));
+      _mm256_storeu_ps(o + c + 8,
+                       _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k));
+    }
+  }
+}
+
+void decode_int8_pth_avx2(const TileSource& s, int n, float* out) {
+  for (int i = 0; i < n; ++i) {
+    const std::byte* r = row_values(s, i);
+    const __m256 k = _mm256_set1_ps(load_f32_avx2(row_meta(s, i)));
+    float* o = out + static_cast<size_t>(i) * s.dim;
+    for (int c = 0; c < s.dim; c += 8) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + c));
+      _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), k));
+    }
+  }
+}
+
+// Element 2i in the low nibble of byte i: 16 elements from 8 bytes as two vectors of 8 ints.
+void nibbles_x16(const std::byte* p, __m256i& a, __m256i& b) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(x, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(x, 4), mask);
+  const __m128i e = _mm_unpacklo_epi8(lo, hi);  // elements 0..15 in order
+  a = _mm256_cvtepu8_epi32(e);
+  b = _mm256_cvtepu8_epi32(_mm_srli_si128(e, 8));
+}
+
+void decode_int4_pth_avx2(const TileSource& s, int n, float* out) {
+  for (int i = 0; i < n; ++i) {
+    const std::byte* r = row_values(s, i);
+    const std::byte* meta = row_meta(s, i);
+    const __m256 scale = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16_avx2(meta))));
+    const __m256 zero =
+        _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16_avx2(meta + 2))));
+    float* o = out + static_cast<size_t>(i) * s.dim;
+    for (int c = 0; c < s.dim; c += 16) {
+      __m256i a, b;
+      nibbles_x16(r + c / 2, a, b);
+      _mm256_storeu_ps(o + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), scale, zero));
+      _mm256_storeu_ps(o + c + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), scale, zero));
+    }
+  }
+}
+
+// ---- the work item ------------------------------------------------------------------------
+
+float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+TileSource tile_source_avx2(const Side& s, const WorkItem& item, int t0) {
+  const int32_t block = item.blocks[t0 / item.block_tokens];
+  const size_t in_block = static_cast<size_t>(t0 % item.block_tokens);
+  const std::byte* b = s.base + static_cast<size_t>(block) * s.block_bytes;
+  TileSource src;
+  src.values = b + s.value_offset + in_block * s.row_data_bytes;
+  src.scales = b + s.scale_offset + in_block * s.row_scale_bytes;
+  src.row_data_bytes = s.row_data_bytes;
+  src.row_scale_bytes = s.row_scale_bytes;
+  src.dim = s.dim;
+  src.tensor_scale = s.tensor_scale;
+  src.dtype = s.dtype;
+  return src;
+}
+
+// Query qi against chunk tokens [a, b) (decoded at k_tile / v_tile): one online-softmax step.
+void attend_chunk_avx2(const WorkItem& item, int qi, int a, int b) {
+  const int dk = item.k.dim, dv = item.v.dim;
+  const float* q = item.q + static_cast<size_t>(qi) * dk;
+  float* p = item.p;
+  float cmax = -__builtin_inff();
+  for (int t = a; t < b; ++t) {
+    const float* k = item.k_tile + static_cast<size_t>(t) * dk;
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int c = 0; c < dk; c += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), s1);
+    }
+    float dot = hsum8(_mm256_add_ps(s0, s1));
+    if (item.soft_cap != 0.0f) dot = item.soft_cap * __builtin_tanhf(dot / item.soft_cap);
+    p[t] = dot;
+    cmax = cmax > dot ? cmax : dot;
+  }
+  const float m_old = item.m[qi];
+  const float m_new = m_old > cmax ? m_old : cmax;
+  float sum = 0.0f;
+  for (int t = a; t < b; ++t) {
+    p[t] = __builtin_expf(p[t] - m_new);
+    sum += p[t];
+  }
+  const float corr = m_old == -__builtin_inff() ? 0.0f : __builtin_expf(m_old - m_new);
+  item.l[qi] = item.l[qi] * corr + sum;
+  item.m[qi] = m_new;
+  float* acc = item.acc + static_cast<size_t>(qi) * dv;
+  const __m256 wc = _mm256_set1_ps(corr);
+  for (int c = 0; c < dv; c += 16) {
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + c), wc);
+    __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 8), wc);
+    for (int t = a; t < b; ++t) {
+      const float* v = item.v_tile + static_cast<size_t>(t) * dv + c;
+      const __m256 w = _mm256_set1_ps(p[t]);
+      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+    }
+    _mm256_storeu_ps(acc + c, a0);
+    _mm256_storeu_ps(acc + c + 8, a1);
+  }
+}
+
+}  // namespace
+
+void run_item_avx2(const WorkItem& item) {
+  const int dk = item.k.dim, dv = item.v.dim;
+  const int nq = item.num_pos * item.ratio;
+  for (int i = 0; i < nq * dv; i += 8) _mm256_storeu_ps(item.acc + i, _mm256_setzero_ps());
+  for (int i = 0; i < nq; ++i) {
+    item.m[i] = -__builtin_inff();
+    item.l[i] = 0.0f;
+  }
+  int first = item.lo[0], last = item.hi[0];
+  for (int j = 1; j < item.num_pos; ++j) {
+    first = imin2(first, item.lo[j]);
+    last = imax2(last, item.hi[j]);
+  }
+  const int begin = first - first % kTile;
+  for (int c0 = begin; c0 < last; c0 += kChunk) {
+    const int cn = imin2(kChunk, last - c0);
+    bool decoded = false;
+    for (int j = 0; j < item.num_pos; ++j) {
+      const int a = imax2(item.lo[j], c0) - c0, b = imin2(item.hi[j], c0 + cn) - c0;
+      if (a >= b) continue;  // this position sees nothing of the chunk
+      if (!decoded) {
+        for (int t = 0; t < cn; t += kTile) {
+          const int n = imin2(kTile, cn - t);
+          item.k.decode(tile_source_avx2(item.k, item, c0 + t), n,
+                        item.k_tile + static_cast<size_t>(t) * dk);
+          item.v.decode(tile_source_avx2(item.v, item, c0 + t), n,
+                        item.v_tile + static_cast<size_t>(t) * dv);
+        }
+        decoded = true;
+      }
+      for (int r = 0; r < item.ratio; ++r) attend_chunk_avx2(item, j * item.ratio + r, a, b);
+    }
+  }
+  if (!item.normalize) return;
+  for (int j = 0; j < item.num_pos; ++j)
+    for (int r = 0; r < item.ratio; ++r) {
+      const int qi = j * item.ratio + r;
+      const __m256 inv = _mm256_set1_ps(1.0f / item.l[qi]);
+      float* o =
+          item.out + static_cast<size_t>(j) * item.out_pos_stride + static_cast<size_t>(r) * dv;
+      const float* acc = item.acc + static_cast<size_t>(qi) * dv;
+      for (int c = 0; c < dv; c += 8)
+        _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(acc + c), inv));
+    }
+}
+
+DecodeTileFn avx2_decoder(KvDtype dtype, int dim) {
+  if (dim % 32 != 0) return nullptr;  // the decoders step 16 values at a time, 8 per vector
+  switch (dtype) {
+    case KvDtype::kFloat32:
+      return decode_f32_avx2;
+    case KvDtype::kFloat16:
+      return decode_f16_avx2;
+    case KvDtype::kBFloat16:
+      return decode_bf16_avx2;
+    case KvDtype::kFp8E4M3:
+      return decode_e4m3_avx2;
+    case KvDtype::kFp8E5M2:
+      return decode_e5m2_avx2;
+    case KvDtype::kInt8PerTokenHead:
+      return decode_int8_pth_avx2;
+    case KvDtype::kFp8PerTokenHead:
+      return decode_fp8_pth_avx2;
+    case KvDtype::kInt4PerTokenHead:
+      return decode_int4_pth_avx2;
+    case KvDtype::kNvfp4:
+    case KvDtype::kAuto:
+      break;
+  }
+  return nullptr;
+}
+
+}  // namespace kvq::cpu_attn
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
