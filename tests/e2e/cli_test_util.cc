@@ -12,6 +12,8 @@
 #include <random>
 #include <stdexcept>
 
+#include "support/fixtures.h"
+
 extern char** environ;
 
 namespace kvq::test {
@@ -24,11 +26,7 @@ std::string slurp(const std::string& path) {
 }  // namespace
 
 std::string make_temp_dir(const std::string& tag) {
-  std::random_device rd;
-  auto dir = std::filesystem::temp_directory_path() /
-             ("kvq-test-" + tag + "-" + std::to_string(getpid()) + "-" + std::to_string(rd()));
-  std::filesystem::create_directories(dir);
-  return dir.string();
+  return fresh_dir(tag);  // inside the process's test directory, removed at exit
 }
 
 CommandResult run_kvq(const std::vector<std::string>& args) {

@@ -13,10 +13,31 @@
 
 namespace kvq::test {
 
+// One directory per test process under the system's temporary directory ($TMPDIR), removed
+// with everything in it when the process exits normally (failed tests included), so a test
+// run leaves nothing behind.
+inline const std::filesystem::path& test_root() {
+  struct Root {
+    std::filesystem::path path;
+    Root() {
+      std::random_device rd;
+      path = std::filesystem::temp_directory_path() /
+             ("kvq-test-" + std::to_string(rd()) + std::to_string(rd()));
+      std::filesystem::create_directories(path);
+    }
+    ~Root() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Root root;
+  return root.path;
+}
+
+// A new, empty directory inside test_root().
 inline std::string fresh_dir(const std::string& tag) {
   std::random_device rd;
-  auto dir = std::filesystem::temp_directory_path() /
-             ("kvq-" + tag + "-" + std::to_string(rd()) + std::to_string(rd()));
+  auto dir = test_root() / (tag + "-" + std::to_string(rd()) + std::to_string(rd()));
   std::filesystem::create_directories(dir);
   return dir.string();
 }
@@ -44,7 +65,8 @@ inline nlohmann::json safetensors_header(const std::vector<FixtureTensor>& tenso
   nlohmann::json h = nlohmann::json::object();
   uint64_t off = 0;
   for (const auto& t : tensors) {
-    h[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes.size()}}};
+    h[t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes.size()}}};
     off += t.bytes.size();
   }
   return h;
@@ -52,7 +74,8 @@ inline nlohmann::json safetensors_header(const std::vector<FixtureTensor>& tenso
 
 // Writes 8-byte little-endian header length, `header_text`, then `data`.
 inline void write_raw_safetensors(const std::string& path, const std::string& header_text,
-                                  const std::vector<uint8_t>& data, uint64_t declared_len = UINT64_MAX) {
+                                  const std::vector<uint8_t>& data,
+                                  uint64_t declared_len = UINT64_MAX) {
   const uint64_t len = declared_len == UINT64_MAX ? header_text.size() : declared_len;
   std::ofstream f(path, std::ios::binary);
   for (int i = 0; i < 8; ++i) f.put(static_cast<char>((len >> (8 * i)) & 0xff));
@@ -67,8 +90,8 @@ inline void write_safetensors(const std::string& path, const std::vector<Fixture
 }
 
 // A small Llama-style config.json.
-inline nlohmann::json llama_config(int layers = 4, int q_heads = 8, int kv_heads = 2, int head_dim = 64,
-                                   const std::string& dtype = "bfloat16") {
+inline nlohmann::json llama_config(int layers = 4, int q_heads = 8, int kv_heads = 2,
+                                   int head_dim = 64, const std::string& dtype = "bfloat16") {
   return {{"architectures", {"LlamaForCausalLM"}},
           {"model_type", "llama"},
           {"num_hidden_layers", layers},
