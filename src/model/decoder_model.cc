@@ -248,19 +248,22 @@ std::shared_ptr<const ModelWeights> DecoderModel::load_weights(
     dst.push_back(a);
   }
   model::expect_layout(reader, layout);
+  // A matrix becomes its Linear as soon as its last piece is read, so the fp32 copy of one
+  // matrix at a time is resident (the arrays are allocated untouched above).
   std::vector<bool> bf16(layout.tensors.size(), true);
+  std::vector<int> pieces_left(layout.tensors.size(), 0);
+  for (const model::WeightPiece& pc : layout.pieces) ++pieces_left[pc.tensor];
   for (const model::WeightPiece& pc : layout.pieces) {
-    reader.read(pc.name, dst[pc.tensor]->data() + pc.offset);
-    bf16[pc.tensor] = bf16[pc.tensor] && reader.dtype(pc.name) == TensorDtype::kBF16;
-  }
-  reader.finish();
-  for (size_t ti = 0; ti < layout.tensors.size(); ++ti) {
+    const size_t ti = pc.tensor;
+    reader.read(pc.name, dst[ti]->data() + pc.offset);
+    bf16[ti] = bf16[ti] && reader.dtype(pc.name) == TensorDtype::kBF16;
     auto [lin, rows] = matrix[ti];
-    if (!lin) continue;
+    if (--pieces_left[ti] > 0 || !lin) continue;
     const int cols = static_cast<int>(layout.tensors[ti].numel / rows);
     *lin = Linear(std::move(matrix_values[ti]), rows, cols,
                   bf16[ti] ? Linear::Storage::kBFloat16 : Linear::Storage::kFloat32);
   }
+  reader.finish();
   return weights;
 }
 
