@@ -7,7 +7,7 @@
 # minutes on 2 cores, skipped when WORK_DIR has it), on a random-weights F16 GGUF of the shape
 # (../shared/peers/make_gguf_llama.py; needs numpy: Debian's python3-numpy, run with
 # /usr/bin/python3). Its llama-batched-bench prefills one prompt, copies it to each sequence
-# (-pps), then generates; kvq bench does the same with --prefill-sequences 1. THREADS (default
+# (-pps), then generates; kvq bench does the same with. THREADS (default
 # nproc) threads for both. Output: one table on stdout; raw logs in WORK_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ done
 for kv in bfloat16 fp8_e4m3 fp8_e5m2 int8_per_token_head fp8_per_token_head int4_per_token_head nvfp4; do
   for b in 1 8; do
     OMP_NUM_THREADS=$THREADS "$KVQ" bench --model models/kvq-code-tiny --device cpu --kv-cache-dtype "$kv" \
-      --batch "$b" --input-len 512 --output-len 128 --prefill-sequences 1 --json > "$W/kvq-$kv-$b.json" 2> "$W/kvq-$kv-$b.log"
+      --batch "$b" --input-len 512 --output-len 128 --json > "$W/kvq-$kv-$b.json" 2> "$W/kvq-$kv-$b.log"
     "$PY" - "$W/kvq-$kv-$b.json" "$kv" "$b" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))
