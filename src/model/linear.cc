@@ -90,10 +90,10 @@ void Linear::apply(int m, const float* in, int lda, float* out, int ldc, float b
     return;
   }
   const uint16_t* w = bf16_.data() + static_cast<size_t>(r0) * k;
-  const bool small = m <= kLinearSmallRows && cpu_has_avx2_fma();
+  const bool avx2 = cpu_has_avx2_fma();
   auto run = [&](int j0, int j1) {
     if (j1 <= j0) return;
-    if (small) {
+    if (avx2) {
       bf16_gemv_avx2(m, j1 - j0, k, in, lda, w + static_cast<size_t>(j0) * k, out + j0, ldc, beta);
     } else {
       bf16_sgemm_slices(m, j0, j1, k, in, lda, w, out, ldc, beta);

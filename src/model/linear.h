@@ -3,10 +3,11 @@
 // bytes that every decode step reads; the values are the checkpoint's exactly); products
 // accumulate in fp32 either way.
 //
-// Which product runs (apply): fp32 weights go to OpenBLAS sgemm; bf16 weights with few input
-// rows (decode, verification steps) go to an AVX2/FMA kernel that widens bf16 in registers
-// (Debian's OpenBLAS 0.3.21 has no bf16 GEMM); more rows convert slices of W to fp32 scratch
-// per thread and run sgemm on them (the conversion is 1/m of the product's work).
+// Which product runs (apply): fp32 weights go to OpenBLAS sgemm; bf16 weights go to an
+// AVX2/FMA kernel that widens bf16 in registers (Debian's OpenBLAS 0.3.21 has no bf16 GEMM)
+// for any number of rows, so a row's result never depends on the batch it is in (a solo run
+// and a batched or speculative step give the same logits, bit for bit); CPUs without AVX2
+// convert slices of W to fp32 scratch per thread and run sgemm on them.
 #pragma once
 
 #include <cstdint>
@@ -45,13 +46,10 @@ class Linear {
   AlignedArray<uint16_t> bf16_;
 };
 
-// The rows of `in` the small-batch bf16 kernel takes; more go through fp32 slices and sgemm.
-inline constexpr int kLinearSmallRows = 16;
-
-// True when the CPU has AVX2 and FMA (the small-batch bf16 kernel's instructions).
+// True when the CPU has AVX2 and FMA (the bf16 kernel's instructions).
 bool cpu_has_avx2_fma();
 
-// The small-batch kernel: out[i][j] = in[i] . w[j] + beta * out[i][j], i < m, j < n, w bf16
+// The bf16 kernel: out[i][j] = in[i] . w[j] + beta * out[i][j], i < m, j < n, w bf16
 // [n][k]. Only call when cpu_has_avx2_fma().
 void bf16_gemv_avx2(int m, int n, int k, const float* in, int lda, const uint16_t* w, float* out,
                     int ldc, float beta);

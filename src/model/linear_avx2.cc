@@ -1,4 +1,4 @@
-// The small-batch bf16 product of model::Linear, for AVX2 + FMA. Called only after
+// The bf16 product of model::Linear, for AVX2 + FMA (every batch size). Called only after
 // cpu_has_avx2_fma(). Everything compiled for AVX2 here has internal linkage or a unique name
 // and uses intrinsics and raw pointers only, so no inline function or template shared with
 // generic code can be merged by the linker into an AVX2 copy (see kernel_avx512.cc).

@@ -1,6 +1,6 @@
 // model::Linear against a float64 product of the same (bf16-rounded) values: every path
-// (the AVX2 small-batch kernel, the fp32-slice sgemm path, fp32 storage), row ranges, beta 0
-// (the output is not read: poisoned with NaN) and beta 1, shapes with tails.
+// (the AVX2 kernel; the fp32-slice sgemm path on CPUs without AVX2; fp32 storage), row ranges, beta
+// 0 (the output is not read: poisoned with NaN) and beta 1, shapes with tails.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -97,7 +97,7 @@ TEST(Linear, MatchesFloat64ForEveryPathAndShape) {
     }
 }
 
-// The AVX2 kernel directly (Linear::apply picks it only for small batches on AVX2 machines).
+// The AVX2 kernel directly (Linear::apply picks it for bf16 on AVX2 machines).
 TEST(Linear, Avx2KernelMatchesFloat64) {
   if (!model::cpu_has_avx2_fma()) GTEST_SKIP() << "this CPU has no AVX2/FMA";
   const uint32_t seed = fresh_seed();
