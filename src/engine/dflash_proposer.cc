@@ -3,6 +3,9 @@
 // [last token, mask x k] at positions s..s+k (non-causal), whose rows 1..k are the drafts; the
 // block's slots are rolled back after the pass.
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <unordered_map>
 
 #include "kvq/core/error.h"
@@ -23,6 +26,16 @@ class DflashProposer final : public Proposer {
     max_k_ = dc->max_speculative_tokens;
   }
 
+  ~DflashProposer() override {
+    // KVQ_SPEC_PROFILE=1: where the proposer's time went (wall clock, host side).
+    if (std::getenv("KVQ_SPEC_PROFILE") != nullptr && calls_ > 0)
+      std::fprintf(stderr,
+                   "kvq dflash profile: %lld calls, %lld sequence-drafts: context K/V %.3f ms/call, "
+                   "block pass %.3f ms/call, other %.3f ms/call\n",
+                   static_cast<long long>(calls_), static_cast<long long>(drafts_),
+                   1e3 * context_s_ / calls_, 1e3 * pass_s_ / calls_, 1e3 * other_s_ / calls_);
+  }
+
   SpecMethod method() const override { return SpecMethod::kDflash; }
   std::span<const int32_t> target_layers() const override { return layers_; }
 
@@ -32,26 +45,63 @@ class DflashProposer final : public Proposer {
     state_.erase(seq);
   }
 
-  void on_target_features(uint64_t seq, int32_t first, int32_t n,
-                          std::span<const float> features) override {
-    if (n <= 0) return;
-    KVQ_CHECK(features.size() == static_cast<size_t>(n) * feature_size_,
-              "DflashProposer: features of the wrong size");
-    State& st = state_[seq];
-    if (first != st.context + st.pending) {
-      st.broken = true;  // a gap (prefix-cache hit) or a repeat: no drafts for this sequence
-      return;
+  bool features_on_device(const Model& target) const override {
+    return drafter_->reads_features_of(target);
+  }
+
+  // The context K/V of the kept positions, every sequence at once, as soon as the target has
+  // them (its next pass may overwrite the features).
+  void on_target_features(const Model& target, std::span<const KeptRows> kept,
+                          std::span<const float> host) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<int32_t> rows, positions;
+    std::vector<int64_t> slots;
+    for (const KeptRows& k : kept) {
+      if (k.n <= 0) continue;
+      State& st = state_[k.seq];
+      if (st.broken) continue;
+      const SequenceId id = static_cast<SequenceId>(k.seq);
+      if (!cache_->has_sequence(id)) cache_->add_sequence(id);
+      std::vector<int64_t> s = k.first == st.context ? cache_->append(id, k.n)
+                                                     : std::vector<int64_t>{};
+      if (s.empty()) {
+        // A gap (a prefix-cache hit skipped positions), a repeat, or no blocks: this sequence
+        // drafts nothing from now on.
+        st.broken = true;
+        continue;
+      }
+      slots.insert(slots.end(), s.begin(), s.end());
+      for (int32_t p = 0; p < k.n; ++p) {
+        positions.push_back(k.first + p);
+        rows.push_back(k.row + p);
+      }
+      st.context += k.n;
     }
-    st.features.insert(st.features.end(), features.begin(), features.end());
-    st.pending += n;
+    if (!positions.empty()) {
+      if (host.empty()) {
+        drafter_->write_feature_kv_from_target(target, rows, positions, slots, *cache_);
+      } else {
+        KVQ_CHECK(host.size() % feature_size_ == 0, "DflashProposer: features of the wrong size");
+        std::vector<float> features(rows.size() * feature_size_);
+        for (size_t i = 0; i < rows.size(); ++i) {
+          const size_t from = static_cast<size_t>(rows[i]) * feature_size_;
+          KVQ_CHECK(from + feature_size_ <= host.size(), "DflashProposer: feature row out of range");
+          std::copy_n(host.begin() + static_cast<ptrdiff_t>(from), feature_size_,
+                      features.begin() + static_cast<ptrdiff_t>(i * feature_size_));
+        }
+        drafter_->write_feature_kv(features, positions, slots, *cache_);
+      }
+    }
+    context_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
   void propose(std::span<const DraftRequest> requests, std::span<Draft> out) override {
     KVQ_CHECK(out.size() == requests.size(), "DflashProposer: one draft per request");
-    // 1. Context K/V of the positions the target kept since the last step, all sequences at once.
-    std::vector<float> features;
-    std::vector<int32_t> positions;
-    std::vector<int64_t> slots;
+    using Clock = std::chrono::steady_clock;
+    const auto seconds = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double>(b - a).count();
+    };
+    const Clock::time_point t0 = Clock::now();
     std::vector<size_t> active;
     for (size_t r = 0; r < requests.size(); ++r) {
       out[r].tokens.clear();
@@ -59,24 +109,10 @@ class DflashProposer final : public Proposer {
       const DraftRequest& q = requests[r];
       auto it = state_.find(q.seq);
       if (q.max_drafts <= 0 || it == state_.end() || it->second.broken) continue;
-      State& st = it->second;
-      const SequenceId id = static_cast<SequenceId>(q.seq);
-      if (!cache_->has_sequence(id)) cache_->add_sequence(id);
-      // Every position before the last token needs its features.
-      if (static_cast<size_t>(st.context + st.pending) + 1 != q.tokens.size()) continue;
-      if (st.pending > 0) {
-        std::vector<int64_t> s = cache_->append(id, st.pending);
-        if (s.empty()) continue;  // no blocks: no drafts this step (the features wait)
-        slots.insert(slots.end(), s.begin(), s.end());
-        for (int32_t p = 0; p < st.pending; ++p) positions.push_back(st.context + p);
-        features.insert(features.end(), st.features.begin(), st.features.end());
-        st.context += st.pending;
-        st.pending = 0;
-        st.features.clear();
-      }
+      // Every position before the last token needs its context K/V.
+      if (static_cast<size_t>(it->second.context) + 1 != q.tokens.size()) continue;
       active.push_back(r);
     }
-    if (!positions.empty()) drafter_->write_feature_kv(features, positions, slots, *cache_);
 
     // 2. One pass over every block.
     std::vector<int32_t> tokens, pos, q_indptr{0}, rows;
@@ -100,11 +136,17 @@ class DflashProposer final : public Proposer {
       ids.push_back(id);
       ran.push_back(r);
     }
-    if (ran.empty()) return;
+    ++calls_;
+    if (ran.empty()) {
+      other_s_ += seconds(t0, Clock::now());
+      return;
+    }
+    drafts_ += static_cast<int64_t>(ran.size());
     PagedKvCache::BlockTableStorage storage;
     const ForwardBatch fb{tokens, pos, q_indptr, block_slots, cache_->block_table(ids, storage),
                           rows};
     const size_t vocab = static_cast<size_t>(drafter_->vocab_size());
+    const Clock::time_point t3 = Clock::now();
     // All greedy on a device that samples: only the argmax ids cross to the host.
     bool all_greedy = drafter_->samples_on_device();
     for (size_t r : ran) all_greedy = all_greedy && requests[r].sampler->greedy();
@@ -116,6 +158,7 @@ class DflashProposer final : public Proposer {
       logits_.resize(rows.size() * vocab);
       drafter_->forward(fb, *cache_, logits_);
     }
+    const Clock::time_point t4 = Clock::now();
     size_t row = 0;
     for (size_t i = 0; i < ran.size(); ++i) {
       const DraftRequest& q = requests[ran[i]];
@@ -139,13 +182,13 @@ class DflashProposer final : public Proposer {
       // The block's slots are scratch: back to the context.
       cache_->truncate(ids[i], state_[q.seq].context);
     }
+    pass_s_ += seconds(t3, t4);
+    other_s_ += seconds(t0, t3) + seconds(t4, Clock::now());
   }
 
  private:
   struct State {
-    int32_t context = 0;          // positions whose context K/V are in the drafter's cache
-    int32_t pending = 0;          // kept positions whose features wait in `features`
-    std::vector<float> features;  // [pending][feature_size_]
+    int32_t context = 0;  // positions whose context K/V are in the drafter's cache
     bool broken = false;
   };
 
@@ -157,6 +200,8 @@ class DflashProposer final : public Proposer {
   std::unordered_map<uint64_t, State> state_;
   std::vector<float> logits_;
   std::vector<int32_t> ids_;
+  int64_t calls_ = 0, drafts_ = 0;
+  double context_s_ = 0.0, pass_s_ = 0.0, other_s_ = 0.0;
 };
 
 }  // namespace

@@ -34,11 +34,14 @@ struct SingleSequencePass {
   PagedKvCache::BlockTableStorage storage;
   std::vector<float> captured;
   ForwardBatch batch;
+  const Model* target = nullptr;
+  bool capturing = false;
 
   SingleSequencePass(const Model& model, PagedKvCache& cache, SequenceId seq,
                      std::span<const int32_t> tokens, int32_t first_position, int32_t num_rows,
                      const Proposer* features_to) {
     const int32_t n = static_cast<int32_t>(tokens.size());
+    target = &model;
     slots = cache.append(seq, n);
     if (slots.empty()) throw InternalError("KV cache has no free block for the sequence");
     positions.resize(static_cast<size_t>(n));
@@ -50,9 +53,15 @@ struct SingleSequencePass {
     batch = ForwardBatch{tokens, positions, q_indptr, slots, cache.block_table(ids, storage), rows};
     if (features_to != nullptr && !features_to->target_layers().empty()) {
       batch.capture_layers = features_to->target_layers();
-      captured.resize(static_cast<size_t>(n) * batch.capture_layers.size() *
-                      static_cast<size_t>(model.arch().hidden_size));
-      batch.captured = captured;
+      capturing = true;
+      // A drafter on the target's GPU reads the features there (no trip through the host).
+      batch.capture_on_device = model.keeps_captures_on_device() &&
+                                features_to->features_on_device(model);
+      if (!batch.capture_on_device) {
+        captured.resize(static_cast<size_t>(n) * batch.capture_layers.size() *
+                        static_cast<size_t>(model.arch().hidden_size));
+        batch.captured = captured;
+      }
     }
   }
   // `batch` points into the members: the object never moves.
@@ -61,10 +70,9 @@ struct SingleSequencePass {
 
   // The features of the first n tokens to the proposer (when captured).
   void hand_features(Proposer* to, SequenceId seq, int32_t n) const {
-    if (to == nullptr || captured.empty()) return;
-    const size_t per_token = captured.size() / batch.tokens.size();
-    to->on_target_features(static_cast<uint64_t>(seq), positions.front(), n,
-                           std::span<const float>(captured).first(per_token * static_cast<size_t>(n)));
+    if (to == nullptr || !capturing) return;
+    const Proposer::KeptRows kept[1] = {{static_cast<uint64_t>(seq), positions.front(), n, 0}};
+    to->on_target_features(*target, kept, captured);
   }
 };
 

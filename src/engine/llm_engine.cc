@@ -1,6 +1,7 @@
 #include "kvq/engine/llm_engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <deque>
@@ -188,7 +189,10 @@ void LlmEngine::Impl::schedule_and_forward() {
   int32_t budget = config.max_num_batched_tokens;
   const int32_t bt = blocks.block_tokens();
   bool preempted = false;
+  const auto t_draft = std::chrono::steady_clock::now();
   propose_drafts();
+  counters.draft_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_draft).count();
   auto reserve = [&](Request& r, int32_t n) {
     std::vector<int64_t> got = blocks.append(r.seq(), n);
     KVQ_CHECK(static_cast<int32_t>(got.size()) == n,
@@ -308,15 +312,23 @@ void LlmEngine::Impl::schedule_and_forward() {
   const std::span<const int32_t> capture =
       config.proposer ? config.proposer->target_layers() : std::span<const int32_t>();
   const size_t feature_size = capture.size() * static_cast<size_t>(model->arch().hidden_size);
+  const bool capture_on_device = !capture.empty() && model->keeps_captures_on_device() &&
+                                 config.proposer->features_on_device(*model);
   if (!capture.empty()) {
-    captured.resize(tokens.size() * feature_size);
     fb.capture_layers = capture;
+    fb.capture_on_device = capture_on_device;
+    captured.resize(capture_on_device ? 0 : tokens.size() * feature_size);
     fb.captured = captured;
   }
   std::vector<PassResult> results;
+  const auto t_forward = std::chrono::steady_clock::now();
   forward_and_accept(*model, fb, blocks.cache(), pass, results, logits);
+  counters.forward_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_forward).count();
+  ++counters.steps;
 
   // Rejected drafts are rolled back (their blocks freed); only kept tokens are published.
+  std::vector<Proposer::KeptRows> kept;
   for (size_t b = 0; b < batch.size(); ++b) {
     const Scheduled& s = batch[b];
     Request& r = *s.r;
@@ -328,10 +340,7 @@ void LlmEngine::Impl::schedule_and_forward() {
         it == sampled.end() ? nullptr : &results[static_cast<size_t>(it - sampled.begin())].verified;
     const int32_t accepted = v != nullptr ? v->accepted : 0;
     if (!capture.empty() && r.speculate)
-      config.proposer->on_target_features(
-          static_cast<uint64_t>(r.seq()), first, own + accepted,
-          std::span<const float>(captured).subspan(static_cast<size_t>(q_indptr[b]) * feature_size,
-                                                   static_cast<size_t>(own + accepted) * feature_size));
+      kept.push_back({static_cast<uint64_t>(r.seq()), first, own + accepted, q_indptr[b]});
     if (v == nullptr) {
       blocks.publish_full_blocks(r.seq(), r.tokens, r.computed);
       continue;
@@ -351,6 +360,12 @@ void LlmEngine::Impl::schedule_and_forward() {
       r.spec.add(c);
       counters.spec.add(c);
     }
+  }
+  if (!kept.empty()) {
+    const auto t_features = std::chrono::steady_clock::now();
+    config.proposer->on_target_features(*model, kept, captured);
+    counters.draft_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_features).count();
   }
   for (size_t i = 0; i < sampled.size(); ++i) {
     Request& r = *sampled[i];

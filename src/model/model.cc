@@ -20,4 +20,11 @@ void Model::write_feature_kv(std::span<const float>, std::span<const int32_t>,
   throw InternalError("write_feature_kv called on a model that is not a DFlash drafter");
 }
 
+void Model::write_feature_kv_from_target(const Model&, std::span<const int32_t>,
+                                         std::span<const int32_t>, std::span<const int64_t>,
+                                         PagedKvCache&) const {
+  throw InternalError(
+      "write_feature_kv_from_target called on a model that cannot read its target's features");
+}
+
 }  // namespace kvq

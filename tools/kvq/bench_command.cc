@@ -159,6 +159,9 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
     double seconds = 0.0;
     int64_t tokens = 0;
     SpecCounters spec;
+    int64_t steps = 0;             // engine steps of the timed pass
+    double draft_seconds = 0.0;    // of which drafting
+    double forward_seconds = 0.0;  // and the target's forward pass with verification
     std::vector<std::vector<int32_t>> outputs;
   };
   auto run = [&](bool speculate) {
@@ -187,11 +190,13 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
     // The whole workload runs twice; the second pass is timed: the first captures the CUDA
     // graphs of every step shape and picks the GEMMs, as a long-running server would have.
     SpecCounters before;
+    EngineStats before_stats;
     Clock::time_point t0;
     for (int pass = 0; pass < 2; ++pass) {
       for (auto& o : r.outputs) o.clear();
       finished = 0;
-      before = engine.stats().spec;
+      before_stats = engine.stats();
+      before = before_stats.spec;
       t0 = Clock::now();
       for (size_t i = 0; i < prompts.size(); ++i)
         engine.add_request(prompts[i], p, [&, i](const RequestOutput& o) {
@@ -207,7 +212,11 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
     }
     r.seconds = seconds_since(t0);
     for (const auto& o : r.outputs) r.tokens += static_cast<int64_t>(o.size());
-    r.spec = engine.stats().spec;
+    const EngineStats after = engine.stats();
+    r.steps = after.steps - before_stats.steps;
+    r.draft_seconds = after.draft_seconds - before_stats.draft_seconds;
+    r.forward_seconds = after.forward_seconds - before_stats.forward_seconds;
+    r.spec = after.spec;
     r.spec.drafted -= before.drafted;
     r.spec.accepted -= before.accepted;
     r.spec.verify_steps -= before.verify_steps;
@@ -240,6 +249,16 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
   j["acceptance_rate"] = specd.spec.acceptance_rate();
   j["mean_accepted_length"] = specd.spec.mean_accepted_length();
   j["greedy_outputs_identical"] = same;
+  // Where a step's time goes (ms per engine step of the timed pass): drafting, the target's
+  // forward pass (verification included), and the rest (scheduling, callbacks, waiting).
+  auto per_step = [](const Run& r, double s) { return r.steps > 0 ? 1e3 * s / r.steps : 0.0; };
+  j["plain_steps"] = plain.steps;
+  j["plain_ms_per_step"] = per_step(plain, plain.seconds);
+  j["plain_forward_ms_per_step"] = per_step(plain, plain.forward_seconds);
+  j["spec_steps"] = specd.steps;
+  j["spec_ms_per_step"] = per_step(specd, specd.seconds);
+  j["spec_draft_ms_per_step"] = per_step(specd, specd.draft_seconds);
+  j["spec_forward_ms_per_step"] = per_step(specd, specd.forward_seconds);
   if (json) {
     std::cout << j.dump(2) << "\n";
     return 0;
@@ -256,6 +275,12 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
               static_cast<long long>(specd.spec.drafted), static_cast<long long>(specd.spec.accepted),
               100.0 * specd.spec.acceptance_rate(), specd.spec.mean_accepted_length(), same,
               static_cast<int>(prompts.size()));
+  std::printf("per engine step: plain %.3f ms (forward %.3f) over %lld steps; speculative %.3f ms "
+              "(drafting %.3f, forward and verification %.3f) over %lld steps\n",
+              per_step(plain, plain.seconds), per_step(plain, plain.forward_seconds),
+              static_cast<long long>(plain.steps), per_step(specd, specd.seconds),
+              per_step(specd, specd.draft_seconds), per_step(specd, specd.forward_seconds),
+              static_cast<long long>(specd.steps));
   return 0;
 }
 

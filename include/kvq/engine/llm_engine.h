@@ -77,6 +77,12 @@ struct EngineStats {
   int64_t generation_tokens_total = 0;
   int64_t requests_finished = 0;     // every final event, whatever its reason
   SpecCounters spec;                 // speculative decoding, all requests
+  // Where the engine thread's time went (wall clock, cumulative): steps that ran a forward
+  // pass, the proposer's drafting in them (drafter passes, context writes), and the target's
+  // forward pass with verification and sampling.
+  int64_t steps = 0;
+  double draft_seconds = 0.0;
+  double forward_seconds = 0.0;
 };
 
 class LlmEngine {

@@ -51,11 +51,24 @@ class Proposer {
   // Target layers whose outputs this proposer needs for every position the target keeps (a
   // DFlash drafter's features); empty: none. The caller captures them in each target forward.
   virtual std::span<const int32_t> target_layers() const { return {}; }
-  // The target kept positions [first, first + n) of `seq` (prefill chunks, and the accepted
-  // part of a verify step): their captured features, [n][target_layers().size()][hidden].
-  virtual void on_target_features(uint64_t seq, int32_t first, int32_t n,
-                                  std::span<const float> features) {
-    (void)seq, (void)first, (void)n, (void)features;
+  // After a target forward pass that captured target_layers(): the positions it kept, and
+  // their features, rows of `host` ([pass tokens][target_layers().size()][hidden]) or, when the
+  // pass kept them on its device (features_on_device), of target.device_captured().
+  struct KeptRows {
+    uint64_t seq = 0;
+    int32_t first = 0;  // positions [first, first + n) of seq (prefill chunks, accepted tokens)
+    int32_t n = 0;
+    int32_t row = 0;  // their features are rows [row, row + n) of the pass
+  };
+  virtual void on_target_features(const Model& target, std::span<const KeptRows> kept,
+                                  std::span<const float> host) {
+    (void)target, (void)kept, (void)host;
+  }
+  // True when `target`'s passes should keep the captured features on its device
+  // (ForwardBatch::capture_on_device) because this proposer reads them there.
+  virtual bool features_on_device(const Model& target) const {
+    (void)target;
+    return false;
   }
 };
 

@@ -78,6 +78,10 @@ struct ForwardBatch {
   // (a DFlash drafter's features).
   std::span<const int32_t> capture_layers = {};
   std::span<float> captured = {};
+  // Instead of `captured` (left empty): the model keeps the captured rows in its own device
+  // memory, where Model::device_captured() finds them until its next forward pass. Only for a
+  // model with keeps_captures_on_device() (a DFlash drafter on the same GPU reads them there).
+  bool capture_on_device = false;
 };
 
 // A token id that a DFlash drafter embeds as its learned mask vector (block rows 1..k).
@@ -141,6 +145,24 @@ class Model {
   // and RoPE at the position. InternalError for other models.
   virtual void write_feature_kv(std::span<const float> features, std::span<const int32_t> positions,
                                 std::span<const int64_t> slots, PagedKvCache& cache) const;
+  // True when this (DFlash drafter) model can take `target`'s features where the target keeps
+  // them (write_feature_kv_from_target): both on the same GPU.
+  virtual bool reads_features_of(const Model& target) const {
+    (void)target;
+    return false;
+  }
+  // write_feature_kv with the features of `positions` in rows `rows` of the target's last
+  // forward pass, captured with capture_on_device; they are read before this returns, so the
+  // target may run its next pass. InternalError unless reads_features_of(target).
+  virtual void write_feature_kv_from_target(const Model& target, std::span<const int32_t> rows,
+                                            std::span<const int32_t> positions,
+                                            std::span<const int64_t> slots,
+                                            PagedKvCache& cache) const;
+  // A model that can keep captured layer outputs on its device (ForwardBatch::capture_on_device).
+  virtual bool keeps_captures_on_device() const { return false; }
+  // The last forward pass's captured rows on the device, [tokens][capture layers][hidden] fp32;
+  // nullptr when there are none.
+  virtual const float* device_captured() const { return nullptr; }
 
   // Where the forward pass runs. A kCuda model keeps its KV cache in device memory.
   virtual Device device() const { return Device::kCpu; }

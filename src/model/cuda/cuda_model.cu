@@ -322,6 +322,13 @@ class CudaDecoderModel final : public CudaModel {
                std::span<float> logits) const override;
   void write_feature_kv(std::span<const float> features, std::span<const int32_t> positions,
                         std::span<const int64_t> slots, PagedKvCache& cache) const override;
+  bool reads_features_of(const Model& target) const override;
+  void write_feature_kv_from_target(const Model& target, std::span<const int32_t> rows,
+                                    std::span<const int32_t> positions,
+                                    std::span<const int64_t> slots,
+                                    PagedKvCache& cache) const override;
+  bool keeps_captures_on_device() const override { return true; }
+  const float* device_captured() const override { return last_captured_; }
   std::unique_ptr<PagedKvCache> create_cache(int32_t num_blocks) const override;
   int64_t max_cache_blocks() const override;
 
@@ -372,6 +379,15 @@ class CudaDecoderModel final : public CudaModel {
   void run_step(const Step& st, PagedKvCache& cache) const;
   // The captured rows of the batch's real tokens to b.captured (host), on the stream.
   void copy_captured(const ForwardBatch& b) const;
+  // Checks of a feature write's positions and slots against `cache`; its layer views.
+  std::vector<LayerCacheView> check_feature_write(std::span<const int32_t> positions,
+                                                  std::span<const int64_t> slots,
+                                                  PagedKvCache& cache) const;
+  // Context K/V of n rows whose features are in feat_ and whose slots and positions are staged
+  // on the device (d_feat_step_), written into every layer's cache.
+  void context_kv_rows(int n, const std::vector<LayerCacheView>& views) const;
+  // The first n slots, positions (and rows) of h_feat_step_ to d_feat_step_, on the stream.
+  void stage_feature_rows(int n, bool rows) const;
   void run_body(const Step& st, const std::vector<LayerCacheView>& views) const;
   void attention(const Step& st, int layer, const LayerCacheView& view) const;
   // Final norm + lm_head for logit rows [first, first + n) into logits_ rows [0, n).
@@ -421,13 +437,15 @@ class CudaDecoderModel final : public CudaModel {
   // A DFlash drafter's features [T_cap][F] (fp32, and bf16 for bf16 weights).
   float* feat_ = nullptr;
   void* feat_h_ = nullptr;
-  // Their positions [T_cap] and slots [T_cap] (pinned and device), apart from the step staging
-  // so a feature write need not wait for its copies before the next step is staged.
+  // Their slots [T_cap] (int64), positions [T_cap] and rows in the target's captures [T_cap]
+  // (pinned and device), apart from the step staging so a feature write need not wait for its
+  // copies before the next step is staged.
   std::byte* h_feat_step_ = nullptr;
   std::byte* d_feat_step_ = nullptr;
   // Captured layer outputs [T][layers][H] (fp32), grown on first use.
   mutable std::unique_ptr<DeviceArena> cap_arena_;
   mutable float* cap_ = nullptr;
+  mutable const float* last_captured_ = nullptr;  // cap_ after a forward that captured
   mutable size_t cap_layers_ = 0;
   mutable std::vector<std::vector<int32_t>> capture_sets_;
   // Step staging: the same layout in pinned host memory and on the device.
@@ -634,7 +652,7 @@ void CudaDecoderModel::allocate_buffers() {
                      static_cast<size_t>(arch_.dflash->target_hidden_size);
     feat_ = static_cast<float*>(buf_.alloc(T * F * 4));
     if (bf16_) feat_h_ = buf_.alloc(T * F * 2);
-    d_feat_step_ = static_cast<std::byte*>(buf_.alloc(T * 12));
+    d_feat_step_ = static_cast<std::byte*>(buf_.alloc(T * 16));
   }
 #if KVQ_MODEL_CUDA_SAMPLING
   sample_ws_ = buf_.alloc(cuda::sampling_workspace_bytes(R_cap_, vocab_));
@@ -670,7 +688,7 @@ void CudaDecoderModel::allocate_buffers() {
   KVQ_CUDA_CHECK(cudaHostAlloc(&hp, T * 4, cudaHostAllocDefault));
   h_ids_ = static_cast<int32_t*>(hp);
   if (arch_.dflash) {
-    KVQ_CUDA_CHECK(cudaHostAlloc(&hp, T * 12, cudaHostAllocDefault));
+    KVQ_CUDA_CHECK(cudaHostAlloc(&hp, T * 16, cudaHostAllocDefault));
     h_feat_step_ = static_cast<std::byte*>(hp);
   }
   KVQ_CUDA_CHECK(cudaDeviceSynchronize());
@@ -802,7 +820,8 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
     KVQ_CHECK(l >= 0 && l < num_layers_,
               "forward: capture layer " + std::to_string(l) + " outside the model's layers");
   KVQ_CHECK(b.captured.size() ==
-                b.capture_layers.size() * static_cast<size_t>(T) * static_cast<size_t>(H_),
+                    b.capture_layers.size() * static_cast<size_t>(T) * static_cast<size_t>(H_) ||
+                (b.capture_on_device && b.captured.empty()),
             "forward: captured span does not hold tokens x capture_layers x hidden floats");
   KVQ_CHECK(b.block_table.block_tokens == plan_.layers.front().block_tokens,
             "forward: block table block_tokens differs from the plan's");
@@ -1103,10 +1122,67 @@ int CudaDecoderModel::capture_set(std::span<const int32_t> layers) const {
 }
 
 void CudaDecoderModel::copy_captured(const ForwardBatch& b) const {
-  if (b.capture_layers.empty() || b.tokens.empty()) return;
+  last_captured_ = b.capture_layers.empty() || b.tokens.empty() ? nullptr : cap_;
+  if (b.capture_layers.empty() || b.tokens.empty() || b.capture_on_device) return;
   // Padded rows come after the real ones, so the first T rows are the batch's tokens.
   KVQ_CUDA_CHECK(cudaMemcpyAsync(b.captured.data(), cap_, b.captured.size() * sizeof(float),
                                  cudaMemcpyDeviceToHost, stream_));
+}
+
+std::vector<LayerCacheView> CudaDecoderModel::check_feature_write(
+    std::span<const int32_t> positions, std::span<const int64_t> slots, PagedKvCache& cache) const {
+  KVQ_CHECK(arch_.dflash.has_value(), "write_feature_kv: not a DFlash drafter");
+  KVQ_CHECK(slots.size() == positions.size(),
+            "write_feature_kv: positions and slots differ in length");
+  KVQ_CHECK(cache.num_layers() == static_cast<size_t>(num_layers_) && cache.external_storage(),
+            "write_feature_kv: the cache was not made by this model's create_cache()");
+  const int64_t num_slots =
+      static_cast<int64_t>(cache.layer_view(0).num_blocks) * plan_.layers.front().block_tokens;
+  for (size_t i = 0; i < positions.size(); ++i) {
+    KVQ_CHECK(positions[i] >= 0, "write_feature_kv: negative position");
+    KVQ_CHECK(slots[i] >= 0 && slots[i] < num_slots,
+              "write_feature_kv: slot " + std::to_string(slots[i]) + " outside the cache's " +
+                  std::to_string(num_slots) + " slots");
+  }
+  std::vector<LayerCacheView> views;
+  for (size_t l = 0; l < cache.num_layers(); ++l) views.push_back(cache.layer_view(l));
+  return views;
+}
+
+void CudaDecoderModel::stage_feature_rows(int n, bool rows) const {
+  // Slots at 0, positions at T_cap * 8, rows at T_cap * 12: only the first n of each.
+  for (const auto [at, bytes] : {std::pair<size_t, size_t>{0, 8}, {size_t(T_cap_) * 8, 4},
+                                 {size_t(T_cap_) * 12, rows ? 4 : 0}})
+    if (bytes > 0)
+      KVQ_CUDA_CHECK(cudaMemcpyAsync(d_feat_step_ + at, h_feat_step_ + at, size_t(n) * bytes,
+                                     cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaDecoderModel::context_kv_rows(int n, const std::vector<LayerCacheView>& views) const {
+  const int Fi = static_cast<int>(arch_.dflash->target_layer_ids.size()) *
+                 arch_.dflash->target_hidden_size;
+  auto* d_slots = reinterpret_cast<int64_t*>(d_feat_step_);
+  auto* d_positions = reinterpret_cast<int32_t*>(d_feat_step_ + size_t(T_cap_) * 8);
+  const void* in = feat_;
+  if (bf16_) {
+    cuda_model::to_bf16(feat_, static_cast<int64_t>(n) * Fi, feat_h_, stream_);
+    in = feat_h_;
+  }
+  // The context rows: hidden_norm(fc(features)), then each layer's k/v projections of them
+  // (no input_layernorm), k_norm and RoPE, written in the layer's cache format.
+  gemm(n, H_, Fi, in, Fi, w_->fc, x_, H_, 0.0f);
+  cuda_model::rms_norm_rows(x_, nullptr, n, H_, w_->hidden_norm, eps_, h_, bf16_, stream_);
+  cuda_model::rope_table(d_positions, n, inv_freq_, d_ / 2, cs_, stream_);
+  for (int l = 0; l < num_layers_; ++l) {
+    const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
+    // The whole q|k|v product (the q columns are not used): one GEMM shape shared with the
+    // forward pass, at the cost of the q columns' flops.
+    gemm(n, qkv_dim_, H_, h_, H_, w.qkv, qkv_, qkv_dim_, 0.0f);
+    cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, n, nq_, nkv_, d_, eps_, q_,
+                         k_, v_, stream_);
+    write_kv_cuda(plan_.layers[static_cast<size_t>(l)], views[static_cast<size_t>(l)], d_slots, n,
+                  k_, v_, stream_);
+  }
 }
 
 void CudaDecoderModel::write_feature_kv(std::span<const float> features,
@@ -1116,25 +1192,9 @@ void CudaDecoderModel::write_feature_kv(std::span<const float> features,
   const size_t F =
       arch_.dflash->target_layer_ids.size() * static_cast<size_t>(arch_.dflash->target_hidden_size);
   const size_t T = positions.size();
-  KVQ_CHECK(slots.size() == T && features.size() == F * T,
-            "write_feature_kv: features, positions and slots differ in length");
-  KVQ_CHECK(cache.num_layers() == static_cast<size_t>(num_layers_) && cache.external_storage(),
-            "write_feature_kv: the cache was not made by this model's create_cache()");
-  const int64_t num_slots =
-      static_cast<int64_t>(cache.layer_view(0).num_blocks) * plan_.layers.front().block_tokens;
-  for (size_t i = 0; i < T; ++i) {
-    KVQ_CHECK(positions[i] >= 0, "write_feature_kv: negative position");
-    KVQ_CHECK(slots[i] >= 0 && slots[i] < num_slots,
-              "write_feature_kv: slot " + std::to_string(slots[i]) + " outside the cache's " +
-                  std::to_string(num_slots) + " slots");
-  }
+  KVQ_CHECK(features.size() == F * T, "write_feature_kv: features and positions differ in length");
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<LayerCacheView> views;
-  for (size_t l = 0; l < cache.num_layers(); ++l) views.push_back(cache.layer_view(l));
-  const int Fi = static_cast<int>(F);
-  // [T_cap] int64 slots, then [T_cap] int32 positions.
-  auto* d_slots = reinterpret_cast<int64_t*>(d_feat_step_);
-  auto* d_positions = reinterpret_cast<int32_t*>(d_feat_step_ + size_t(T_cap_) * 8);
+  const std::vector<LayerCacheView> views = check_feature_write(positions, slots, cache);
   for (size_t r0 = 0; r0 < T; r0 += static_cast<size_t>(T_cap_)) {
     const int n = static_cast<int>(std::min(static_cast<size_t>(T_cap_), T - r0));
     // Earlier copies from the pinned staging (a previous chunk or call) must be done before it
@@ -1144,34 +1204,55 @@ void CudaDecoderModel::write_feature_kv(std::span<const float> features,
                 reinterpret_cast<int64_t*>(h_feat_step_));
     std::copy_n(positions.begin() + static_cast<ptrdiff_t>(r0), n,
                 reinterpret_cast<int32_t*>(h_feat_step_ + size_t(T_cap_) * 8));
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(d_feat_step_, h_feat_step_, size_t(T_cap_) * 8 + size_t(n) * 4,
-                                   cudaMemcpyHostToDevice, stream_));
+    stage_feature_rows(n, false);
     KVQ_CUDA_CHECK(cudaMemcpyAsync(feat_, features.data() + r0 * F,
                                    static_cast<size_t>(n) * F * sizeof(float),
                                    cudaMemcpyHostToDevice, stream_));
-    const void* in = feat_;
-    if (bf16_) {
-      cuda_model::to_bf16(feat_, static_cast<int64_t>(n) * Fi, feat_h_, stream_);
-      in = feat_h_;
-    }
-    // The context rows: hidden_norm(fc(features)), then each layer's k/v projections of them
-    // (no input_layernorm), k_norm and RoPE, written in the layer's cache format.
-    gemm(n, H_, Fi, in, Fi, w_->fc, x_, H_, 0.0f);
-    cuda_model::rms_norm_rows(x_, nullptr, n, H_, w_->hidden_norm, eps_, h_, bf16_, stream_);
-    cuda_model::rope_table(d_positions, n, inv_freq_, d_ / 2, cs_, stream_);
-    for (int l = 0; l < num_layers_; ++l) {
-      const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
-      // The whole q|k|v product (the q columns are not used): one GEMM shape shared with the
-      // forward pass, at the cost of the q columns' flops.
-      gemm(n, qkv_dim_, H_, h_, H_, w.qkv, qkv_, qkv_dim_, 0.0f);
-      cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, n, nq_, nkv_, d_, eps_, q_,
-                           k_, v_, stream_);
-      write_kv_cuda(plan_.layers[static_cast<size_t>(l)], views[static_cast<size_t>(l)], d_slots, n,
-                    k_, v_, stream_);
-    }
+    context_kv_rows(n, views);
   }
   // No wait: the next step on this stream runs after these writes, and the features (pageable
   // host memory) were staged by the driver before cudaMemcpyAsync returned.
+}
+
+bool CudaDecoderModel::reads_features_of(const Model& target) const {
+  return arch_.dflash.has_value() && dynamic_cast<const CudaDecoderModel*>(&target) != nullptr;
+}
+
+void CudaDecoderModel::write_feature_kv_from_target(const Model& target,
+                                                    std::span<const int32_t> rows,
+                                                    std::span<const int32_t> positions,
+                                                    std::span<const int64_t> slots,
+                                                    PagedKvCache& cache) const {
+  KVQ_CHECK(reads_features_of(target),
+            "write_feature_kv_from_target: the target is not a CUDA model on this device");
+  KVQ_CHECK(rows.size() == positions.size(),
+            "write_feature_kv_from_target: rows and positions differ in length");
+  const size_t T = positions.size();
+  if (T == 0) return;
+  const float* src = target.device_captured();
+  KVQ_CHECK(src != nullptr,
+            "write_feature_kv_from_target: the target's last pass captured no features");
+  const int F = static_cast<int>(arch_.dflash->target_layer_ids.size()) *
+                arch_.dflash->target_hidden_size;
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::vector<LayerCacheView> views = check_feature_write(positions, slots, cache);
+  for (int32_t r : rows) KVQ_CHECK(r >= 0, "write_feature_kv_from_target: negative row");
+  auto* d_rows = reinterpret_cast<int32_t*>(d_feat_step_ + size_t(T_cap_) * 12);
+  for (size_t r0 = 0; r0 < T; r0 += static_cast<size_t>(T_cap_)) {
+    const int n = static_cast<int>(std::min(static_cast<size_t>(T_cap_), T - r0));
+    KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the staging and feat_ are free again
+    std::copy_n(slots.begin() + static_cast<ptrdiff_t>(r0), n,
+                reinterpret_cast<int64_t*>(h_feat_step_));
+    std::copy_n(positions.begin() + static_cast<ptrdiff_t>(r0), n,
+                reinterpret_cast<int32_t*>(h_feat_step_ + size_t(T_cap_) * 8));
+    std::copy_n(rows.begin() + static_cast<ptrdiff_t>(r0), n,
+                reinterpret_cast<int32_t*>(h_feat_step_ + size_t(T_cap_) * 12));
+    stage_feature_rows(n, true);
+    cuda_model::gather_rows(src, d_rows, n, F, feat_, stream_);
+    // The target's buffer is read before its next pass (on its own stream) may overwrite it.
+    KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    context_kv_rows(n, views);
+  }
 }
 
 void CudaDecoderModel::tune_gemms(int m) const {

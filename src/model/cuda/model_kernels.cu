@@ -146,6 +146,15 @@ __global__ void silu_mul_kernel(const float* gu, const float* bias, int64_t tota
   }
 }
 
+__global__ void gather_rows_kernel(const float* src, const int32_t* rows, int64_t total, int F,
+                                   float* out) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / F;
+    out[i] = src[int64_t{rows[r]} * F + (i - r * F)];
+  }
+}
+
 __global__ void to_bf16_kernel(const float* in, int64_t n, __nv_bfloat16* out) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
@@ -250,6 +259,14 @@ void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool 
   const int64_t total = int64_t{T} * I;
   if (total == 0) return;
   silu_mul_kernel<<<grid_for(total), kThreads, 0, stream>>>(gu, bias, total, I, out, bf16);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void gather_rows(const float* src, const int32_t* rows, int n, int F, float* out,
+                 cudaStream_t stream) {
+  const int64_t total = int64_t{n} * F;
+  if (total == 0) return;
+  gather_rows_kernel<<<grid_for(total), kThreads, 0, stream>>>(src, rows, total, F, out);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

@@ -37,6 +37,10 @@ void add_bias_rows(float* x, const float* bias, int T, int n, cudaStream_t strea
 void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool bf16,
               cudaStream_t stream);
 
+// out[i][:] = src[rows[i]][:] for i < n, rows of F floats.
+void gather_rows(const float* src, const int32_t* rows, int n, int F, float* out,
+                 cudaStream_t stream);
+
 // out = bf16(in), n elements.
 void to_bf16(const float* in, int64_t n, void* out, cudaStream_t stream);
 
