@@ -1,6 +1,8 @@
 #include "kvq/engine/llm_engine.h"
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -109,6 +111,16 @@ struct LlmEngine::Impl {
   EngineStats counters;  // the cumulative fields
   std::vector<float> logits;
   std::vector<float> captured;  // target features for a DFlash proposer
+  // speculative_auto_disable: per bucket of decoding sequences (bit width of their count), the
+  // running mean of seconds per generated token of decode-only steps with and without drafts.
+  struct SpecBucket {
+    double mean[2] = {0.0, 0.0};  // [0]: plain, [1]: drafting
+    int samples[2] = {0, 0};
+    int64_t decided = 0;
+  };
+  std::array<SpecBucket, 32> spec_buckets;
+  int step_bucket = -1;       // this step's bucket when auto_disable decided it, else -1
+  bool step_drafting = false;
 
   std::thread thread;
 };
@@ -367,6 +379,27 @@ void LlmEngine::Impl::schedule_and_forward() {
     counters.draft_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_features).count();
   }
+  if (step_bucket >= 0 && !preempted && sampled.size() == batch.size()) {
+    // A decode-only step (every scheduled sequence produced tokens): its time per token.
+    bool decode_only = true;
+    int64_t emitted = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      decode_only = decode_only && batch[i].n == 1 + static_cast<int32_t>(batch[i].r->draft.tokens.size());
+      emitted += static_cast<int64_t>(results[i].verified.tokens.size());
+    }
+    if (decode_only && emitted > 0) {
+      const double per_token =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_draft).count() /
+          static_cast<double>(emitted);
+      SpecBucket& b = spec_buckets[static_cast<size_t>(step_bucket)];
+      const int m = step_drafting ? 1 : 0;
+      if (b.samples[m] == 1)
+        b.mean[m] = per_token;
+      else if (b.samples[m] > 1)
+        b.mean[m] += 0.25 * (per_token - b.mean[m]);
+      ++b.samples[m];
+    }
+  }
   for (size_t i = 0; i < sampled.size(); ++i) {
     Request& r = *sampled[i];
     const PassResult& res = results[i];
@@ -398,6 +431,7 @@ void LlmEngine::Impl::schedule_and_forward() {
 }
 
 void LlmEngine::Impl::propose_drafts() {
+  step_bucket = -1;
   if (!config.proposer || config.num_speculative_tokens <= 0) return;
   for (auto& r : running) {
     r->draft.tokens.clear();
@@ -419,6 +453,25 @@ void LlmEngine::Impl::propose_drafts() {
     who.push_back(&r);
   }
   if (requests.empty()) return;
+  if (config.speculative_auto_disable) {
+    // The first sample of each mode is dropped (it may include graph captures), then kWarm
+    // samples each, then the faster mode with a probe of the other every kSpecProbeInterval.
+    constexpr int kWarm = 4;
+    step_bucket = std::bit_width(requests.size()) - 1;
+    SpecBucket& b = spec_buckets[static_cast<size_t>(step_bucket)];
+    if (b.samples[1] < kWarm) {
+      step_drafting = true;
+    } else if (b.samples[0] < kWarm) {
+      step_drafting = false;
+    } else {
+      const bool faster = b.mean[1] <= b.mean[0];
+      step_drafting = ++b.decided % kSpecProbeInterval == 0 ? !faster : faster;
+    }
+    if (!step_drafting) {
+      ++counters.spec_steps_skipped;
+      return;
+    }
+  }
   std::vector<Draft> drafts(requests.size());
   config.proposer->propose(requests, drafts);
   for (size_t i = 0; i < who.size(); ++i) {

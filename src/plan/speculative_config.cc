@@ -20,7 +20,7 @@ namespace {
 
 constexpr const char* kAcceptedKeys =
     "method, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
-    "kv_cache_dtype, kv_cache_dtype_skip_layers, disable_by_batch_size";
+    "kv_cache_dtype, kv_cache_dtype_skip_layers, disable_by_batch_size, auto_disable";
 
 int get_int(const nlohmann::json& j, const char* key, const std::string& where, int lo, int hi) {
   const nlohmann::json& v = j.at(key);
@@ -59,7 +59,8 @@ SpeculativeConfig parse_speculative_config(std::string_view text, std::string_vi
                                                 "prompt_lookup_max",
                                                 "kv_cache_dtype",
                                                 "kv_cache_dtype_skip_layers",
-                                                "disable_by_batch_size"};
+                                                "disable_by_batch_size",
+                                                "auto_disable"};
     if (!kKeys.contains(key))
       throw InputError(where + ": unknown key \"" + key + "\"; accepted: " + kAcceptedKeys);
   }
@@ -118,6 +119,12 @@ SpeculativeConfig parse_speculative_config(std::string_view text, std::string_vi
   }
   if (j.contains("disable_by_batch_size"))
     c.disable_by_batch_size = get_int(j, "disable_by_batch_size", where, 0, 1 << 20);
+  if (j.contains("auto_disable")) {
+    if (!j["auto_disable"].is_boolean())
+      throw InputError(where + ": \"auto_disable\" must be true or false, got " +
+                       j["auto_disable"].dump());
+    c.auto_disable = j["auto_disable"].get<bool>();
+  }
   return c;
 }
 

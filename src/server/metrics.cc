@@ -220,6 +220,9 @@ std::string ServerMetrics::render(const EngineStats& s,
   metric(out, "kvq_spec_decode_mean_accepted_length", "gauge",
          "Tokens per verify step since start (accepted drafts + 1; 0 before any).",
          s.spec.mean_accepted_length());
+  metric(out, "kvq_spec_decode_steps_without_drafts_total", "counter",
+         "Engine steps that auto_disable ran without drafts (drafting did not pay).",
+         static_cast<double>(s.spec_steps_skipped));
   metric(out, "kvq_engine_requests_finished_total", "counter", "Engine requests finished.",
          static_cast<double>(s.requests_finished));
   {

@@ -162,6 +162,7 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
     int64_t steps = 0;             // engine steps of the timed pass
     double draft_seconds = 0.0;    // of which drafting
     double forward_seconds = 0.0;  // and the target's forward pass with verification
+    int64_t skipped = 0;           // steps that auto_disable ran without drafts
     std::vector<std::vector<int32_t>> outputs;
   };
   auto run = [&](bool speculate) {
@@ -174,6 +175,7 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
       config.proposer = spec->proposer(static_cast<int32_t>(num_blocks), flags.max_num_batched_tokens);
       config.num_speculative_tokens = k;
       config.speculative_disable_by_batch_size = spec->config.disable_by_batch_size;
+      config.speculative_auto_disable = spec->config.auto_disable;
     }
     // Prefix caching is off, so the second pass computes everything again.
     LlmEngine engine(lm.model->with_plan(lm.model->plan(), flags.attention_backend),
@@ -216,6 +218,7 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
     r.steps = after.steps - before_stats.steps;
     r.draft_seconds = after.draft_seconds - before_stats.draft_seconds;
     r.forward_seconds = after.forward_seconds - before_stats.forward_seconds;
+    r.skipped = after.spec_steps_skipped - before_stats.spec_steps_skipped;
     r.spec = after.spec;
     r.spec.drafted -= before.drafted;
     r.spec.accepted -= before.accepted;
@@ -259,6 +262,8 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
   j["spec_ms_per_step"] = per_step(specd, specd.seconds);
   j["spec_draft_ms_per_step"] = per_step(specd, specd.draft_seconds);
   j["spec_forward_ms_per_step"] = per_step(specd, specd.forward_seconds);
+  j["auto_disable"] = spec->config.auto_disable;
+  j["spec_steps_without_drafts"] = specd.skipped;
   if (json) {
     std::cout << j.dump(2) << "\n";
     return 0;
@@ -276,11 +281,12 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
               100.0 * specd.spec.acceptance_rate(), specd.spec.mean_accepted_length(), same,
               static_cast<int>(prompts.size()));
   std::printf("per engine step: plain %.3f ms (forward %.3f) over %lld steps; speculative %.3f ms "
-              "(drafting %.3f, forward and verification %.3f) over %lld steps\n",
+              "(drafting %.3f, forward and verification %.3f) over %lld steps, %lld of them "
+              "without drafts (auto_disable)\n",
               per_step(plain, plain.seconds), per_step(plain, plain.forward_seconds),
               static_cast<long long>(plain.steps), per_step(specd, specd.seconds),
               per_step(specd, specd.draft_seconds), per_step(specd, specd.forward_seconds),
-              static_cast<long long>(specd.steps));
+              static_cast<long long>(specd.steps), static_cast<long long>(specd.skipped));
   return 0;
 }
 

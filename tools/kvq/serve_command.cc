@@ -113,6 +113,7 @@ Action add_serve_command(CLI::App& app) {
           static_cast<int32_t>(config.num_blocks + st->max_num_seqs), st->max_num_batched_tokens);
       config.num_speculative_tokens = spec->config.num_speculative_tokens;
       config.speculative_disable_by_batch_size = spec->config.disable_by_batch_size;
+      config.speculative_auto_disable = spec->config.auto_disable;
     }
     config.max_num_seqs = st->max_num_seqs;
     config.max_num_batched_tokens = st->max_num_batched_tokens;

@@ -36,7 +36,14 @@ struct EngineConfig {
   // No drafts in a step with at least this many running sequences (0: always draft): under
   // load the batch already fills the GPU and verification work would only add cost.
   int32_t speculative_disable_by_batch_size = 0;
+  // Drafts only where they pay: per batch-size bucket (the number of decoding sequences, by
+  // powers of two) the engine keeps a running mean of the wall time per generated token of
+  // decode-only steps with drafts and without, measures each (a few steps of each first), then
+  // runs the faster, and re-measures the other one step in every kSpecProbeInterval.
+  bool speculative_auto_disable = false;
 };
+
+inline constexpr int kSpecProbeInterval = 32;
 
 using RequestId = uint64_t;
 
@@ -83,6 +90,8 @@ struct EngineStats {
   int64_t steps = 0;
   double draft_seconds = 0.0;
   double forward_seconds = 0.0;
+  // Steps where speculation was on but auto_disable chose plain decoding.
+  int64_t spec_steps_skipped = 0;
 };
 
 class LlmEngine {

@@ -30,13 +30,16 @@ struct SpeculativeConfig {
   bool skip_layers_given = false;
   // No drafting in a step with at least this many running sequences (0: always draft).
   int disable_by_batch_size = 0;
+  // The engine measures time per generated token with and without drafting, per batch size,
+  // and drafts only where that pays ("auto_disable", default true).
+  bool auto_disable = true;
 };
 
 inline constexpr int kMaxSpeculativeTokens = 16;
 
 // Parses the JSON text of `flag`. Keys: method ("ngram", "draft_model", "dflash"), model,
 // num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, kv_cache_dtype,
-// kv_cache_dtype_skip_layers, disable_by_batch_size. InputError (one line naming the flag, the
+// kv_cache_dtype_skip_layers, disable_by_batch_size, auto_disable. InputError (one line naming the flag, the
 // key, what was wrong and what is accepted) for malformed JSON, unknown keys, a missing model
 // for a model method, a model for ngram, or numbers out of range.
 SpeculativeConfig parse_speculative_config(std::string_view text,

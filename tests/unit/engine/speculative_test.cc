@@ -568,3 +568,95 @@ TEST(SpeculativeSkipLayers, DrafterFollowsTheTargetsSkipRule) {
 
 }  // namespace
 }  // namespace kvq::test
+
+namespace kvq::test {
+namespace {
+
+// Drafts whatever `next` says for the sequence so far, after sleeping `delay` per call.
+class ScriptedProposer final : public Proposer {
+ public:
+  ScriptedProposer(std::chrono::milliseconds delay,
+                   std::function<std::vector<int32_t>(std::span<const int32_t>, int)> next)
+      : delay_(delay), next_(std::move(next)) {}
+  SpecMethod method() const override { return SpecMethod::kNgram; }
+  void propose(std::span<const DraftRequest> requests, std::span<Draft> out) override {
+    std::this_thread::sleep_for(delay_);
+    for (size_t i = 0; i < requests.size(); ++i)
+      out[i].tokens = next_(requests[i].tokens, requests[i].max_drafts);
+  }
+
+ private:
+  std::chrono::milliseconds delay_;
+  std::function<std::vector<int32_t>(std::span<const int32_t>, int)> next_;
+};
+
+// auto_disable: a slow drafter whose drafts never pay is turned off after its measured steps
+// (and only probed now and then); a free drafter that drafts the right tokens stays on. Greedy
+// ids are plain greedy's either way.
+TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  const KvPlan plan = default_plan(KvDtype::kFp8E4M3);
+  const std::unique_ptr<Model> solo_model = engine_model(plan);
+  const auto prompt = code_prompts(rng, 1, 20, 30).front();
+  const int max_new = kUnderSanitizer ? 48 : 96;
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = max_new;
+  p.ignore_eos = true;
+  const GenerationResult want = generate(*solo_model, reference_tokenizer(), prompt, p, {});
+  ASSERT_EQ(want.output_ids.size(), static_cast<size_t>(max_new));
+  std::vector<int32_t> full = prompt;
+  full.insert(full.end(), want.output_ids.begin(), want.output_ids.end());
+  const int32_t wrong = (want.output_ids.front() + 1) % solo_model->vocab_size();
+
+  struct Run {
+    EngineStats stats;
+    std::vector<int32_t> ids;
+  };
+  auto run = [&](bool oracle, bool auto_disable) {
+    EngineConfig config;
+    config.num_blocks = 64;
+    config.num_speculative_tokens = 4;
+    config.speculative_auto_disable = auto_disable;
+    config.proposer = std::make_shared<ScriptedProposer>(
+        std::chrono::milliseconds(oracle ? 0 : 40),
+        [&, oracle](std::span<const int32_t> tokens, int k) {
+          std::vector<int32_t> d;
+          for (size_t i = tokens.size(); i < full.size() && d.size() < static_cast<size_t>(k); ++i)
+            d.push_back(oracle ? full[i] : wrong);
+          return d;
+        });
+    Collector collector;
+    auto engine = make_engine(config, plan);
+    const RequestId id = engine->add_request(prompt, p, collector.callback());
+    EXPECT_TRUE(collector.wait_finished(1)) << "seed " << seed;
+    Run r{engine->stats(), collector.get(id).ids};
+    engine.reset();
+    return r;
+  };
+
+  const Run slow = run(false, true);
+  EXPECT_EQ(slow.ids, want.output_ids) << "seed " << seed;
+  // Of ~max_new decode steps, 5 measure drafting (the first is dropped), then plain wins and
+  // drafting is only probed one step in kSpecProbeInterval.
+  EXPECT_GE(slow.stats.spec_steps_skipped, max_new / 2) << "seed " << seed;
+  EXPECT_LE(slow.stats.spec.verify_steps, 5 + max_new / kSpecProbeInterval + 1) << "seed " << seed;
+
+  const Run always = run(false, false);
+  EXPECT_EQ(always.ids, want.output_ids) << "seed " << seed;
+  EXPECT_EQ(always.stats.spec_steps_skipped, 0);
+  EXPECT_GE(always.stats.spec.verify_steps, max_new - 3);
+
+  const Run good = run(true, true);
+  EXPECT_EQ(good.ids, want.output_ids) << "seed " << seed;
+  // Five tokens per drafting step against one: drafting stays on after plain's 5 measured steps.
+  EXPECT_GT(good.stats.spec.accepted, 0);
+  EXPECT_LE(good.stats.spec_steps_skipped, 5 + max_new / kSpecProbeInterval + 1)
+      << "seed " << seed;
+  EXPECT_EQ(good.stats.blocks_used, 0);
+}
+
+}  // namespace
+}  // namespace kvq::test

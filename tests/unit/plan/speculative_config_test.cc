@@ -42,12 +42,13 @@ void expect_input_error(const std::string& text, const std::string& needle) {
 TEST(SpeculativeConfig, ParsesEveryKey) {
   const SpeculativeConfig n = parse_speculative_config(
       R"({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1,
-          "prompt_lookup_max": 6, "disable_by_batch_size": 16})");
+          "prompt_lookup_max": 6, "disable_by_batch_size": 16, "auto_disable": false})");
   EXPECT_EQ(n.method, SpecMethod::kNgram);
   EXPECT_EQ(n.num_speculative_tokens, 5);
   EXPECT_EQ(n.prompt_lookup_min, 1);
   EXPECT_EQ(n.prompt_lookup_max, 6);
   EXPECT_EQ(n.disable_by_batch_size, 16);
+  EXPECT_FALSE(n.auto_disable);
   EXPECT_TRUE(n.model.empty());
 
   const SpeculativeConfig d = parse_speculative_config(
@@ -58,6 +59,7 @@ TEST(SpeculativeConfig, ParsesEveryKey) {
   ASSERT_TRUE(d.kv_cache_dtype.has_value());
   EXPECT_EQ(d.kv_cache_dtype->dtype, KvDtype::kBFloat16);
   EXPECT_TRUE(d.skip_layers_given);
+  EXPECT_TRUE(d.auto_disable);  // the default
   EXPECT_EQ(parse_speculative_config(R"({"method":"dflash","model":"x","num_speculative_tokens":8})")
                 .method,
             SpecMethod::kDflash);
@@ -74,6 +76,8 @@ TEST(SpeculativeConfig, BadInputIsOneLineNamingTheKey) {
   expect_input_error(R"({"num_speculative_tokens": 4})", "\"method\" is required");
   expect_input_error(R"({"method": "medusa", "num_speculative_tokens": 4})", "unknown method");
   expect_input_error(R"({"method": "ngram"})", "num_speculative_tokens");
+  expect_input_error(R"({"method": "ngram", "num_speculative_tokens": 4, "auto_disable": 1})",
+                     "\"auto_disable\" must be true or false");
   expect_input_error(R"({"method": "ngram", "num_speculative_tokens": 0})", "1..16");
   expect_input_error(R"({"method": "ngram", "num_speculative_tokens": 17})", "1..16");
   expect_input_error(R"({"method": "ngram", "num_speculative_tokens": "4"})", "integer");
