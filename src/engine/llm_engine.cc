@@ -112,11 +112,19 @@ struct LlmEngine::Impl {
   std::vector<float> logits;
   std::vector<float> captured;  // target features for a DFlash proposer
   // speculative_auto_disable: per bucket of decoding sequences (bit width of their count), the
-  // running mean of seconds per generated token of decode-only steps with and without drafts.
+  // seconds per generated token of the last kSpecWindow decode-only steps with and without
+  // drafts. Their minimum decides: a step of a shape seen for the first time captures a CUDA
+  // graph or tunes a GEMM (10-100x a replayed one), and the rarer mode meets new shapes more
+  // often, so a mean or even a median of its few samples would keep it looking slow.
+  static constexpr int kSpecWindow = 7;
   struct SpecBucket {
-    double mean[2] = {0.0, 0.0};  // [0]: plain, [1]: drafting
+    std::array<double, kSpecWindow> recent[2] = {};  // [0]: plain, [1]: drafting
     int samples[2] = {0, 0};
     int64_t decided = 0;
+    double best(int m) const {
+      const int n = std::min(samples[m], kSpecWindow);
+      return *std::min_element(recent[m].begin(), recent[m].begin() + n);
+    }
   };
   std::array<SpecBucket, 32> spec_buckets;
   int step_bucket = -1;       // this step's bucket when auto_disable decided it, else -1
@@ -393,10 +401,7 @@ void LlmEngine::Impl::schedule_and_forward() {
           static_cast<double>(emitted);
       SpecBucket& b = spec_buckets[static_cast<size_t>(step_bucket)];
       const int m = step_drafting ? 1 : 0;
-      if (b.samples[m] == 1)
-        b.mean[m] = per_token;
-      else if (b.samples[m] > 1)
-        b.mean[m] += 0.25 * (per_token - b.mean[m]);
+      b.recent[m][static_cast<size_t>(b.samples[m] % kSpecWindow)] = per_token;
       ++b.samples[m];
     }
   }
@@ -454,9 +459,9 @@ void LlmEngine::Impl::propose_drafts() {
   }
   if (requests.empty()) return;
   if (config.speculative_auto_disable) {
-    // The first sample of each mode is dropped (it may include graph captures), then kWarm
-    // samples each, then the faster mode with a probe of the other every kSpecProbeInterval.
-    constexpr int kWarm = 4;
+    // kWarm samples of each mode, then the one with the lower best recent time per token, with
+    // a probe of the other every kSpecProbeInterval steps.
+    constexpr int kWarm = 5;
     step_bucket = std::bit_width(requests.size()) - 1;
     SpecBucket& b = spec_buckets[static_cast<size_t>(step_bucket)];
     if (b.samples[1] < kWarm) {
@@ -464,7 +469,7 @@ void LlmEngine::Impl::propose_drafts() {
     } else if (b.samples[0] < kWarm) {
       step_drafting = false;
     } else {
-      const bool faster = b.mean[1] <= b.mean[0];
+      const bool faster = b.best(1) <= b.best(0);
       step_drafting = ++b.decided % kSpecProbeInterval == 0 ? !faster : faster;
     }
     if (!step_drafting) {

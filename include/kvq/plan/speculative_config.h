@@ -31,8 +31,8 @@ struct SpeculativeConfig {
   // No drafting in a step with at least this many running sequences (0: always draft).
   int disable_by_batch_size = 0;
   // The engine measures time per generated token with and without drafting, per batch size,
-  // and drafts only where that pays ("auto_disable", default true).
-  bool auto_disable = true;
+  // and drafts only where that pays ("auto_disable", default false).
+  bool auto_disable = false;
 };
 
 inline constexpr int kMaxSpeculativeTokens = 16;

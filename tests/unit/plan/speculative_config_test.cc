@@ -42,13 +42,13 @@ void expect_input_error(const std::string& text, const std::string& needle) {
 TEST(SpeculativeConfig, ParsesEveryKey) {
   const SpeculativeConfig n = parse_speculative_config(
       R"({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1,
-          "prompt_lookup_max": 6, "disable_by_batch_size": 16, "auto_disable": false})");
+          "prompt_lookup_max": 6, "disable_by_batch_size": 16, "auto_disable": true})");
   EXPECT_EQ(n.method, SpecMethod::kNgram);
   EXPECT_EQ(n.num_speculative_tokens, 5);
   EXPECT_EQ(n.prompt_lookup_min, 1);
   EXPECT_EQ(n.prompt_lookup_max, 6);
   EXPECT_EQ(n.disable_by_batch_size, 16);
-  EXPECT_FALSE(n.auto_disable);
+  EXPECT_TRUE(n.auto_disable);
   EXPECT_TRUE(n.model.empty());
 
   const SpeculativeConfig d = parse_speculative_config(
@@ -59,7 +59,7 @@ TEST(SpeculativeConfig, ParsesEveryKey) {
   ASSERT_TRUE(d.kv_cache_dtype.has_value());
   EXPECT_EQ(d.kv_cache_dtype->dtype, KvDtype::kBFloat16);
   EXPECT_TRUE(d.skip_layers_given);
-  EXPECT_TRUE(d.auto_disable);  // the default
+  EXPECT_FALSE(d.auto_disable);  // the default
   EXPECT_EQ(parse_speculative_config(R"({"method":"dflash","model":"x","num_speculative_tokens":8})")
                 .method,
             SpecMethod::kDflash);
