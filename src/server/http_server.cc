@@ -81,6 +81,18 @@ class Server : public httplib::Server {
 
 }  // namespace
 
+bool bearer_matches(std::string_view authorization, std::string_view key) {
+  constexpr std::string_view kScheme = "Bearer ";
+  if (key.empty() || authorization.size() != kScheme.size() + key.size()) return false;
+  // No early exit: every byte is compared, so the time does not tell where a guess went wrong.
+  unsigned char diff = 0;
+  for (size_t i = 0; i < authorization.size(); ++i) {
+    const char want = i < kScheme.size() ? kScheme[i] : key[i - kScheme.size()];
+    diff |= static_cast<unsigned char>(authorization[i] ^ want);
+  }
+  return diff == 0;
+}
+
 struct HttpServer::Impl {
   ServingEngine& engine;
   ServerOptions opt;
@@ -135,6 +147,19 @@ struct HttpServer::Impl {
       setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
     });
     http.set_payload_max_length(size_t{64} << 20);
+    if (!opt.api_key.empty())
+      http.set_pre_routing_handler([this](const httplib::Request& q, httplib::Response& r) {
+        const bool keyed =
+            q.path.starts_with("/v1/") || (opt.metrics_require_key && q.path == "/metrics");
+        if (!keyed || bearer_matches(q.get_header_value("Authorization"), opt.api_key))
+          return httplib::Server::HandlerResponse::Unhandled;
+        r.set_header("WWW-Authenticate", "Bearer");
+        send_error(r, ApiError(401,
+                               "missing or wrong API key: this server needs the header "
+                               "'Authorization: Bearer <key>' (kvq serve --api-key)",
+                               "", "invalid_api_key"));
+        return httplib::Server::HandlerResponse::Handled;
+      });
 
     http.Post("/v1/completions", [this](const httplib::Request& q, httplib::Response& r) {
       handle_generate(q, r, Endpoint::kCompletions);

@@ -217,6 +217,9 @@ TEST(CliServeBadInput, StartUpErrorsAreOneLineAndExitTwo) {
   expect_error(run_kvq({"serve", "--model", "/nonexistent/model"}), "not a directory");
   expect_error(run_kvq({"serve", "--model", kCode, "--kv-cache-dtype-skip-layers", "6"}),
                "layer 6 is out of range");
+  expect_error(run_kvq({"serve", "--model", kCode, "--api-key", ""}), "--api-key");
+  expect_error(run_kvq({"serve", "--model", kCode, "--metrics-require-api-key"}),
+               "needs --api-key");
 }
 
 }  // namespace

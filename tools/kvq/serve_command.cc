@@ -54,6 +54,8 @@ Action add_serve_command(CLI::App& app) {
     int max_num_batched_tokens = 512;
     std::string served_model_name;
     bool no_prefix_caching = false;
+    std::string api_key;
+    bool metrics_require_key = false;
   };
   auto st = std::make_shared<State>();
   st->model.add_to(*sub);
@@ -70,8 +72,20 @@ Action add_serve_command(CLI::App& app) {
                   "the model name clients send (default: the model folder's name)");
   sub->add_flag("--no-prefix-caching", st->no_prefix_caching,
                 "do not share cached prompt prefixes between requests");
+  CLI::Option* api_key =
+      sub->add_option("--api-key", st->api_key,
+                      "require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise); "
+                      "/health stays open (also from the environment: KVQ_API_KEY)")
+          ->envname("KVQ_API_KEY");
+  sub->add_flag("--metrics-require-api-key", st->metrics_require_key,
+                "with --api-key, /metrics needs the key too (default: open, like /health)");
 
-  return [st]() {
+  return [st, api_key]() {
+    if (api_key->count() > 0 && st->api_key.empty())
+      throw InputError("--api-key (or KVQ_API_KEY): empty; give the key clients send as "
+                       "'Authorization: Bearer KEY', or leave both unset for an open server");
+    if (st->metrics_require_key && st->api_key.empty())
+      throw InputError("--metrics-require-api-key needs --api-key (or KVQ_API_KEY)");
     st->model.max_num_seqs = st->max_num_seqs;
     st->model.max_num_batched_tokens = st->max_num_batched_tokens;
     LoadedModel lm = st->model.load();
@@ -129,17 +143,23 @@ Action add_serve_command(CLI::App& app) {
     options.served_model_name =
         st->served_model_name.empty() ? folder_name(st->model.plan.model) : st->served_model_name;
     options.http_threads = std::min(1024, 2 * st->max_num_seqs + 16);
+    options.api_key = st->api_key;
+    options.metrics_require_key = st->metrics_require_key;
     HttpServer server(*serving, options);
     const int port = server.bind();
     std::fprintf(stderr,
                  "kvq serve: model '%s' (%s), context %d tokens | KV cache %lld blocks x %d tokens "
                  "(%.1f MiB) | "
-                 "plan: %s\nkvq serve: listening on http://%s:%d (Ctrl-C to stop)\n",
+                 "plan: %s\nkvq serve: listening on http://%s:%d%s (Ctrl-C to stop)\n",
                  options.served_model_name.c_str(), st->model.plan.model.c_str(), context,
                  static_cast<long long>(config.num_blocks), block_tokens,
                  static_cast<double>(config.num_blocks) * static_cast<double>(block_bytes) /
                      (1024.0 * 1024.0),
-                 summary.c_str(), st->host.c_str(), port);
+                 summary.c_str(), st->host.c_str(), port,
+                 options.api_key.empty()
+                     ? ""
+                     : (options.metrics_require_key ? ", API key required on /v1 and /metrics"
+                                                    : ", API key required on /v1"));
 
     if (pipe(g_signal_pipe) != 0) throw InternalError("kvq serve: pipe() failed");
     struct sigaction sa = {};

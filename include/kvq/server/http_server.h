@@ -1,6 +1,7 @@
 // The OpenAI-compatible HTTP server behind `kvq serve` (cpp-httplib):
 //   POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with stream)
 //   GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text)
+// With ServerOptions::api_key every /v1 route needs the key as a bearer token.
 // Errors are OpenAI-shaped JSON with 4xx statuses. A streaming client that goes away has its
 // engine requests cancelled (their KV blocks freed). One log line per request on stderr.
 #pragma once
@@ -8,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvq/engine/llm_engine.h"
@@ -43,7 +45,16 @@ struct ServerOptions {
   // connections beyond wait for a free worker.
   int http_threads = 64;
   bool log_requests = true;  // one line per generation request on stderr
+  // Non-empty: every /v1 route needs `Authorization: Bearer <api_key>` (401 with an OpenAI
+  // error otherwise; compared in constant time). /health stays open; /metrics too unless
+  // metrics_require_key.
+  std::string api_key;
+  bool metrics_require_key = false;
 };
+
+// True when `authorization` (an Authorization header's value) is "Bearer <key>"; the comparison
+// takes the same time wherever the first difference is.
+bool bearer_matches(std::string_view authorization, std::string_view key);
 
 class HttpServer {
  public:

@@ -329,5 +329,78 @@ TEST_F(HttpApi, StopCancelsRequestsInFlight) {
   EXPECT_TRUE(status == 503 || status == -1) << status;
 }
 
+TEST(ApiKey, BearerMatchesOnlyTheExactKey) {
+  std::mt19937 rng(std::random_device{}());
+  std::string key(8 + rng() % 40, ' ');
+  for (char& c : key) c = static_cast<char>('!' + rng() % 94);
+  EXPECT_TRUE(bearer_matches("Bearer " + key, key));
+  EXPECT_FALSE(bearer_matches("Bearer " + key + "x", key));
+  EXPECT_FALSE(bearer_matches("Bearer " + key.substr(1), key));
+  EXPECT_FALSE(bearer_matches("bearer " + key, key));
+  EXPECT_FALSE(bearer_matches(key, key));
+  EXPECT_FALSE(bearer_matches("", key));
+  EXPECT_FALSE(bearer_matches("Bearer ", ""));  // an empty key never matches
+  for (size_t i = 0; i < key.size(); ++i) {
+    std::string wrong = key;
+    wrong[i] = static_cast<char>(wrong[i] == '!' ? '"' : '!');
+    EXPECT_FALSE(bearer_matches("Bearer " + wrong, key)) << "byte " << i;
+  }
+}
+
+// --api-key: every /v1 route answers 401 (OpenAI-shaped, WWW-Authenticate) without the key or
+// with a wrong one and works with it; /health stays open; /metrics is open unless keyed too.
+TEST_F(HttpApi, ApiKeyGuardsV1Routes) {
+  for (const bool metrics_keyed : {false, true}) {
+    server_.reset();
+    ServerOptions o;
+    o.served_model_name = "tiny";
+    o.api_key = "sk-kvq-" + std::to_string(std::random_device{}());
+    o.metrics_require_key = metrics_keyed;
+    server_ = std::make_unique<RunningServer>(*engine_, o);
+    const httplib::Headers good = {{"Authorization", "Bearer " + o.api_key}};
+    const httplib::Headers bad = {{"Authorization", "Bearer " + o.api_key + "0"}};
+    auto c = server_->client();
+    const std::string body = json{{"prompt", "x"}, {"max_tokens", 2}}.dump();
+    for (const httplib::Headers* h : {static_cast<const httplib::Headers*>(nullptr), &bad}) {
+      const std::string who = h == nullptr ? "no key" : "wrong key";
+      auto p = h == nullptr ? c.Post("/v1/completions", body, "application/json")
+                            : c.Post("/v1/completions", *h, body, "application/json");
+      ASSERT_TRUE(p) << who;
+      EXPECT_EQ(p->status, 401) << who;
+      EXPECT_EQ(p->get_header_value("WWW-Authenticate"), "Bearer") << who;
+      const json e = json::parse(p->body, nullptr, false);
+      ASSERT_TRUE(e.is_object() && e.contains("error")) << who << ": " << p->body;
+      EXPECT_EQ(e["error"]["code"], "invalid_api_key") << who;
+      EXPECT_EQ(e["error"]["message"].get<std::string>().find(o.api_key), std::string::npos)
+          << "the error echoes the key";
+      auto m = h == nullptr ? c.Get("/v1/models") : c.Get("/v1/models", *h);
+      ASSERT_TRUE(m);
+      EXPECT_EQ(m->status, 401) << who;
+      auto chat = h == nullptr ? c.Post("/v1/chat/completions", body, "application/json")
+                               : c.Post("/v1/chat/completions", *h, body, "application/json");
+      ASSERT_TRUE(chat);
+      EXPECT_EQ(chat->status, 401) << who;
+      auto met = h == nullptr ? c.Get("/metrics") : c.Get("/metrics", *h);
+      ASSERT_TRUE(met);
+      EXPECT_EQ(met->status, metrics_keyed ? 401 : 200) << who;
+    }
+    auto ok = c.Post("/v1/completions", good, body, "application/json");
+    ASSERT_TRUE(ok);
+    EXPECT_EQ(ok->status, 200) << ok->body;
+    EXPECT_EQ(json::parse(ok->body)["usage"]["completion_tokens"], 2);
+    auto models = c.Get("/v1/models", good);
+    ASSERT_TRUE(models);
+    EXPECT_EQ(models->status, 200);
+    auto health = c.Get("/health");
+    ASSERT_TRUE(health);
+    EXPECT_EQ(health->status, 200);
+    auto met = c.Get("/metrics", good);
+    ASSERT_TRUE(met);
+    EXPECT_EQ(met->status, 200);
+    // Refusals are counted like other errors.
+    EXPECT_NE(met->body.find("kvq_request_errors_total{status=\"401\"}"), std::string::npos);
+  }
+}
+
 }  // namespace
 }  // namespace kvq::testing
