@@ -357,7 +357,13 @@ TEST_P(GreedySpeculation, GenerateGivesPlainGreedyIds) {
   const float tie = traits(gc.kv).scale_kind == ScaleKind::kPerTokenHead ? 5e-3f : 1e-3f;
   GeneratorOptions plain;
   plain.prefill_chunk = options.prefill_chunk;  // the same prefill shapes as the speculative run
-  for (const auto& prompt : code_prompts(rng, 2, 5, 60)) {
+  // Two prompts always; more (up to six) only while nothing was accepted: a short prompt with a
+  // short output can give the n-gram proposer no match at all (seen in CI: int4,
+  // k = 4, under sanitizers, seed 3745504349), and "something is accepted" is what the last checks
+  // need.
+  const auto prompts = code_prompts(rng, 6, 5, 60);
+  for (size_t i = 0; i < prompts.size() && (i < 2 || total.accepted == 0); ++i) {
+    const auto& prompt = prompts[i];
     const SamplingParams p = greedy(std::uniform_int_distribution<int>(
         kUnderSanitizer ? 16 : 20, kUnderSanitizer ? 24 : 36)(rng));
     const GenerationResult want = generate(*target, reference_tokenizer(), prompt, p, plain);
@@ -653,8 +659,7 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
   EXPECT_EQ(good.ids, want.output_ids) << "seed " << seed;
   // Five tokens per drafting step against one: drafting stays on after plain's 5 measured steps.
   EXPECT_GT(good.stats.spec.accepted, 0);
-  EXPECT_LE(good.stats.spec_steps_skipped, 5 + max_new / kSpecProbeInterval + 1)
-      << "seed " << seed;
+  EXPECT_LE(good.stats.spec_steps_skipped, 5 + max_new / kSpecProbeInterval + 1) << "seed " << seed;
   EXPECT_EQ(good.stats.blocks_used, 0);
 }
 
