@@ -10,7 +10,14 @@
 // Timing: CUDA events around each call after warm-up; the median is reported. FLOPs count
 // the causal work only: 4 * head_dim * (sum over queries of visible keys) * query heads.
 //
-// Usage: cuda_prefill_bench [--json FILE] [--dtypes a,b,...] [--quick]
+// --verify: the speculative verification shape instead. B sequences (B in 1, 8, 32, 64) of C
+// cached tokens (C in 1024, 8192) each with the last Q = 8 positions as queries (1 + 7 drafts),
+// split-KV planned like the model does (num_sms); timed with the small-q block shape and with
+// the default one, and beside it the decode kernel on the same batch (one query per sequence).
+// Reported: time, KV bytes read / time as % of the measured device copy bandwidth (bytes read
+// + written of a 1 GiB cudaMemcpy), and verify / decode.
+//
+// Usage: cuda_prefill_bench [--json FILE] [--dtypes a,b,...] [--quick] [--verify]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -25,9 +32,11 @@
 #include <string>
 #include <vector>
 
+#include "attention/cuda/cuda_decode.h"
 #include "attention/cuda/cuda_prefill.h"
 #include "cache/cuda/cuda_check.h"
 #include "kvq/cache/device_kv_cache.h"
+#include "kvq/core/error.h"
 
 namespace {
 
@@ -91,12 +100,210 @@ struct Shape {
   int q_len, kv_len;
 };
 
+// Median of `iters` timed calls of fn (CUDA events on the default stream) after 3 warm-ups.
+template <typename F>
+std::vector<float> time_ms(F&& fn, int iters, cudaEvent_t e0, cudaEvent_t e1) {
+  for (int w = 0; w < 3; ++w) fn();
+  KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> ms;
+  for (int it = 0; it < iters; ++it) {
+    KVQ_CUDA_CHECK(cudaEventRecord(e0, nullptr));
+    fn();
+    KVQ_CUDA_CHECK(cudaEventRecord(e1, nullptr));
+    KVQ_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0;
+    KVQ_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms;
+}
+
+// Device copy bandwidth (bytes read + written per second) of a 1 GiB cudaMemcpy.
+double copy_bandwidth(cudaEvent_t e0, cudaEvent_t e1) {
+  const size_t n = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  KVQ_CUDA_CHECK(cudaMalloc(&a, n));
+  KVQ_CUDA_CHECK(cudaMalloc(&b, n));
+  KVQ_CUDA_CHECK(cudaMemset(a, 1, n));
+  const auto ms =
+      time_ms([&] { KVQ_CUDA_CHECK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, nullptr)); },
+              10, e0, e1);
+  KVQ_CUDA_CHECK(cudaFree(a));
+  KVQ_CUDA_CHECK(cudaFree(b));
+  return 2.0 * static_cast<double>(n) / (ms[ms.size() / 2] * 1e-3);
+}
+
+// Bytes of K and V (codes and per-token metadata) that attention over `tokens` cached tokens
+// reads for one layer.
+double kv_bytes(const LayerKvSpec& spec, int64_t tokens) {
+  return static_cast<double>(spec.bytes_per_token()) * static_cast<double>(tokens);
+}
+
+int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string& json_path) {
+  cudaDeviceProp prop{};
+  KVQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  cudaEvent_t e0, e1;
+  KVQ_CUDA_CHECK(cudaEventCreate(&e0));
+  KVQ_CUDA_CHECK(cudaEventCreate(&e1));
+  const double bw = copy_bandwidth(e0, e1);
+  std::printf("device: %s, %d SMs, copy bandwidth %.2f TB/s\n", prop.name, prop.multiProcessorCount,
+              bw / 1e12);
+  constexpr int kQ = 8, kMaxB = 64, kMaxC = 8192;
+  const int iters = quick ? 10 : 50;
+  const int32_t blocks_per_seq = kMaxC / kBlock, num_blocks = kMaxB * blocks_per_seq;
+  std::mt19937 rng(4242);
+  std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  const size_t qn = static_cast<size_t>(kMaxB) * kQ * kHq * kHd;
+  float *q = nullptr, *out = nullptr;
+  KVQ_CUDA_CHECK(cudaMalloc(&q, qn * sizeof(float)));
+  KVQ_CUDA_CHECK(cudaMalloc(&out, qn * sizeof(float)));
+  fill_random<<<1024, 256>>>(q, static_cast<int64_t>(qn), 7);
+  KVQ_CUDA_CHECK_LAUNCH();
+  void* ws = nullptr;
+  const size_t ws_bytes =
+      std::max(cuda::kPrefillSplitWorkspaceBytes, size_t{256} << 20);  // decode's too
+  KVQ_CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
+  nlohmann::json results = nlohmann::json::array();
+  std::printf("%-20s %3s %5s | %28s | %28s | %20s | %s\n", "dtype", "B", "ctx",
+              "verify small-q: us (% bw)", "verify default: us (% bw)", "decode: us (% bw)",
+              "verify/decode small, default");
+  for (KvDtype dtype : dtypes) {
+    const LayerKvSpec spec = bench_spec(dtype);
+    DeviceKvCache cache({spec}, num_blocks);
+    {
+      // Fill every slot (random rows, never zeros), one sequence's worth of rows at a time.
+      const size_t elems = static_cast<size_t>(kMaxC) * kHkv * kHd;
+      float *k = nullptr, *v = nullptr;
+      int64_t* d_slots = nullptr;
+      KVQ_CUDA_CHECK(cudaMalloc(&k, elems * sizeof(float)));
+      KVQ_CUDA_CHECK(cudaMalloc(&v, elems * sizeof(float)));
+      KVQ_CUDA_CHECK(cudaMalloc(&d_slots, kMaxC * sizeof(int64_t)));
+      for (int sq = 0; sq < kMaxB; ++sq) {
+        fill_random<<<1024, 256>>>(k, static_cast<int64_t>(elems), 100 + 2 * sq);
+        KVQ_CUDA_CHECK_LAUNCH();
+        fill_random<<<1024, 256>>>(v, static_cast<int64_t>(elems), 101 + 2 * sq);
+        KVQ_CUDA_CHECK_LAUNCH();
+        std::vector<int64_t> slots(static_cast<size_t>(kMaxC));
+        for (int t = 0; t < kMaxC; ++t)
+          slots[static_cast<size_t>(t)] =
+              static_cast<int64_t>(ids[static_cast<size_t>(sq * blocks_per_seq + t / kBlock)]) *
+                  kBlock +
+              t % kBlock;
+        KVQ_CUDA_CHECK(cudaMemcpy(d_slots, slots.data(), slots.size() * sizeof(int64_t),
+                                  cudaMemcpyHostToDevice));
+        write_kv_cuda(spec, cache.layer_view(0), d_slots, kMaxC, k, v);
+      }
+      KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+      KVQ_CUDA_CHECK(cudaFree(k));
+      KVQ_CUDA_CHECK(cudaFree(v));
+      KVQ_CUDA_CHECK(cudaFree(d_slots));
+    }
+    for (int C : {1024, 8192}) {
+      for (int B : {1, 8, 32, 64}) {
+        // Sequence i: its first C / kBlock blocks of its stripe of ids.
+        std::vector<int32_t> indptr{0}, indices, lens(static_cast<size_t>(B), C), q_indptr{0};
+        for (int i = 0; i < B; ++i) {
+          for (int b = 0; b < C / kBlock; ++b)
+            indices.push_back(ids[static_cast<size_t>(i * blocks_per_seq + b)]);
+          indptr.push_back(static_cast<int32_t>(indices.size()));
+          q_indptr.push_back((i + 1) * kQ);
+        }
+        int32_t* d_indptr = device_copy(indptr);
+        int32_t* d_indices = device_copy(indices);
+        int32_t* d_lens = device_copy(lens);
+        int32_t* d_q_indptr = device_copy(q_indptr);
+        BlockTableView bt;
+        bt.indptr = d_indptr;
+        bt.indices = d_indices;
+        bt.seq_lens = d_lens;
+        bt.num_seqs = B;
+        bt.block_tokens = kBlock;
+        cuda::PrefillArgs a;
+        a.q = q;
+        a.out = out;
+        a.q_indptr = d_q_indptr;
+        a.block_table = bt;
+        a.cache = cache.layer_view(0);
+        a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHd));
+        a.workspace = ws;
+        double verify_us[2] = {0, 0};
+        int rows_per_block[2] = {0, 0}, splits[2] = {0, 0};
+        for (int small = 1; small >= 0; --small) {
+          cuda::PrefillOptions po;
+          po.num_sms = prop.multiProcessorCount;
+          po.small_q = small != 0;
+          const cuda::PrefillPlan plan = cuda::plan_prefill(spec, q_indptr, lens, po);
+          KVQ_CHECK(plan.workspace_bytes <= ws_bytes, "verify bench: workspace too small");
+          const auto ms =
+              time_ms([&] { cuda::run_prefill(spec, plan, a, nullptr); }, iters, e0, e1);
+          verify_us[small] = ms[ms.size() / 2] * 1e3;
+          rows_per_block[small] = plan.rows_per_block;
+          splits[small] = plan.num_splits;
+        }
+        cuda::DecodeOptions dopt;
+        dopt.num_sms = prop.multiProcessorCount;
+        const cuda::DecodePlan dplan = cuda::plan_decode(spec, lens, dopt);
+        KVQ_CHECK(dplan.workspace_bytes <= ws_bytes, "verify bench: decode workspace too small");
+        cuda::DecodeArgs da;
+        da.q = q;
+        da.out = out;
+        da.block_table = bt;
+        da.cache = cache.layer_view(0);
+        da.softmax_scale = a.softmax_scale;
+        da.workspace = ws;
+        const auto dms =
+            time_ms([&] { cuda::run_decode(spec, dplan, da, nullptr); }, iters, e0, e1);
+        const double decode_us = dms[dms.size() / 2] * 1e3;
+        const double bytes = kv_bytes(spec, static_cast<int64_t>(B) * C);
+        auto pct = [&](double us) { return 100.0 * bytes / (us * 1e-6) / bw; };
+        std::printf(
+            "%-20s %3d %5d | %12.1f (%5.1f%%) s%-3d | %12.1f (%5.1f%%) s%-3d | %10.1f (%5.1f%%) "
+            "| %.2fx, %.2fx\n",
+            std::string(to_string(dtype)).c_str(), B, C, verify_us[1], pct(verify_us[1]), splits[1],
+            verify_us[0], pct(verify_us[0]), splits[0], decode_us, pct(decode_us),
+            verify_us[1] / decode_us, verify_us[0] / decode_us);
+        std::fflush(stdout);
+        results.push_back({{"dtype", std::string(to_string(dtype))},
+                           {"batch", B},
+                           {"context", C},
+                           {"q_per_seq", kQ},
+                           {"kv_bytes", bytes},
+                           {"verify_small_q_us", verify_us[1]},
+                           {"verify_small_q_rows_per_block", rows_per_block[1]},
+                           {"verify_small_q_splits", splits[1]},
+                           {"verify_default_us", verify_us[0]},
+                           {"verify_default_splits", splits[0]},
+                           {"decode_us", decode_us},
+                           {"copy_bandwidth", bw},
+                           {"iters", iters}});
+        for (int32_t* d : {d_indptr, d_indices, d_lens, d_q_indptr}) KVQ_CUDA_CHECK(cudaFree(d));
+      }
+    }
+  }
+  KVQ_CUDA_CHECK(cudaFree(ws));
+  KVQ_CUDA_CHECK(cudaFree(q));
+  KVQ_CUDA_CHECK(cudaFree(out));
+  KVQ_CUDA_CHECK(cudaEventDestroy(e0));
+  KVQ_CUDA_CHECK(cudaEventDestroy(e1));
+  nlohmann::json j;
+  j["device"] = prop.name;
+  j["sms"] = prop.multiProcessorCount;
+  j["copy_bandwidth"] = bw;
+  j["shape"] = {{"hq", kHq}, {"hkv", kHkv}, {"head_dim", kHd}, {"block", kBlock}};
+  j["results"] = results;
+  if (!json_path.empty()) std::ofstream(json_path) << j.dump(1) << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string json_path;
   std::vector<std::string> dtype_names;
-  bool quick = false;
+  bool quick = false, verify = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) {
@@ -105,8 +312,11 @@ int main(int argc, char** argv) {
       dtype_names = split_csv(argv[++i]);
     } else if (a == "--quick") {
       quick = true;
+    } else if (a == "--verify") {
+      verify = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--json FILE] [--dtypes a,b] [--quick]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--json FILE] [--dtypes a,b] [--quick] [--verify]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -122,6 +332,7 @@ int main(int argc, char** argv) {
     } else {
       for (const auto& n : dtype_names) dtypes.push_back(parse_kv_dtype_or_throw(n, "--dtypes"));
     }
+    if (verify) return run_verify(dtypes, quick, json_path);
     cudaDeviceProp prop{};
     KVQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);

@@ -193,6 +193,67 @@ TEST(CudaPrefill, SplitKvForSmallQueryBatchesMatchesCpuReference) {
   std::printf("  split-KV: largest |error| / allowed error %.2f over %d cases\n", worst, index);
 }
 
+// The small-q block shape (prefill_small_q_rows: one 16-row MMA tile per warp) that the plan
+// picks when every sequence's rows (q_len x GQA group) fit one such block, against the default
+// shape on the same problem and both against cpu_reference: every pair x head_dim 64 / 128 x
+// mask kind, with and without split-KV.
+TEST(CudaPrefill, SmallQueryBlockShapeMatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                 AttentionKind::kNonCausal};
+  int index = 0;
+  for (const auto& [kd, vd] : supported_pairs()) {
+    for (int hd : {64, 128}) {
+      CudaAttnCase c;
+      c.k_dtype = kd;
+      c.v_dtype = vd;
+      c.set_head_dim(hd);
+      c.block_tokens = index % 2 == 0 ? 16 : 32;
+      c.ratio = index % 2 == 0 ? 4 : 2;
+      c.num_kv_heads = 2;
+      c.kind = kinds[index % 3];
+      c.window = std::uniform_int_distribution<int>(8, 300)(rng);
+      c.soft_cap = index % 4 == 1 ? 5.0f : 0.0f;
+      c.outliers = index % 5 == 2;
+      c.q_lens.clear();
+      c.kv_lens.clear();
+      const int n = 1 + index % 5;
+      const int max_q = cuda::prefill_small_q_rows(hd) / c.ratio;
+      for (int i = 0; i < n; ++i) {
+        // One sequence fills the block exactly; the others are shorter.
+        const int q = i == 0 ? max_q : std::uniform_int_distribution<int>(1, max_q)(rng);
+        c.q_lens.push_back(q);
+        c.kv_lens.push_back(std::uniform_int_distribution<int>(q, i == 0 ? 900 : 300)(rng));
+      }
+      const unsigned case_seed = seed + static_cast<unsigned>(index++) + 1;
+      const CudaAttnProblem problem(c, case_seed);
+      const std::vector<float> want = problem.reference();
+      for (int split = 0; split < 2; ++split) {
+        for (bool small : {true, false}) {
+          cuda::PrefillOptions o;
+          o.small_q = small;
+          if (split == 1) {
+            o.num_sms = 132;
+            o.max_kv_len = 2048;
+          }
+          const cuda::PrefillPlan plan =
+              cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
+          EXPECT_EQ(plan.rows_per_block,
+                    small ? cuda::prefill_small_q_rows(hd) : cuda::prefill_rows_per_block(hd));
+          EXPECT_EQ(plan.max_q_tiles, 1);
+          EXPECT_TRUE(
+              problem.check(run_device_api(problem, c.soft_cap, o), want, prefill_tolerance(c)))
+              << c.describe() << (small ? ", small-q" : ", default") << " block"
+              << (split ? ", split-KV" : "") << ", seed " << seed << " (case seed " << case_seed
+              << ")";
+        }
+      }
+    }
+  }
+}
+
 // Long sequences: thousands of kv tiles skipped / masked per block, a sliding window that
 // starts inside a tile, GQA ratio 12 (row tiles that split a token's heads).
 TEST(CudaPrefill, LongSequencesAndOddGroups) {
@@ -256,6 +317,15 @@ TEST(CudaPrefill, SmallForSanitizers) {
                               prefill_tolerance(c)))
         << c.describe() << ", split, seed " << seed;
     EXPECT_GT(splits, 1);
+    // The small-q block shape: 16 + 3 queries x 4 heads fit one 64-row block.
+    c.q_lens = {16, 3};
+    const CudaAttnProblem small(c, seed + static_cast<unsigned>(index++));
+    EXPECT_EQ(
+        cuda::plan_prefill(small.spec(), small.q_indptr(), small.seq_lens(), o).rows_per_block,
+        cuda::prefill_small_q_rows(64));
+    EXPECT_TRUE(
+        small.check(run_device_api(small, 0.0f, o), small.reference(), prefill_tolerance(c)))
+        << c.describe() << ", small-q split, seed " << seed;
   }
 }
 

@@ -48,8 +48,7 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   PrefillPlan plan;
   plan.num_seqs = static_cast<int32_t>(seq_lens.size());
   const int64_t ratio = spec.gqa_ratio();
-  const int64_t rows_per_block = prefill_rows_per_block(spec.head_dim_k);
-  int64_t max_tiles = 0, max_kv = options.max_kv_len;
+  int64_t max_rows = 0, max_kv = options.max_kv_len;
   for (size_t i = 0; i < seq_lens.size(); ++i) {
     max_kv = std::max<int64_t>(max_kv, seq_lens[i]);
     const int64_t q_len = static_cast<int64_t>(q_indptr[i + 1]) - q_indptr[i];
@@ -57,8 +56,15 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
       throw InputError("plan_prefill: sequence " + std::to_string(i) + " has " +
                        std::to_string(q_len) + " queries for " + std::to_string(seq_lens[i]) +
                        " cached tokens; expected 0 <= q_len <= kv_len");
-    max_tiles = std::max(max_tiles, (q_len * ratio + rows_per_block - 1) / rows_per_block);
+    max_rows = std::max(max_rows, q_len * ratio);
   }
+  // Every sequence's rows fit one small-q block: that kernel (each block reads its K/V once
+  // either way, and the small one keeps more warps busy per SM).
+  const int small = options.small_q ? prefill_small_q_rows(spec.head_dim_k) : 0;
+  const int64_t rows_per_block =
+      small > 0 && max_rows <= small ? small : prefill_rows_per_block(spec.head_dim_k);
+  plan.rows_per_block = static_cast<int32_t>(rows_per_block);
+  const int64_t max_tiles = (max_rows + rows_per_block - 1) / rows_per_block;
   KVQ_CHECK(max_tiles < (int64_t{1} << 31), "plan_prefill: too many queries in one sequence");
   plan.max_q_tiles = static_cast<int32_t>(max_tiles);
   plan.total_q = q_indptr.empty() ? 0 : q_indptr.back();
@@ -153,6 +159,7 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   kp.num_q_heads = spec.num_q_heads;
   kp.num_kv_heads = spec.num_kv_heads;
   kp.ratio = spec.gqa_ratio();
+  kp.rows_per_block = plan.rows_per_block;
   kp.block_tokens = spec.block_tokens;
   kp.attention_kind = static_cast<int>(spec.attention);
   kp.window = spec.sliding_window;

@@ -48,6 +48,13 @@ namespace kvq::cuda {
 constexpr int prefill_rows_per_block(int head_dim) {
   return head_dim <= 128 ? 128 : 64;
 }
+// Query rows per block of the small-q kernel (4 warps of one 16-row MMA tile each), for batches
+// whose sequences have at most that many rows (q_len x GQA group: speculative verification,
+// short chunks): fewer registers and more blocks per SM where a big block would have few live
+// warps. 0: none at this head_dim.
+constexpr int prefill_small_q_rows(int head_dim) {
+  return head_dim <= 128 ? 64 : 0;
+}
 inline constexpr int kPrefillMaxKvHeads = 128;
 
 // Empty when the kernels can run `spec`: a (K, V) pair of kv_pairs.h, head_dim 64 / 128 / 256
@@ -56,7 +63,8 @@ std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec);
 
 struct PrefillPlan {
   int32_t num_seqs = 0;
-  int32_t max_q_tiles = 0;  // blocks per (sequence, kv head) in the grid, at most
+  int32_t max_q_tiles = 0;     // blocks per (sequence, kv head) in the grid, at most
+  int32_t rows_per_block = 0;  // prefill_rows_per_block or prefill_small_q_rows
   // Split-KV for small-q batches (speculative verification, short chunks after a long
   // context): each block's kv tiles are divided among num_splits blocks, which write
   // unnormalized partial outputs and their (max, sum) to the workspace; a merge kernel combines
@@ -76,6 +84,9 @@ struct PrefillOptions {
   // steps); 0: the longest of seq_lens. The kernel divides each block's own tiles among the
   // splits, so a plan made for longer sequences stays correct on shorter ones.
   int32_t max_kv_len = 0;
+  // Allow the small-q block shape (prefill_small_q_rows) where every sequence fits one block;
+  // false keeps the default shape (benchmarks compare the two).
+  bool small_q = true;
 };
 
 // Host-side sizing. q_indptr (num_seqs + 1) and seq_lens (num_seqs) are the host copies of

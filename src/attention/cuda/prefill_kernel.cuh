@@ -72,8 +72,11 @@ __host__ __device__ constexpr Mode side_mode(KvDtype d) {
                                                              : Mode::kDequant;
 }
 
-// Shared-memory plan of one block (byte offsets).
-template <KvDtype DK, KvDtype DV, int HD>
+// Shared-memory plan of one block (byte offsets). kRowsPerBlock: query rows of one block,
+// prefill_rows_per_block (two 16-row MMA tiles per warp; one at head_dim 256) or, for small-q
+// batches, prefill_small_q_rows (one tile per warp: half the accumulators, so more blocks per
+// SM where each block has few live rows).
+template <KvDtype DK, KvDtype DV, int HD, int kRowsPerBlock>
 struct Cfg {
   static constexpr int kRowK = row_bytes(DK, HD);
   static constexpr int kRowV = row_bytes(DV, HD);
@@ -83,8 +86,9 @@ struct Cfg {
   static constexpr bool kDeqV = kModeV == Mode::kDequant;
   static constexpr bool kAnyDeq = kDeqK || kDeqV;
   // 16-row MMA tiles per warp: two where the accumulators fit (each K / V fragment read
-  // from shared memory then serves twice the rows), one at head_dim 256.
-  static constexpr int kMT = prefill_rows_per_block(HD) / (kWarps * 16);
+  // from shared memory then serves twice the rows), one at head_dim 256 and for small q.
+  static constexpr int kMT = kRowsPerBlock / (kWarps * 16);
+  static_assert(kMT >= 1 && kWarps * 16 * kMT == kRowsPerBlock);
   static constexpr int kRows = kWarps * 16 * kMT;
   // kv tokens per tile: 64 at head_dim 64, else 32 (registers), and 32 where the raw staging
   // buffers (wide rows) would not fit.
@@ -114,8 +118,9 @@ struct Cfg {
   static constexpr int kRawMetaV = kRawMetaK + (kMetaK ? kBc * 4 : 0);
   static constexpr int kRawBuf = kRawMetaV + (kMetaV ? kBc * 4 : 0);
   // Three stages (loads of tile j + 2 overlap compute of j) where two blocks per SM still fit
-  // (one at head_dim 256).
-  static constexpr int kStages = kRaw + 3 * kRawBuf <= (HD == 256 ? 200 : 110) * 1024 ? 3 : 2;
+  // (one at head_dim 256; three for the small-q blocks).
+  static constexpr int kStages =
+      kRaw + 3 * kRawBuf <= (HD == 256 ? 200 : (kMT == 1 ? 74 : 110)) * 1024 ? 3 : 2;
   static constexpr int kMain = kRaw + kStages * kRawBuf;
   static constexpr int kEpiStride = HD + 4;  // fp32 per row of the un-rotation staging
   static constexpr int kEpi = kRotV ? kRows * kEpiStride * 4 : 0;
@@ -348,13 +353,13 @@ __device__ __forceinline__ int q_col_reg8(int d) {
   return (d & ~15) + 2 * ((p & 1) * 4 + (p >> 1)) + (d & 1);
 }
 
-template <KvDtype DK, KvDtype DV, int HD>
-constexpr int kMinBlocks = HD == 256 ? 1 : 2;
+template <int HD, int kRowsPerBlock>
+constexpr int kMinBlocks = HD == 256 ? 1 : (kRowsPerBlock < prefill_rows_per_block(HD) ? 3 : 2);
 
-template <KvDtype DK, KvDtype DV, int HD>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
+template <KvDtype DK, KvDtype DV, int HD, int kRowsPerBlock>
+__global__ void __launch_bounds__(kThreads, kMinBlocks<HD, kRowsPerBlock>)
     prefill_kernel(const __grid_constant__ PrefillKernelParams p) {
-  using C = Cfg<DK, DV, HD>;
+  using C = Cfg<DK, DV, HD, kRowsPerBlock>;
   constexpr int kBc = C::kBc;
   constexpr int kMT = C::kMT;
   constexpr int kRows = C::kRows;
@@ -902,13 +907,27 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<DK, DV, HD>)
   }
 }
 
-template <KvDtype DK, KvDtype DV, int HD>
-void launch_hd(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
-  constexpr int kSmem = Cfg<DK, DV, HD>::kSmem;
-  auto* kernel = &prefill_kernel<DK, DV, HD>;
+template <KvDtype DK, KvDtype DV, int HD, int kRowsPerBlock>
+void launch_rows(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
+  constexpr int kSmem = Cfg<DK, DV, HD, kRowsPerBlock>::kSmem;
+  auto* kernel = &prefill_kernel<DK, DV, HD, kRowsPerBlock>;
   KVQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   kernel<<<grid, kThreads, kSmem, stream>>>(p);
   KVQ_CUDA_CHECK_LAUNCH();
+}
+
+// The block shape the plan chose (p.rows_per_block): the default or, where the head_dim has
+// one, the small-q shape.
+template <KvDtype DK, KvDtype DV, int HD>
+void launch_hd(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
+  constexpr int kSmall = prefill_small_q_rows(HD);
+  if constexpr (kSmall > 0) {
+    if (p.rows_per_block == kSmall) return launch_rows<DK, DV, HD, kSmall>(p, grid, stream);
+  }
+  KVQ_CHECK(p.rows_per_block == prefill_rows_per_block(HD),
+            "cuda prefill: no kernel with " + std::to_string(p.rows_per_block) +
+                " query rows per block at head_dim " + std::to_string(HD));
+  launch_rows<DK, DV, HD, prefill_rows_per_block(HD)>(p, grid, stream);
 }
 
 }  // namespace prefill_detail

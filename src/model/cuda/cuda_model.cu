@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -408,6 +409,9 @@ class CudaDecoderModel final : public CudaModel {
   int q_dim_ = 0, kv_dim_ = 0, qkv_dim_ = 0;
   float eps_ = 1e-6f, softmax_scale_ = 1.0f;
   int num_sms_ = 0;
+  // KVQ_PREFILL_SMALL_Q=0: verification and short-chunk steps keep the default prefill block
+  // shape (an A/B switch for benchmarks; see cuda::PrefillOptions::small_q).
+  bool prefill_small_q_ = true;
   std::vector<const AttentionBackend*> backends_;
   std::vector<int> layer_group_;         // layers with the same attention kind and window
   std::vector<LayerKvSpec> group_spec_;  // one representative per group
@@ -551,6 +555,8 @@ CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& o
   int dev = 0;
   KVQ_CUDA_CHECK(cudaGetDevice(&dev));
   KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, dev));
+  if (const char* e = std::getenv("KVQ_PREFILL_SMALL_Q"); e != nullptr && std::string(e) == "0")
+    prefill_small_q_ = false;
   try {
     allocate_buffers();
   } catch (...) {
@@ -957,6 +963,7 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
     // lengths, or for a verify graph, for the longest sequence the model takes.
     cuda::PrefillOptions po;
     po.num_sms = num_sms_;
+    po.small_q = prefill_small_q_;
     if (st.verify) po.max_kv_len = max_seq_len_;
     for (const LayerKvSpec& s : group_spec_) {
       if (cuda::uses_generic_attention(s)) {
@@ -1151,7 +1158,8 @@ std::vector<LayerCacheView> CudaDecoderModel::check_feature_write(
 
 void CudaDecoderModel::stage_feature_rows(int n, bool rows) const {
   // Slots at 0, positions at T_cap * 8, rows at T_cap * 12: only the first n of each.
-  for (const auto [at, bytes] : {std::pair<size_t, size_t>{0, 8}, {size_t(T_cap_) * 8, 4},
+  for (const auto [at, bytes] : {std::pair<size_t, size_t>{0, 8},
+                                 {size_t(T_cap_) * 8, 4},
                                  {size_t(T_cap_) * 12, rows ? 4 : 0}})
     if (bytes > 0)
       KVQ_CUDA_CHECK(cudaMemcpyAsync(d_feat_step_ + at, h_feat_step_ + at, size_t(n) * bytes,
@@ -1159,8 +1167,8 @@ void CudaDecoderModel::stage_feature_rows(int n, bool rows) const {
 }
 
 void CudaDecoderModel::context_kv_rows(int n, const std::vector<LayerCacheView>& views) const {
-  const int Fi = static_cast<int>(arch_.dflash->target_layer_ids.size()) *
-                 arch_.dflash->target_hidden_size;
+  const int Fi =
+      static_cast<int>(arch_.dflash->target_layer_ids.size()) * arch_.dflash->target_hidden_size;
   auto* d_slots = reinterpret_cast<int64_t*>(d_feat_step_);
   auto* d_positions = reinterpret_cast<int32_t*>(d_feat_step_ + size_t(T_cap_) * 8);
   const void* in = feat_;
@@ -1178,8 +1186,8 @@ void CudaDecoderModel::context_kv_rows(int n, const std::vector<LayerCacheView>&
     // The whole q|k|v product (the q columns are not used): one GEMM shape shared with the
     // forward pass, at the cost of the q columns' flops.
     gemm(n, qkv_dim_, H_, h_, H_, w.qkv, qkv_, qkv_dim_, 0.0f);
-    cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, n, nq_, nkv_, d_, eps_, q_,
-                         k_, v_, stream_);
+    cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, n, nq_, nkv_, d_, eps_, q_, k_,
+                         v_, stream_);
     write_kv_cuda(plan_.layers[static_cast<size_t>(l)], views[static_cast<size_t>(l)], d_slots, n,
                   k_, v_, stream_);
   }
@@ -1232,8 +1240,8 @@ void CudaDecoderModel::write_feature_kv_from_target(const Model& target,
   const float* src = target.device_captured();
   KVQ_CHECK(src != nullptr,
             "write_feature_kv_from_target: the target's last pass captured no features");
-  const int F = static_cast<int>(arch_.dflash->target_layer_ids.size()) *
-                arch_.dflash->target_hidden_size;
+  const int F =
+      static_cast<int>(arch_.dflash->target_layer_ids.size()) * arch_.dflash->target_hidden_size;
   std::lock_guard<std::mutex> lock(mu_);
   const std::vector<LayerCacheView> views = check_feature_write(positions, slots, cache);
   for (int32_t r : rows) KVQ_CHECK(r >= 0, "write_feature_kv_from_target: negative row");
