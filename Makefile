@@ -6,7 +6,7 @@ JOBS       ?= $(shell nproc)
 MODEL      ?= models/kvq-code-tiny
 SHARED     ?= ../shared
 
-.PHONY: all deps build test demo sanitize-test clean format
+.PHONY: all deps build test demo sanitize-test fuzz clean format
 
 all: build
 
@@ -30,6 +30,11 @@ sanitize-test: deps
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ctest --test-dir $(BUILD_ASAN) --output-on-failure -j $(JOBS)
 
+# libFuzzer over every untrusted-input parser (clang; build-fuzz/), FUZZ_SECONDS per target.
+FUZZ_SECONDS ?= 60
+fuzz: deps
+	bash scripts/fuzz.sh $(FUZZ_SECONDS)
+
 demo: build
 	@bash scripts/demo.sh $(BUILD)/kvq $(MODEL) $(SHARED)
 
@@ -37,4 +42,4 @@ format:
 	clang-format -i $$(git ls-files '*.h' '*.cc' '*.cu' '*.cuh')
 
 clean:
-	rm -rf $(BUILD) $(BUILD_ASAN)
+	rm -rf $(BUILD) $(BUILD_ASAN) build-fuzz

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs kvq's build and test dependencies from Debian 12's archive.
-# Idempotent: only packages that are missing are installed.
+# Idempotent: only packages that are missing are installed. Arguments: more packages.
 set -euo pipefail
 
 packages=(
@@ -9,6 +9,9 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev libomp-dev
   python3
 )
+
+# Extra packages named on the command line (scripts/fuzz.sh: clang and its libFuzzer runtime).
+packages+=("$@")
 
 missing=()
 for p in "${packages[@]}"; do

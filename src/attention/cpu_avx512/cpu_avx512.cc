@@ -5,6 +5,8 @@
 // its kv tokens in chunks: K and V rows are dequantized once into fp32 scratch (L1-resident)
 // and shared by every query of the group, each query keeping an fp32 online softmax. The
 // per-task kernel is AVX-512 when the CPU has it (kernel_avx512.cc), portable C++ otherwise.
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -38,9 +40,15 @@ bool cpu_has_avx512() {
   return has;
 }
 
+// F16C through CPUID leaf 1 (clang's __builtin_cpu_supports does not know "f16c").
+bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+}
+
 bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
+  static const bool has =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
   return has;
 }
 
