@@ -13,6 +13,7 @@
 #include <set>
 
 #include "kvq/core/error.h"
+#include "kvq/core/json_text.h"
 
 namespace kvq {
 
@@ -24,12 +25,12 @@ struct DtypeName {
   size_t size;
 };
 constexpr DtypeName kDtypes[] = {
-    {"F64", TensorDtype::kF64, 8},       {"F32", TensorDtype::kF32, 4},
-    {"F16", TensorDtype::kF16, 2},       {"BF16", TensorDtype::kBF16, 2},
+    {"F64", TensorDtype::kF64, 8},        {"F32", TensorDtype::kF32, 4},
+    {"F16", TensorDtype::kF16, 2},        {"BF16", TensorDtype::kBF16, 2},
     {"F8_E4M3", TensorDtype::kF8E4M3, 1}, {"F8_E5M2", TensorDtype::kF8E5M2, 1},
-    {"I64", TensorDtype::kI64, 8},       {"I32", TensorDtype::kI32, 4},
-    {"I16", TensorDtype::kI16, 2},       {"I8", TensorDtype::kI8, 1},
-    {"U8", TensorDtype::kU8, 1},         {"BOOL", TensorDtype::kBool, 1},
+    {"I64", TensorDtype::kI64, 8},        {"I32", TensorDtype::kI32, 4},
+    {"I16", TensorDtype::kI16, 2},        {"I8", TensorDtype::kI8, 1},
+    {"U8", TensorDtype::kU8, 1},          {"BOOL", TensorDtype::kBool, 1},
 };
 
 std::string accepted_dtypes() {
@@ -114,7 +115,7 @@ int64_t TensorInfo::numel() const {
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) throw InputError(path + ": cannot open: " + std::strerror(errno));
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throw InputError(path + ": cannot stat");
   SafetensorsFile f;
   f.path_ = path;
@@ -139,12 +140,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   std::string header(header_len, '\0');
   read_exact(fd.get(), header.data(), header_len, 8, path);
 
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(header);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw InputError(what + "header is not JSON (" + std::string(e.what()).substr(0, 120) + ")");
-  }
+  const nlohmann::json j = parse_json_text(header, what + "header");
   if (!j.is_object()) throw InputError(what + "header is not a JSON object");
 
   const uint64_t data_size = f.file_size_ - f.data_offset_;
@@ -204,8 +200,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                        " bytes (file truncated or offsets wrong)");
     const uint64_t want = numel * dtype_size(t.dtype);
     if (t.end - t.begin != want)
-      throw InputError(where + "holds " + std::to_string(t.end - t.begin) + " bytes but " +
-                       dname + " x shape needs " + std::to_string(want));
+      throw InputError(where + "holds " + std::to_string(t.end - t.begin) + " bytes but " + dname +
+                       " x shape needs " + std::to_string(want));
     f.tensors_.push_back(std::move(t));
   }
 
@@ -241,7 +237,9 @@ std::vector<float> SafetensorsFile::read_floats(const TensorInfo& t) const {
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) {
     switch (t.dtype) {
-      case TensorDtype::kF32: std::memcpy(&out[i], &raw[i * 4], 4); break;
+      case TensorDtype::kF32:
+        std::memcpy(&out[i], &raw[i * 4], 4);
+        break;
       case TensorDtype::kF64: {
         double d;
         std::memcpy(&d, &raw[i * 8], 8);
@@ -275,14 +273,7 @@ CheckpointFiles CheckpointFiles::open(const std::string& dir) {
   CheckpointFiles c;
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
   if (fs::exists(index)) {
-    std::ifstream in(index);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw InputError(index.string() + ": not valid JSON (" +
-                       std::string(e.what()).substr(0, 120) + ")");
-    }
+    const nlohmann::json j = parse_json_file(index.string());
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       throw InputError(index.string() + ": missing object 'weight_map' (tensor name -> file)");
     std::set<std::string> shards;
@@ -295,7 +286,8 @@ CheckpointFiles CheckpointFiles::open(const std::string& dir) {
                          "' must be a file name in the checkpoint directory");
       shards.insert(s);
     }
-    for (const auto& s : shards) c.files_.push_back(SafetensorsFile::open((fs::path(dir) / s).string()));
+    for (const auto& s : shards)
+      c.files_.push_back(SafetensorsFile::open((fs::path(dir) / s).string()));
     return c;
   }
   const fs::path single = fs::path(dir) / "model.safetensors";

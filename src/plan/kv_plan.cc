@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "kvq/core/error.h"
+#include "kvq/core/json_text.h"
 #include "kvq/io/safetensors.h"
 
 namespace kvq {
@@ -51,10 +52,14 @@ std::string format_layer_list(const std::vector<int>& layers) {
 
 float dtype_max(KvDtype d) {
   switch (d) {
-    case KvDtype::kFp8E4M3: return 448.0f;
-    case KvDtype::kFp8E5M2: return 57344.0f;
-    case KvDtype::kNvfp4: return 6.0f * 448.0f;
-    default: return 0.0f;
+    case KvDtype::kFp8E4M3:
+      return 448.0f;
+    case KvDtype::kFp8E5M2:
+      return 57344.0f;
+    case KvDtype::kNvfp4:
+      return 6.0f * 448.0f;
+    default:
+      return 0.0f;
   }
 }
 
@@ -69,8 +74,8 @@ std::optional<CheckpointKvScheme> scheme_from_modelopt_algo(const json& algo,
   } else if (a == "NVFP4") {
     s.dtype = KvDtype::kNvfp4;
   } else {
-    s.unsupported = where + ": kv_cache_quant_algo '" + a +
-                    "' is not supported by kvq; supported: FP8, NVFP4";
+    s.unsupported =
+        where + ": kv_cache_quant_algo '" + a + "' is not supported by kvq; supported: FP8, NVFP4";
   }
   return s;
 }
@@ -87,8 +92,9 @@ std::vector<std::string> scale_tensor_names(int layer, KvSide side) {
 
 std::optional<CheckpointKvScheme> read_checkpoint_kv_scheme(const ModelConfig& config) {
   const json& raw = config.raw;
-  const std::string cfg = config.dir.empty() ? std::string("config.json")
-                                             : (std::filesystem::path(config.dir) / "config.json").string();
+  const std::string cfg = config.dir.empty()
+                              ? std::string("config.json")
+                              : (std::filesystem::path(config.dir) / "config.json").string();
   if (raw.contains("quantization_config") && raw["quantization_config"].is_object()) {
     const json& q = raw["quantization_config"];
     if (q.contains("kv_cache_scheme") && !q["kv_cache_scheme"].is_null()) {
@@ -127,14 +133,7 @@ std::optional<CheckpointKvScheme> read_checkpoint_kv_scheme(const ModelConfig& c
   if (!config.dir.empty()) {
     const auto path = std::filesystem::path(config.dir) / "hf_quant_config.json";
     if (std::filesystem::exists(path)) {
-      std::ifstream in(path);
-      json j;
-      try {
-        j = json::parse(in);
-      } catch (const json::parse_error& e) {
-        throw InputError(path.string() + ": not valid JSON (" +
-                         std::string(e.what()).substr(0, 120) + ")");
-      }
+      const json j = parse_json_file(path.string());
       if (j.is_object() && j.contains("quantization") && j["quantization"].is_object() &&
           j["quantization"].contains("kv_cache_quant_algo"))
         return scheme_from_modelopt_algo(j["quantization"]["kv_cache_quant_algo"],
@@ -212,8 +211,9 @@ KvPlan make_kv_plan(const ModelConfig& config, const KvPlanOptions& options) {
   plan.model = config;
   plan.warnings = config.warnings;
   if (options.block_tokens <= 0 || options.block_tokens > 4096)
-    throw InputError("--block-size: " + std::to_string(options.block_tokens) +
-                     " is out of range; accepted: 1 to 4096 tokens (16 or 32 for the fast backends)");
+    throw InputError(
+        "--block-size: " + std::to_string(options.block_tokens) +
+        " is out of range; accepted: 1 to 4096 tokens (16 or 32 for the fast backends)");
 
   const std::vector<bool> skip = options.skip_layers.empty()
                                      ? std::vector<bool>(static_cast<size_t>(config.num_layers))
@@ -226,7 +226,8 @@ KvPlan make_kv_plan(const ModelConfig& config, const KvPlanOptions& options) {
     LayerKvSpec spec;
     spec.layer = i;
     spec.attention = config.layer_attention[static_cast<size_t>(i)];
-    spec.sliding_window = spec.attention == AttentionKind::kSlidingWindow ? config.sliding_window : 0;
+    spec.sliding_window =
+        spec.attention == AttentionKind::kSlidingWindow ? config.sliding_window : 0;
     spec.num_q_heads = config.num_q_heads;
     spec.num_kv_heads = config.num_kv_heads;
     spec.head_dim_k = spec.head_dim_v = config.head_dim;
@@ -252,10 +253,12 @@ KvPlan make_kv_plan(const ModelConfig& config, const KvPlanOptions& options) {
         scheme_used = true;
       } else {
         dtype = config.model_dtype;
-        d = {Provenance::kModelDefault, flag ? model_detail + " (" + flag->flag + ")" : model_detail};
+        d = {Provenance::kModelDefault,
+             flag ? model_detail + " (" + flag->flag + ")" : model_detail};
       }
       if (auto reason = head_dim_unsupported_reason(dtype, config.head_dim); !reason.empty())
-        throw InputError(d.detail + ": " + std::string(to_string(dtype)) + " cannot be used for layer " + std::to_string(i) + " " +
+        throw InputError(d.detail + ": " + std::string(to_string(dtype)) +
+                         " cannot be used for layer " + std::to_string(i) + " " +
                          std::string(to_string(side)) + ": " + reason);
       (side == KvSide::kK ? spec.k_dtype : spec.v_dtype) = dtype;
       (side == KvSide::kK ? decision.k : decision.v) = d;
@@ -271,7 +274,8 @@ KvPlan make_kv_plan(const ModelConfig& config, const KvPlanOptions& options) {
   // Every safetensors header is read and validated (a broken checkpoint fails here, at
   // start-up); tensor bytes are read only for per-tensor KV scales.
   std::unique_ptr<CheckpointFiles> files;
-  if (!config.dir.empty()) files = std::make_unique<CheckpointFiles>(CheckpointFiles::open(config.dir));
+  if (!config.dir.empty())
+    files = std::make_unique<CheckpointFiles>(CheckpointFiles::open(config.dir));
   std::vector<int> defaulted[2];
   KvDtype defaulted_dtype[2] = {KvDtype::kAuto, KvDtype::kAuto};
   for (auto& spec : plan.layers) {

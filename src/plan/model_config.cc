@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "kvq/core/error.h"
+#include "kvq/core/json_text.h"
 
 namespace kvq {
 
@@ -54,14 +55,13 @@ ModelConfig parse_model_config(const json& j, const std::string& src) {
       throw InputError(src + ": needs 'head_dim' or 'hidden_size' to know the head dimension");
     if (c.hidden_size % c.num_q_heads != 0)
       throw InputError(src + ": hidden_size " + std::to_string(c.hidden_size) +
-                       " is not divisible by num_attention_heads " +
-                       std::to_string(c.num_q_heads) + "; give 'head_dim'");
+                       " is not divisible by num_attention_heads " + std::to_string(c.num_q_heads) +
+                       "; give 'head_dim'");
     c.head_dim = c.hidden_size / c.num_q_heads;
   }
   if (c.num_q_heads % c.num_kv_heads != 0)
     throw InputError(src + ": num_attention_heads " + std::to_string(c.num_q_heads) +
-                     " is not a multiple of num_key_value_heads " +
-                     std::to_string(c.num_kv_heads));
+                     " is not a multiple of num_key_value_heads " + std::to_string(c.num_kv_heads));
 
   // transformers 5 writes "dtype", 4 writes "torch_dtype".
   for (const char* key : {"dtype", "torch_dtype"}) {
@@ -72,7 +72,8 @@ ModelConfig parse_model_config(const json& j, const std::string& src) {
   }
   if (c.torch_dtype.empty()) {
     c.torch_dtype = "float32";
-    c.warnings.push_back(src + ": no 'dtype'/'torch_dtype'; assuming float32 (transformers' default)");
+    c.warnings.push_back(src +
+                         ": no 'dtype'/'torch_dtype'; assuming float32 (transformers' default)");
   }
   auto md = kv_dtype_from_torch_dtype(c.torch_dtype);
   if (!md)
@@ -105,8 +106,8 @@ ModelConfig parse_model_config(const json& j, const std::string& src) {
                        "'; accepted: full_attention, sliding_attention");
     }
   } else if (c.sliding_window > 0) {
-    const bool qwen = c.model_type == "qwen2" || c.model_type == "qwen3" ||
-                      c.architecture.rfind("Qwen", 0) == 0;
+    const bool qwen =
+        c.model_type == "qwen2" || c.model_type == "qwen3" || c.architecture.rfind("Qwen", 0) == 0;
     const bool mistral = c.model_type == "mistral" || c.architecture == "MistralForCausalLM";
     if (qwen) {
       // Qwen2/Qwen3: layers at index >= max_window_layers slide, when use_sliding_window.
@@ -129,7 +130,8 @@ ModelConfig parse_model_config(const json& j, const std::string& src) {
   bool any_sliding = false;
   for (auto k : c.layer_attention) any_sliding |= k == AttentionKind::kSlidingWindow;
   if (any_sliding && c.sliding_window <= 0)
-    throw InputError(src + ": layer_types has sliding_attention layers but 'sliding_window' is not set");
+    throw InputError(src +
+                     ": layer_types has sliding_attention layers but 'sliding_window' is not set");
   if (!any_sliding) c.sliding_window = 0;
   return c;
 }
@@ -141,14 +143,7 @@ ModelConfig load_model_config(const std::string& dir) {
   const fs::path path = fs::path(dir) / "config.json";
   if (!fs::exists(path))
     throw InputError(path.string() + ": missing (expected the model's Hugging Face config.json)");
-  std::ifstream in(path);
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
-    throw InputError(path.string() + ": not valid JSON (" + std::string(e.what()).substr(0, 160) +
-                     ")");
-  }
+  const json j = parse_json_file(path.string());
   ModelConfig c = parse_model_config(j, path.string());
   c.dir = dir;
   return c;

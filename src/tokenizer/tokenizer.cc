@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "kvq/core/error.h"
+#include "kvq/core/json_text.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/decoders.h"
 #include "tokenizer/pipeline.h"
@@ -93,16 +94,6 @@ std::string read_text_file(const std::filesystem::path& p) {
   std::ostringstream ss;
   ss << f.rdbuf();
   return ss.str();
-}
-
-json parse_json_text(std::string_view text, const std::string& origin) {
-  try {
-    return json::parse(text);
-  } catch (const json::parse_error& e) {
-    std::string what = e.what();
-    std::replace(what.begin(), what.end(), '\n', ' ');
-    throw InputError(origin + ": not valid JSON (" + what + ")");
-  }
 }
 
 // Rust regex's Unicode \w (HF's single_word check): Alphabetic, marks, decimal digits,

@@ -103,7 +103,7 @@ TEST(CliPlanBadInput, BrokenSafetensorsHeaders) {
   } cases[] = {
       {"{}", 1 << 20, 0, "(truncated)"},
       {"{}", (100ull << 20) + 1, 0, "oversized"},
-      {"not json", UINT64_MAX, 0, "not JSON"},
+      {"not json", UINT64_MAX, 0, "not valid JSON"},
       {R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
        UINT64_MAX, 12, "overlap"},
       {R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", UINT64_MAX, 4,

@@ -18,6 +18,7 @@
 
 #include "kvq/cache/paged_kv_cache.h"
 #include "kvq/core/error.h"
+#include "kvq/core/json_text.h"
 #include "kvq/core/kv_dtype.h"
 #include "kvq/io/safetensors.h"
 #include "kvq/plan/kv_plan.h"
@@ -124,9 +125,8 @@ void safetensors_file(Input data) {
 void model_config(Input data) {
   if (data.size() < 4) return;
   const uint8_t* sel = data.data();
-  const nlohmann::json j = nlohmann::json::parse(as_text(data.subspan(4)), nullptr, false);
-  if (j.is_discarded()) return;
   try {
+    const nlohmann::json j = parse_json_text(as_text(data.subspan(4)), "fuzz/config.json");
     const ModelConfig config = parse_model_config(j, "fuzz/config.json");
     (void)read_checkpoint_kv_scheme(config);
     KvPlanOptions o;

@@ -18,7 +18,8 @@ using Input = std::span<const uint8_t>;
 
 // A safetensors file: header, tensor table, and the small float tensors read back.
 void safetensors_file(Input data);
-// config.json (+ quantization config) -> parse_model_config -> make_kv_plan, with the KV flags
+// config.json text (+ quantization config) -> parse_json_text -> parse_model_config ->
+// make_kv_plan, with the KV flags
 // (--kv-cache-dtype, -ctk / -ctv, --kv-cache-dtype-skip-layers, --block-size) drawn from the
 // first bytes; the plan's JSON and table are rendered.
 void model_config(Input data);

@@ -36,8 +36,8 @@ json sliding_config() {
   c["architectures"] = {"Qwen3ForCausalLM"};
   c["model_type"] = "qwen3";
   c["sliding_window"] = 128;
-  c["layer_types"] = {"full_attention", "sliding_attention", "full_attention",
-                      "sliding_attention", "full_attention", "sliding_attention"};
+  c["layer_types"] = {"full_attention",    "sliding_attention", "full_attention",
+                      "sliding_attention", "full_attention",    "sliding_attention"};
   return c;
 }
 
@@ -67,12 +67,17 @@ TEST(KvPlanBugClasses, SkipIndicesRangesAndBoundary) {
   struct Case {
     std::string spec;
     std::vector<int> skipped;
-  } cases[] = {{"0", {0}},        {"1-3", {1, 2, 3}},         {"boundary:2", {0, 1, 6, 7}},
-               {"0, 5-6", {0, 5, 6}}, {"boundary:1,3", {0, 3, 7}}, {"2-2", {2}}};
+  } cases[] = {{"0", {0}},
+               {"1-3", {1, 2, 3}},
+               {"boundary:2", {0, 1, 6, 7}},
+               {"0, 5-6", {0, 5, 6}},
+               {"boundary:1,3", {0, 3, 7}},
+               {"2-2", {2}}};
   for (const auto& tc : cases) {
     const KvPlan p = plan_for(c, opts(KvDtype::kInt8PerTokenHead, tc.spec));
     for (const auto& s : p.layers) {
-      const bool skipped = std::find(tc.skipped.begin(), tc.skipped.end(), s.layer) != tc.skipped.end();
+      const bool skipped =
+          std::find(tc.skipped.begin(), tc.skipped.end(), s.layer) != tc.skipped.end();
       EXPECT_EQ(s.k_dtype, skipped ? KvDtype::kBFloat16 : KvDtype::kInt8PerTokenHead)
           << tc.spec << " layer " << s.layer;
       EXPECT_EQ(s.k_scale.kind, skipped ? ScaleSourceKind::kNone : ScaleSourceKind::kDynamic);
@@ -82,7 +87,8 @@ TEST(KvPlanBugClasses, SkipIndicesRangesAndBoundary) {
 
 TEST(KvPlanBadInput, MalformedSkipSpecsNameTheFlag) {
   const ModelConfig c = parse_model_config(llama_config(4), "config.json");
-  for (const char* bad : {"x", "1-", "-1", "3-1", "boundary:", "boundary:0", "1,,2", "", "1.5", "sliding"}) {
+  for (const char* bad :
+       {"x", "1-", "-1", "3-1", "boundary:", "boundary:0", "1,,2", "", "1.5", "sliding"}) {
     try {
       parse_skip_layers(bad, c);
       FAIL() << "accepted '" << bad << "'";
@@ -129,15 +135,18 @@ TEST(KvPlanBugClasses, SixteenBitNamesAndAutoAreUnquantized) {
 }
 
 json with_fp8_scheme(json c, const std::string& strategy = "tensor") {
-  c["quantization_config"] = {
-      {"quant_method", "compressed-tensors"},
-      {"kv_cache_scheme",
-       {{"num_bits", 8}, {"type", "float"}, {"strategy", strategy}, {"dynamic", false}, {"symmetric", true}}}};
+  c["quantization_config"] = {{"quant_method", "compressed-tensors"},
+                              {"kv_cache_scheme",
+                               {{"num_bits", 8},
+                                {"type", "float"},
+                                {"strategy", strategy},
+                                {"dynamic", false},
+                                {"symmetric", true}}}};
   return c;
 }
 
-std::vector<test::FixtureTensor> scale_tensors(int layers, std::vector<float>& ks, std::vector<float>& vs,
-                                               int per = 1) {
+std::vector<test::FixtureTensor> scale_tensors(int layers, std::vector<float>& ks,
+                                               std::vector<float>& vs, int per = 1) {
   std::mt19937 rng(std::random_device{}());
   std::uniform_real_distribution<float> u(0.001f, 0.5f);
   std::vector<test::FixtureTensor> t;
@@ -147,7 +156,8 @@ std::vector<test::FixtureTensor> scale_tensors(int layers, std::vector<float>& k
     for (auto& x : v) x = u(rng);
     ks.insert(ks.end(), k.begin(), k.end());
     vs.insert(vs.end(), v.begin(), v.end());
-    const std::vector<int64_t> shape = per == 1 ? std::vector<int64_t>{} : std::vector<int64_t>{per};
+    const std::vector<int64_t> shape =
+        per == 1 ? std::vector<int64_t>{} : std::vector<int64_t>{per};
     t.push_back(f32_tensor("model.layers." + std::to_string(i) + ".self_attn.k_scale", shape, k));
     t.push_back(f32_tensor("model.layers." + std::to_string(i) + ".self_attn.v_scale", shape, v));
   }
@@ -190,7 +200,8 @@ TEST(KvPlanBugClasses, ExplicitChoiceBeatsCheckpointSchemeAutoTakesIt) {
 TEST(KvPlanCheckpoint, PerHeadScalesForAttnHeadStrategy) {
   std::vector<float> ks, vs;
   const auto tensors = scale_tensors(2, ks, vs, /*per=*/2);
-  const KvPlan p = plan_for(with_fp8_scheme(llama_config(2), "attn_head"), opts(std::nullopt), tensors);
+  const KvPlan p =
+      plan_for(with_fp8_scheme(llama_config(2), "attn_head"), opts(std::nullopt), tensors);
   for (const auto& s : p.layers) {
     ASSERT_EQ(s.k_scale.values.size(), 2u);
     for (int h = 0; h < 2; ++h) {
@@ -213,16 +224,34 @@ TEST(KvPlanCheckpoint, SingleKvScaleServesBothSides) {
 
 TEST(KvPlanCheckpoint, ModelOptHfQuantConfig) {
   const std::string dir = make_model_dir(llama_config(2, 8, 2, 64));
-  test::write_text(dir + "/hf_quant_config.json",
-                   R"({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}})");
+  test::write_text(
+      dir + "/hf_quant_config.json",
+      R"({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}})");
   const KvPlan p = make_kv_plan(load_model_config(dir), opts(std::nullopt));
   EXPECT_EQ(p.layers[0].k_dtype, KvDtype::kNvfp4);
   EXPECT_EQ(p.decisions[0].v.provenance, Provenance::kCheckpointScheme);
 }
 
+TEST(KvPlanCheckpoint, MalformedHfQuantConfigIsAnInputError) {
+  const std::string dir = make_model_dir(llama_config(2, 8, 2, 64));
+  for (const char* text :
+       {R"({"quantization": )", R"({"quantization": {"kv_cache_quant_algo": 1e999}})"}) {
+    test::write_text(dir + "/hf_quant_config.json", text);
+    try {
+      make_kv_plan(load_model_config(dir), opts(std::nullopt));
+      FAIL() << text;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("hf_quant_config.json: not valid JSON"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(KvPlanCheckpoint, UnsupportedSchemeIsRefusedOnlyWhenUsed) {
   json c = llama_config(2);
-  c["quantization_config"] = {{"kv_cache_scheme", {{"num_bits", 8}, {"type", "int"}, {"strategy", "tensor"}}}};
+  c["quantization_config"] = {
+      {"kv_cache_scheme", {{"num_bits", 8}, {"type", "int"}, {"strategy", "tensor"}}}};
   try {
     plan_for(c, opts(std::nullopt));
     FAIL() << "int8 per-tensor scheme accepted";

@@ -129,12 +129,15 @@ TEST(ModelConfigBadInput, MissingOrMalformedFiles) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("config.json: missing"), std::string::npos);
   }
-  test::write_text(dir + "/config.json", "{\"num_hidden_layers\": 2,");
-  try {
-    load_model_config(dir);
-    FAIL();
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("not valid JSON"), std::string::npos);
+  // A syntax error, and a number too large for a double (the parser's out_of_range).
+  for (const char* text : {"{\"num_hidden_layers\": 2,", "{\"num_hidden_layers\": 2e99999}"}) {
+    test::write_text(dir + "/config.json", text);
+    try {
+      load_model_config(dir);
+      FAIL() << text;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("not valid JSON"), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -329,6 +329,7 @@ void expect_refused(const std::string& text, const std::string& needle) {
 
 TEST(BadInput, MalformedTokenizerJsonIsAnInputError) {
   expect_refused("{not json", "not valid JSON");
+  expect_refused(R"({"model": {"type": "BPE", "dropout": -3e99999}})", "not valid JSON");
   expect_refused("[1, 2]", "JSON object");
   expect_refused(R"({"normalizer": null})", "missing \"model\"");
   expect_refused(R"({"model": {"type": "WordPiece", "vocab": {}}})", "supported: BPE");
