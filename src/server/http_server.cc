@@ -132,12 +132,16 @@ struct HttpServer::Impl {
   void send_error(httplib::Response& res, const ApiError& e) {
     metrics.count_error(e.status());
     res.status = e.status();
+    if (e.status() == 429) res.set_header("Retry-After", "1");
     res.set_content(dump(error_json(e)), std::string(kJson));
   }
 
   void setup_routes() {
-    http.new_task_queue = [n = std::max(1, opt.http_threads)] {
-      return new httplib::ThreadPool(static_cast<size_t>(n));
+    // Room for every admitted request (a streaming one holds its worker) plus spares that answer
+    // 429, /health and /metrics while the server is full.
+    const int workers = std::max({1, opt.http_threads, opt.max_concurrent_requests + 8});
+    http.new_task_queue = [workers] {
+      return new httplib::ThreadPool(static_cast<size_t>(workers));
     };
     http.set_tcp_nodelay(true);
     // httplib's default also sets SO_REUSEPORT, which lets a second server bind a port in use
@@ -146,7 +150,8 @@ struct HttpServer::Impl {
       int yes = 1;
       setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
     });
-    http.set_payload_max_length(size_t{64} << 20);
+    http.set_payload_max_length(opt.max_body_bytes > 0 ? opt.max_body_bytes
+                                                       : std::numeric_limits<size_t>::max());
     if (!opt.api_key.empty())
       http.set_pre_routing_handler([this](const httplib::Request& q, httplib::Response& r) {
         const bool keyed =
@@ -219,7 +224,10 @@ struct HttpServer::Impl {
           r.status == 404 ? "no route " + q.method + " " + q.path +
                                 "; the API has POST /v1/completions, POST /v1/chat/completions, "
                                 "GET /v1/models, GET /health, GET /metrics"
-                          : "HTTP " + std::to_string(r.status) + " for " + q.method + " " + q.path;
+          : r.status == 413
+              ? "the request body is over this server's limit of " +
+                    std::to_string(opt.max_body_bytes) + " bytes (kvq serve --max-body-size)"
+              : "HTTP " + std::to_string(r.status) + " for " + q.method + " " + q.path;
       ApiError e(r.status, msg, "", r.status == 404 ? "not_found" : "");
       r.set_content(dump(error_json(e)), std::string(kJson));
       return httplib::Server::HandlerResponse::Handled;
@@ -284,6 +292,21 @@ struct HttpServer::Impl {
     const int64_t ctx = engine.context_length();
     const int64_t p = static_cast<int64_t>(prompt_len);
     const char* prompt_field = g.endpoint == Endpoint::kCompletions ? "prompt" : "messages";
+    const char* max_field =
+        g.endpoint == Endpoint::kCompletions ? "max_tokens" : "max_completion_tokens";
+    if (opt.max_input_tokens > 0 && p > opt.max_input_tokens)
+      throw ApiError(400,
+                     "the prompt has " + std::to_string(p) +
+                         " tokens; this server accepts at most " +
+                         std::to_string(opt.max_input_tokens) + " (kvq serve --max-input-tokens)",
+                     prompt_field, "context_length_exceeded");
+    if (opt.max_output_tokens > 0 && g.max_tokens && *g.max_tokens > opt.max_output_tokens)
+      throw ApiError(400,
+                     "'" + std::string(max_field) + "' is " + std::to_string(*g.max_tokens) +
+                         "; this server generates at most " +
+                         std::to_string(opt.max_output_tokens) +
+                         " tokens per choice (kvq serve --max-output-tokens)",
+                     max_field, "max_tokens_exceeded");
     if (ctx > 0 && p >= ctx)
       throw ApiError(400,
                      "This model's maximum context length is " + std::to_string(ctx) +
@@ -302,7 +325,8 @@ struct HttpServer::Impl {
             "context_length_exceeded");
       return *g.max_tokens;
     }
-    const int64_t fits = std::max<int64_t>(1, std::min(room, engine.cache_capacity_tokens() - p));
+    int64_t fits = std::max<int64_t>(1, std::min(room, engine.cache_capacity_tokens() - p));
+    if (opt.max_output_tokens > 0) fits = std::min<int64_t>(fits, opt.max_output_tokens);
     const int64_t def = g.endpoint == Endpoint::kCompletions ? std::min<int64_t>(16, fits) : fits;
     return static_cast<int>(std::min<int64_t>(def, std::numeric_limits<int32_t>::max()));
   }
@@ -354,6 +378,13 @@ struct HttpServer::Impl {
   void submit(const std::shared_ptr<Exchange>& ex, const std::vector<int32_t>& ids) {
     std::lock_guard lk(active_mu);
     if (stopping) throw ApiError(503, "the server is shutting down", "", "", "server_error");
+    if (opt.max_concurrent_requests > 0 &&
+        active.size() >= static_cast<size_t>(opt.max_concurrent_requests))
+      throw ApiError(429,
+                     "the server is at its limit of " +
+                         std::to_string(opt.max_concurrent_requests) +
+                         " requests in flight (kvq serve --max-concurrent-requests); retry later",
+                     "", "server_busy", "rate_limit_error");
     const GenerationRequest& g = ex->request;
     try {
       for (int i = 0; i < g.n; ++i) {
@@ -461,6 +492,11 @@ struct HttpServer::Impl {
       nlohmann::json body = parse_json_body(req.body);
       GenerationRequest g = endpoint == Endpoint::kCompletions ? parse_completion_request(body)
                                                                : parse_chat_request(body);
+      if (opt.max_n > 0 && g.n > opt.max_n)
+        throw ApiError(400,
+                       "'n' is " + std::to_string(g.n) + "; this server returns at most " +
+                           std::to_string(opt.max_n) + " choices per request (kvq serve --max-n)",
+                       "n");
       if (g.model && *g.model != opt.served_model_name)
         throw ApiError(404,
                        "The model '" + *g.model + "' does not exist; this server serves '" +

@@ -220,6 +220,10 @@ TEST(CliServeBadInput, StartUpErrorsAreOneLineAndExitTwo) {
   expect_error(run_kvq({"serve", "--model", kCode, "--api-key", ""}), "--api-key");
   expect_error(run_kvq({"serve", "--model", kCode, "--metrics-require-api-key"}),
                "needs --api-key");
+  expect_error(run_kvq({"serve", "--model", kCode, "--max-body-size", "lots"}), "--max-body-size");
+  expect_error(run_kvq({"serve", "--model", kCode, "--max-n", "0"}), "--max-n");
+  expect_error(run_kvq({"serve", "--model", kCode, "--max-concurrent-requests", "-3"}),
+               "--max-concurrent-requests");
 }
 
 }  // namespace

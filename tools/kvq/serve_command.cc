@@ -56,6 +56,8 @@ Action add_serve_command(CLI::App& app) {
     bool no_prefix_caching = false;
     std::string api_key;
     bool metrics_require_key = false;
+    std::string max_body_size = "16MiB";
+    int max_input_tokens = 0, max_output_tokens = 0, max_n = 16, max_concurrent_requests = 128;
   };
   auto st = std::make_shared<State>();
   st->model.add_to(*sub);
@@ -79,13 +81,30 @@ Action add_serve_command(CLI::App& app) {
           ->envname("KVQ_API_KEY");
   sub->add_flag("--metrics-require-api-key", st->metrics_require_key,
                 "with --api-key, /metrics needs the key too (default: open, like /health)");
+  sub->add_option("--max-body-size", st->max_body_size,
+                  "largest request body (default 16MiB; e.g. 1MiB, 64MB); 413 above");
+  sub->add_option("--max-input-tokens", st->max_input_tokens,
+                  "most prompt tokens per request (default 0: the model's context); 400 above")
+      ->check(CLI::Range(0, 1 << 30));
+  sub->add_option("--max-output-tokens", st->max_output_tokens,
+                  "most tokens generated per choice (default 0: the rest of the context); an "
+                  "explicit larger max_tokens gets 400, defaults are capped")
+      ->check(CLI::Range(0, 1 << 30));
+  sub->add_option("--max-n", st->max_n, "most choices (n) per request (default 16; at most 128)")
+      ->check(CLI::Range(1, 128));
+  sub->add_option("--max-concurrent-requests", st->max_concurrent_requests,
+                  "generation requests in flight, running or waiting (default 128); beyond it "
+                  "429 with Retry-After")
+      ->check(CLI::Range(1, 4096));
 
   return [st, api_key]() {
     if (api_key->count() > 0 && st->api_key.empty())
-      throw InputError("--api-key (or KVQ_API_KEY): empty; give the key clients send as "
-                       "'Authorization: Bearer KEY', or leave both unset for an open server");
+      throw InputError(
+          "--api-key (or KVQ_API_KEY): empty; give the key clients send as "
+          "'Authorization: Bearer KEY', or leave both unset for an open server");
     if (st->metrics_require_key && st->api_key.empty())
       throw InputError("--metrics-require-api-key needs --api-key (or KVQ_API_KEY)");
+    const size_t max_body = parse_byte_size(st->max_body_size, "--max-body-size");
     st->model.max_num_seqs = st->max_num_seqs;
     st->model.max_num_batched_tokens = st->max_num_batched_tokens;
     LoadedModel lm = st->model.load();
@@ -121,10 +140,11 @@ Action add_serve_command(CLI::App& app) {
                                                  static_cast<double>(block_bytes + drafter_bytes)) -
                             st->max_num_seqs;
       if (config.num_blocks < 1)
-        throw InputError("--speculative-config: no room for the KV caches of the target and the "
-                         "drafter (raise --gpu-memory-utilization)");
-      config.proposer = spec->proposer(
-          static_cast<int32_t>(config.num_blocks + st->max_num_seqs), st->max_num_batched_tokens);
+        throw InputError(
+            "--speculative-config: no room for the KV caches of the target and the "
+            "drafter (raise --gpu-memory-utilization)");
+      config.proposer = spec->proposer(static_cast<int32_t>(config.num_blocks + st->max_num_seqs),
+                                       st->max_num_batched_tokens);
       config.num_speculative_tokens = spec->config.num_speculative_tokens;
       config.speculative_disable_by_batch_size = spec->config.disable_by_batch_size;
       config.speculative_auto_disable = spec->config.auto_disable;
@@ -145,6 +165,11 @@ Action add_serve_command(CLI::App& app) {
     options.http_threads = std::min(1024, 2 * st->max_num_seqs + 16);
     options.api_key = st->api_key;
     options.metrics_require_key = st->metrics_require_key;
+    options.max_body_bytes = max_body;
+    options.max_input_tokens = st->max_input_tokens;
+    options.max_output_tokens = st->max_output_tokens;
+    options.max_n = st->max_n;
+    options.max_concurrent_requests = st->max_concurrent_requests;
     HttpServer server(*serving, options);
     const int port = server.bind();
     std::fprintf(stderr,

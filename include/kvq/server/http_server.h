@@ -50,6 +50,15 @@ struct ServerOptions {
   // metrics_require_key.
   std::string api_key;
   bool metrics_require_key = false;
+  // Request limits an operator sets (kvq serve --max-*); each refusal is an OpenAI-shaped error
+  // that names the limit and its flag. 0: no limit beyond the model's context.
+  size_t max_body_bytes = size_t{16} << 20;  // 413 above
+  int32_t max_input_tokens = 0;              // prompt tokens; 400 above
+  int32_t max_output_tokens = 0;             // an explicit max_tokens above: 400; defaults capped
+  int max_n = 16;                            // choices per request; 400 above
+  // Generation requests in flight (running or waiting in the engine); beyond it 429 with
+  // Retry-After. The HTTP worker pool is sized above it, so the refusal is immediate.
+  int max_concurrent_requests = 128;
 };
 
 // True when `authorization` (an Authorization header's value) is "Bearer <key>"; the comparison

@@ -329,6 +329,106 @@ TEST_F(HttpApi, StopCancelsRequestsInFlight) {
   EXPECT_TRUE(status == 503 || status == -1) << status;
 }
 
+// Operator limits (kvq serve --max-*): body size 413, prompt tokens / max_tokens / n 400, each
+// OpenAI-shaped and naming its flag; a default max_tokens is capped, not refused.
+TEST_F(HttpApi, RequestLimitsAreOpenAIErrorsNamingTheFlag) {
+  server_.reset();
+  ServerOptions o;
+  o.served_model_name = "tiny";
+  o.max_body_bytes = 4096;
+  o.max_input_tokens = 20;
+  o.max_output_tokens = 5;
+  o.max_n = 2;
+  server_ = std::make_unique<RunningServer>(*engine_, o);
+  auto message_of = [](const json& j) {
+    return j.is_object() && j.contains("error") ? j["error"]["message"].get<std::string>() : "";
+  };
+  int status = 0;
+  // Body size: one byte over the limit, then one under it.
+  const std::string pad(4096, ' ');
+  json j =
+      post_json(port(), "/v1/completions", R"({"prompt": "x", "max_tokens": 1})" + pad, &status);
+  EXPECT_EQ(status, 413);
+  EXPECT_NE(message_of(j).find("--max-body-size"), std::string::npos) << j.dump();
+  j = post_json(port(), "/v1/completions",
+                R"({"prompt": "x", "max_tokens": 1})" + pad.substr(0, 4096 - 40), &status);
+  EXPECT_EQ(status, 200) << j.dump();
+  // Prompt tokens: 21 ids refused, 20 accepted.
+  std::vector<int> ids(21);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = 5 + static_cast<int>(i);
+  j = post("/v1/completions", {{"prompt", ids}, {"max_tokens", 1}}, &status);
+  EXPECT_EQ(status, 400);
+  EXPECT_EQ(j["error"]["param"], "prompt");
+  EXPECT_EQ(j["error"]["code"], "context_length_exceeded");
+  EXPECT_NE(message_of(j).find("--max-input-tokens"), std::string::npos) << j.dump();
+  ids.pop_back();
+  j = post("/v1/completions", {{"prompt", ids}, {"max_tokens", 1}}, &status);
+  EXPECT_EQ(status, 200) << j.dump();
+  // max_tokens: 6 refused (under each endpoint's name), 5 accepted, a chat default capped at 5.
+  j = post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 6}}, &status);
+  EXPECT_EQ(status, 400);
+  EXPECT_EQ(j["error"]["param"], "max_tokens");
+  EXPECT_NE(message_of(j).find("--max-output-tokens"), std::string::npos) << j.dump();
+  const json msgs = json::array({{{"role", "user"}, {"content", "hi"}}});
+  j = post("/v1/chat/completions", {{"messages", msgs}, {"max_completion_tokens", 6}}, &status);
+  EXPECT_EQ(status, 400);
+  EXPECT_EQ(j["error"]["param"], "max_completion_tokens");
+  j = post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 5}}, &status);
+  EXPECT_EQ(status, 200) << j.dump();
+  EXPECT_EQ(j["usage"]["completion_tokens"], 5);
+  j = post("/v1/chat/completions", {{"messages", msgs}}, &status);
+  EXPECT_EQ(status, 200) << j.dump();
+  EXPECT_EQ(j["usage"]["completion_tokens"], 5);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  // n: 3 refused, 2 accepted.
+  j = post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 1}, {"n", 3}}, &status);
+  EXPECT_EQ(status, 400);
+  EXPECT_EQ(j["error"]["param"], "n");
+  EXPECT_NE(message_of(j).find("--max-n"), std::string::npos) << j.dump();
+  j = post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 1}, {"n", 2}}, &status);
+  EXPECT_EQ(status, 200) << j.dump();
+  EXPECT_EQ(j["choices"].size(), 2u);
+  const auto m = metrics();
+  EXPECT_EQ(m.at("kvq_request_errors_total{status=\"413\"}"), 1);
+  EXPECT_EQ(m.at("kvq_request_errors_total{status=\"400\"}"), 4);
+}
+
+// --max-concurrent-requests: with the limit's worth of requests in flight, the next one gets 429
+// with Retry-After at once, /health still answers, and a slot frees when a request ends.
+TEST_F(HttpApi, ConcurrencyLimitAnswers429WithRetryAfter) {
+  server_.reset();
+  ServerOptions o;
+  o.served_model_name = "tiny";
+  o.max_concurrent_requests = 2;
+  server_ = std::make_unique<RunningServer>(*engine_, o);
+  const std::string held = json{{"prompt", {FakeEngine::kHoldToken}}, {"max_tokens", 3}}.dump();
+  std::vector<int> statuses(2, 0);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 2; ++i)
+    clients.emplace_back(
+        [&, i] { post_json(port(), "/v1/completions", held, &statuses[static_cast<size_t>(i)]); });
+  ASSERT_TRUE(eventually([&] { return engine_->stats().running == 2; }));
+  auto c = server_->client();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto busy = c.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 1})", "application/json");
+  ASSERT_TRUE(busy);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.0);
+  EXPECT_EQ(busy->status, 429);
+  EXPECT_EQ(busy->get_header_value("Retry-After"), "1");
+  const json e = json::parse(busy->body, nullptr, false);
+  ASSERT_TRUE(e.is_object() && e.contains("error")) << busy->body;
+  EXPECT_EQ(e["error"]["type"], "rate_limit_error");
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("--max-concurrent-requests"),
+            std::string::npos);
+  auto health = c.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(engine_->stats().running, 2) << "the refused request reached the engine";
+  server_->stop();  // cancels the held requests
+  for (auto& t : clients) t.join();
+  for (int s : statuses) EXPECT_TRUE(s == 503 || s == -1) << s;
+}
+
 TEST(ApiKey, BearerMatchesOnlyTheExactKey) {
   std::mt19937 rng(std::random_device{}());
   std::string key(8 + rng() % 40, ' ');

@@ -187,7 +187,8 @@ class FakeEngine final : public ServingEngine {
           0,
           false,
           std::make_unique<StreamingDecoder>(tok_),
-          std::find(prompt.begin(), prompt.end(), kFailToken) != prompt.end()};
+          std::find(prompt.begin(), prompt.end(), kFailToken) != prompt.end(),
+          std::find(prompt.begin(), prompt.end(), kHoldToken) != prompt.end()};
     last_params_ = params;
     last_prompt_ = prompt;
     reqs_.emplace(id, std::move(r));
@@ -228,6 +229,8 @@ class FakeEngine final : public ServingEngine {
   static float logprob_of(int k) { return -0.125f * static_cast<float>(k % 8 + 1); }
   // A prompt holding this id fails after two tokens with finish_reason "error".
   static constexpr int32_t kFailToken = 4095;
+  // A prompt holding this id produces nothing until it is cancelled (a request in flight).
+  static constexpr int32_t kHoldToken = 4094;
   std::chrono::microseconds tick{500};
 
  private:
@@ -240,6 +243,7 @@ class FakeEngine final : public ServingEngine {
     bool cancelled = false;
     std::unique_ptr<StreamingDecoder> decoder;
     bool fail = false;
+    bool hold = false;
   };
 
   void loop() {
@@ -255,6 +259,9 @@ class FakeEngine final : public ServingEngine {
           o.finished = true;
           o.finish_reason = "cancelled";
           ++cancelled_;
+        } else if (r.hold) {
+          ++it;
+          continue;
         } else if (r.fail && r.generated == 2) {
           o.finished = true;
           o.finish_reason = "error";
