@@ -105,7 +105,9 @@ struct HttpServer::Impl {
   std::atomic<uint64_t> next_id{0};
 
   std::mutex active_mu;
-  bool stopping = false;  // under active_mu
+  std::condition_variable active_cv;  // an exchange left `active`
+  bool stopping = false;              // under active_mu
+  std::atomic<bool> draining{false};  // drain(): refuse new requests, let these finish
   std::set<std::shared_ptr<Exchange>> active;
 
   // Engine requests whose final event has not arrived: the destructor waits for them, since
@@ -183,7 +185,12 @@ struct HttpServer::Impl {
                         "model", "model_not_found"));
       r.set_content(dump(model_card()), std::string(kJson));
     });
-    http.Get("/health", [](const httplib::Request&, httplib::Response& r) {
+    http.Get("/health", [this](const httplib::Request&, httplib::Response& r) {
+      if (draining.load()) {
+        r.status = 503;
+        r.set_content(R"({"status":"draining"})", std::string(kJson));
+        return;
+      }
       r.set_content(R"({"status":"ok"})", std::string(kJson));
     });
     http.Get("/metrics", [this](const httplib::Request&, httplib::Response& r) {
@@ -377,7 +384,8 @@ struct HttpServer::Impl {
   // cancels them) or this sees `stopping` and refuses.
   void submit(const std::shared_ptr<Exchange>& ex, const std::vector<int32_t>& ids) {
     std::lock_guard lk(active_mu);
-    if (stopping) throw ApiError(503, "the server is shutting down", "", "", "server_error");
+    if (stopping || draining.load())
+      throw ApiError(503, "the server is shutting down", "", "", "server_error");
     if (opt.max_concurrent_requests > 0 &&
         active.size() >= static_cast<size_t>(opt.max_concurrent_requests))
       throw ApiError(429,
@@ -415,6 +423,7 @@ struct HttpServer::Impl {
   void release(const std::shared_ptr<Exchange>& ex) {
     std::lock_guard lk(active_mu);
     active.erase(ex);
+    active_cv.notify_all();
   }
 
   void cancel_all(const std::shared_ptr<Exchange>& ex) {
@@ -641,10 +650,23 @@ struct HttpServer::Impl {
         });
   }
 
+  int drain(std::chrono::milliseconds grace) {
+    int left = 0;
+    {
+      std::unique_lock lk(active_mu);
+      draining = true;
+      active_cv.wait_for(lk, grace, [&] { return active.empty(); });
+      left = static_cast<int>(active.size());
+    }
+    stop();
+    return left;
+  }
+
   void stop() {
     {
       std::lock_guard lk(active_mu);
       stopping = true;
+      draining = true;
       for (const auto& ex : active) cancel_all(ex);
     }
     if (!in_run.load()) return;
@@ -702,6 +724,62 @@ void HttpServer::run() {
 
 void HttpServer::stop() {
   impl_->stop();
+}
+
+int HttpServer::drain(std::chrono::milliseconds grace) {
+  return impl_->drain(grace);
+}
+
+struct LoadingResponder::Impl {
+  Server http;
+  std::thread thread;
+  std::atomic<bool> ended{false};  // listen_after_bind() returned
+};
+
+LoadingResponder::LoadingResponder(const std::string& host, int port)
+    : impl_(std::make_unique<Impl>()) {
+  Server& http = impl_->http;
+  http.new_task_queue = [] { return new httplib::ThreadPool(2); };
+  http.set_socket_options([](socket_t sock) {  // as HttpServer: SO_REUSEADDR, not SO_REUSEPORT
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
+  http.Get("/health", [](const httplib::Request&, httplib::Response& r) {
+    r.status = 503;
+    r.set_content(R"({"status":"loading"})", std::string(kJson));
+  });
+  // Every other route: the same answer in the OpenAI error shape.
+  http.set_error_handler(
+      httplib::Server::HandlerWithResponse([](const httplib::Request&, httplib::Response& r) {
+        if (!r.body.empty()) return httplib::Server::HandlerResponse::Unhandled;  // /health
+        r.status = 503;
+        r.set_content(dump(error_json(ApiError(503, "the model is still loading; retry shortly", "",
+                                               "model_loading", "server_error"))),
+                      std::string(kJson));
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  for (const char* path : {"/v1/completions", "/v1/chat/completions"})
+    http.Post(path, [](const httplib::Request&, httplib::Response& r) { r.status = 503; });
+  const std::string where = host + ":" + std::to_string(port);
+  if (port < 0 || port > 65535)
+    throw InputError("--port " + std::to_string(port) + ": accepted: 0 (any free port) to 65535");
+  port_ = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
+  if (port_ < 0)
+    throw InputError("cannot listen on " + where +
+                     ": the port is in use or the host address cannot be bound");
+  std::signal(SIGPIPE, SIG_IGN);
+  impl_->thread = std::thread([this] {
+    impl_->http.listen_after_bind();
+    impl_->ended = true;
+  });
+}
+
+LoadingResponder::~LoadingResponder() {
+  // httplib's stop() only acts on a server that is accepting: wait until it is (or has ended).
+  while (!impl_->http.is_running() && !impl_->ended.load())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  impl_->http.stop();
+  impl_->thread.join();
 }
 
 }  // namespace kvq

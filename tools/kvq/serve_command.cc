@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <thread>
@@ -58,6 +59,7 @@ Action add_serve_command(CLI::App& app) {
     bool metrics_require_key = false;
     std::string max_body_size = "16MiB";
     int max_input_tokens = 0, max_output_tokens = 0, max_n = 16, max_concurrent_requests = 128;
+    double shutdown_grace_period = 30.0;
   };
   auto st = std::make_shared<State>();
   st->model.add_to(*sub);
@@ -96,6 +98,10 @@ Action add_serve_command(CLI::App& app) {
                   "generation requests in flight, running or waiting (default 128); beyond it "
                   "429 with Retry-After")
       ->check(CLI::Range(1, 4096));
+  sub->add_option("--shutdown-grace-period", st->shutdown_grace_period,
+                  "seconds that requests in flight may run after SIGTERM / SIGINT before they are "
+                  "cancelled (default 30; 0: cancel at once); new requests get 503 meanwhile")
+      ->check(CLI::Range(0.0, 86400.0));
 
   return [st, api_key]() {
     if (api_key->count() > 0 && st->api_key.empty())
@@ -105,6 +111,49 @@ Action add_serve_command(CLI::App& app) {
     if (st->metrics_require_key && st->api_key.empty())
       throw InputError("--metrics-require-api-key needs --api-key (or KVQ_API_KEY)");
     const size_t max_body = parse_byte_size(st->max_body_size, "--max-body-size");
+    // SIGINT / SIGTERM from here on: during start-up the process exits at once (exit 0), once
+    // serving the server drains (--shutdown-grace-period). A second signal exits at once.
+    if (pipe(g_signal_pipe) != 0) throw InternalError("kvq serve: pipe() failed");
+    struct sigaction sa = {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, nullptr);
+    sigaction(SIGTERM, &sa, nullptr);
+    std::atomic<HttpServer*> serving_server{nullptr};
+    std::thread signal_thread([&] {
+      unsigned char sig = 0;
+      while (read(g_signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+      }
+      if (sig == 0) return;  // the server ended on its own
+      const char* name = sig == SIGINT ? "SIGINT" : "SIGTERM";
+      HttpServer* server = serving_server.load();
+      if (server == nullptr) {
+        std::fprintf(stderr, "kvq serve: %s received during start-up, exiting\n", name);
+        std::fflush(stderr);
+        std::_Exit(0);
+      }
+      std::fprintf(stderr,
+                   "kvq serve: %s received, refusing new requests; those in flight have %.0f s "
+                   "to finish\n",
+                   name, st->shutdown_grace_period);
+      const int left = server->drain(
+          std::chrono::milliseconds(static_cast<int64_t>(st->shutdown_grace_period * 1000.0)));
+      if (left > 0)
+        std::fprintf(stderr, "kvq serve: grace period over, %d request(s) cancelled\n", left);
+    });
+    struct JoinSignalThread {  // on every way out (start-up errors too), before the server goes
+      std::thread& t;
+      void join() {
+        if (!t.joinable()) return;
+        const unsigned char quit = 0;
+        [[maybe_unused]] ssize_t w = write(g_signal_pipe[1], &quit, 1);
+        t.join();
+      }
+      ~JoinSignalThread() { join(); }
+    } join_signal_thread{signal_thread};
+    // The port answers "loading" (/health 503) while the model loads, and a port in use fails
+    // before the load.
+    auto loading = std::make_unique<LoadingResponder>(st->host, st->port);
     st->model.max_num_seqs = st->max_num_seqs;
     st->model.max_num_batched_tokens = st->max_num_batched_tokens;
     LoadedModel lm = st->model.load();
@@ -159,7 +208,7 @@ Action add_serve_command(CLI::App& app) {
 
     ServerOptions options;
     options.host = st->host;
-    options.port = st->port;
+    options.port = loading->port();
     options.served_model_name =
         st->served_model_name.empty() ? folder_name(st->model.plan.model) : st->served_model_name;
     options.http_threads = std::min(1024, 2 * st->max_num_seqs + 16);
@@ -171,6 +220,7 @@ Action add_serve_command(CLI::App& app) {
     options.max_n = st->max_n;
     options.max_concurrent_requests = st->max_concurrent_requests;
     HttpServer server(*serving, options);
+    loading.reset();  // frees the port
     const int port = server.bind();
     std::fprintf(stderr,
                  "kvq serve: model '%s' (%s), context %d tokens | KV cache %lld blocks x %d tokens "
@@ -186,25 +236,9 @@ Action add_serve_command(CLI::App& app) {
                      : (options.metrics_require_key ? ", API key required on /v1 and /metrics"
                                                     : ", API key required on /v1"));
 
-    if (pipe(g_signal_pipe) != 0) throw InternalError("kvq serve: pipe() failed");
-    struct sigaction sa = {};
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, nullptr);
-    sigaction(SIGTERM, &sa, nullptr);
-    std::thread signal_thread([&] {
-      unsigned char sig = 0;
-      while (read(g_signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
-      }
-      if (sig == 0) return;  // the server ended on its own
-      std::fprintf(stderr, "kvq serve: %s received, shutting down\n",
-                   sig == SIGINT ? "SIGINT" : "SIGTERM");
-      server.stop();
-    });
+    serving_server = &server;
     server.run();
-    const unsigned char quit = 0;
-    [[maybe_unused]] ssize_t w = write(g_signal_pipe[1], &quit, 1);
-    signal_thread.join();
+    join_signal_thread.join();  // a drain in progress returns before the server is destroyed
     std::fprintf(stderr, "kvq serve: stopped\n");
     return 0;
   };

@@ -6,6 +6,7 @@
 // engine requests cancelled (their KV blocks freed). One log line per request on stderr.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -61,6 +62,25 @@ struct ServerOptions {
   int max_concurrent_requests = 128;
 };
 
+// Answers on host:port while the model loads (kvq serve binds its port before loading, so a
+// client or a load balancer sees "not ready" rather than a refused connection): /health 503
+// {"status": "loading"}, every other route 503 with an OpenAI error. The destructor stops it
+// and frees the port for the HttpServer that follows.
+class LoadingResponder {
+ public:
+  // Binds and starts answering; throws InputError naming host:port when it cannot bind.
+  LoadingResponder(const std::string& host, int port);
+  ~LoadingResponder();
+  LoadingResponder(const LoadingResponder&) = delete;
+  LoadingResponder& operator=(const LoadingResponder&) = delete;
+  int port() const { return port_; }  // the bound port (the system's choice for port 0)
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  int port_ = -1;
+};
+
 // True when `authorization` (an Authorization header's value) is "Bearer <key>"; the comparison
 // takes the same time wherever the first difference is.
 bool bearer_matches(std::string_view authorization, std::string_view key);
@@ -82,6 +102,10 @@ class HttpServer {
   void run();
   // Thread-safe and idempotent: refuses new requests, cancels those in flight, ends run().
   void stop();
+  // Graceful shutdown (SIGTERM): new generation requests get 503 and /health answers 503
+  // {"status": "draining"} at once; requests in flight run to their end for up to `grace`, then
+  // stop() cancels what is left. Returns how many requests were still in flight at the deadline.
+  int drain(std::chrono::milliseconds grace);
 
  private:
   struct Impl;

@@ -429,6 +429,81 @@ TEST_F(HttpApi, ConcurrencyLimitAnswers429WithRetryAfter) {
   for (int s : statuses) EXPECT_TRUE(s == 503 || s == -1) << s;
 }
 
+// Graceful shutdown (SIGTERM in kvq serve): during the grace period /health says draining and
+// new requests get 503 while those in flight run to their end; at the deadline the rest are
+// cancelled and drain() says how many.
+TEST_F(HttpApi, DrainFinishesRequestsInFlightAndCancelsAtTheDeadline) {
+  int held_status = 0, normal_status = 0;
+  json normal;
+  std::thread held([&] {
+    post_json(port(), "/v1/completions",
+              json{{"prompt", {FakeEngine::kHoldToken}}, {"max_tokens", 3}}.dump(), &held_status);
+  });
+  std::thread finishing([&] {
+    normal = post_json(port(), "/v1/completions", R"({"prompt": "x", "max_tokens": 200})",
+                       &normal_status);
+  });
+  ASSERT_TRUE(eventually([&] { return engine_->stats().running == 2; }));
+  int left = -1;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread drainer([&] { left = server_->drain(std::chrono::milliseconds(1500)); });
+  ASSERT_TRUE(eventually([&] {
+    auto h = server_->client().Get("/health");
+    return h && h->status == 503;
+  }));
+  auto h = server_->client().Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(json::parse(h->body)["status"], "draining");
+  int refused = 0;
+  post_json(port(), "/v1/completions", R"({"prompt": "x", "max_tokens": 1})", &refused);
+  EXPECT_EQ(refused, 503);
+  finishing.join();
+  EXPECT_EQ(normal_status, 200) << normal.dump();
+  EXPECT_EQ(normal["usage"]["completion_tokens"], 200) << "the request in flight was cut short";
+  drainer.join();
+  held.join();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(left, 1);
+  EXPECT_GE(took, 1.4);
+  EXPECT_LT(took, 10.0);
+  EXPECT_TRUE(held_status == 503 || held_status == -1) << held_status;
+  EXPECT_EQ(engine_->cancelled_count(), 1);
+}
+
+// While the model loads, kvq serve's port answers "not ready": /health 503 {"status":
+// "loading"}, the API 503 with an OpenAI error; afterwards the port is free for the server.
+TEST_F(HttpApi, LoadingResponderAnswersNotReadyThenFreesThePort) {
+  int port_used = 0;
+  {
+    LoadingResponder loading("127.0.0.1", 0);
+    port_used = loading.port();
+    ASSERT_GT(port_used, 0);
+    httplib::Client c("127.0.0.1", port_used);
+    auto h = c.Get("/health");
+    ASSERT_TRUE(h);
+    EXPECT_EQ(h->status, 503);
+    EXPECT_EQ(json::parse(h->body)["status"], "loading");
+    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+      auto r = c.Post(path, R"({"prompt": "x"})", "application/json");
+      ASSERT_TRUE(r) << path;
+      EXPECT_EQ(r->status, 503) << path;
+      const json e = json::parse(r->body, nullptr, false);
+      ASSERT_TRUE(e.is_object() && e.contains("error")) << r->body;
+      EXPECT_EQ(e["error"]["code"], "model_loading");
+    }
+    auto m = c.Get("/v1/models");
+    ASSERT_TRUE(m);
+    EXPECT_EQ(m->status, 503);
+    EXPECT_THROW(LoadingResponder("127.0.0.1", port_used), InputError) << "the port is taken";
+  }
+  ServerOptions o;
+  o.host = "127.0.0.1";
+  o.port = port_used;
+  o.log_requests = false;
+  HttpServer after(*engine_, o);
+  EXPECT_EQ(after.bind(), port_used);
+}
+
 TEST(ApiKey, BearerMatchesOnlyTheExactKey) {
   std::mt19937 rng(std::random_device{}());
   std::string key(8 + rng() % 40, ' ');

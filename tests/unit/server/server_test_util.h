@@ -46,6 +46,7 @@ class RunningServer {
     server_.reset();
   }
   int port() const { return port_; }
+  int drain(std::chrono::milliseconds grace) { return server_->drain(grace); }
   httplib::Client client() const {
     httplib::Client c("127.0.0.1", port_);
     c.set_read_timeout(60, 0);
