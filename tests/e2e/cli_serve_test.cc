@@ -95,6 +95,18 @@ int health(int port) {
   return r ? r->status : -1;
 }
 
+// Waits (up to a minute) until the server's engine computes one request.
+bool one_request_running(int port) {
+  const auto until = Clock::now() + std::chrono::seconds(60);
+  while (Clock::now() < until) {
+    httplib::Client c("127.0.0.1", port);
+    auto m = c.Get("/metrics");
+    if (m && m->body.find("kvq_requests_running 1") != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
 TEST(CliServe, SigtermLetsRequestsInFlightFinishThenExitsZero) {
   if (!std::filesystem::exists(kCode + "/config.json")) GTEST_SKIP() << "no default model";
   ServeProcess serve({"--model", kCode, "--port", "0", "--shutdown-grace-period", "120"});
@@ -112,16 +124,8 @@ TEST(CliServe, SigtermLetsRequestsInFlightFinishThenExitsZero) {
     status = r ? r->status : -1;
     if (r) body = json::parse(r->body, nullptr, false);
   });
-  // The request is in the engine (its prompt counted), then SIGTERM.
-  const auto until = Clock::now() + std::chrono::seconds(60);
-  bool running = false;
-  while (!running && Clock::now() < until) {
-    httplib::Client c("127.0.0.1", serve.port());
-    auto m = c.Get("/metrics");
-    running = m && m->body.find("kvq_requests_running 1") != std::string::npos;
-    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  ASSERT_TRUE(running) << serve.err();
+  // The request is in the engine, then SIGTERM.
+  ASSERT_TRUE(one_request_running(serve.port())) << serve.err();
   ASSERT_EQ(kill(serve.pid(), SIGTERM), 0);
   bool draining = false;
   for (int i = 0; i < 200 && !draining; ++i) {
@@ -152,15 +156,7 @@ TEST(CliServe, SigtermWithoutGraceCancelsAndExitsZero) {
                     "application/json");
     status = r ? r->status : -1;
   });
-  const auto until = Clock::now() + std::chrono::seconds(60);
-  bool running = false;
-  while (!running && Clock::now() < until) {
-    httplib::Client c("127.0.0.1", serve.port());
-    auto m = c.Get("/metrics");
-    running = m && m->body.find("kvq_requests_running 1") != std::string::npos;
-    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  ASSERT_TRUE(running) << serve.err();
+  ASSERT_TRUE(one_request_running(serve.port())) << serve.err();
   const auto t0 = Clock::now();
   ASSERT_EQ(kill(serve.pid(), SIGTERM), 0);
   client.join();

@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""Soak test of `kvq serve` with faults (issue #16; loopback only, bounded in time).
+
+Launches `kvq serve` with a KV cache small enough to force preemption, records a solo greedy
+reference for every prompt, then for --duration seconds runs client threads at each level of
+--concurrency in turn, every request one of:
+  stream      streaming greedy completion read to [DONE]          (text must equal the solo run)
+  whole       non-streaming greedy completion                       (text must equal the solo run)
+  chat        non-streaming greedy chat completion                  (text must equal the solo run)
+  long        greedy completion whose prompt fills the context up to max_tokens (token ids)
+  disconnect  streaming request dropped after a few events          (the server cancels it)
+  sampled     n = 2 sampled choices with a seed                      (both finish, right lengths)
+Halfway through, the server gets SIGTERM under load (it must drain and exit 0) and is started
+again; requests cut by the restart count as interrupted, not as errors.
+Checks, all printed and in --json: no wrong or lost response (a greedy text that differs from its
+solo run, a 5xx, a missing [DONE]); 0 KV blocks in use once idle (kvq_kv_blocks_used); resident
+memory after warm-up within --rss-bound (default 5%) of its value at the end of warm-up; every
+server log line that reports an error names its request id. Exit status 1 when a check fails.
+
+  python3 bench/soak.py --kvq build/kvq --model models/kvq-code-tiny --duration 600 \\
+      --concurrency 1,4,16 --json soak.json
+Python 3 standard library only.
+"""
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_load import PROMPTS  # noqa: E402  (the same code prompts as the load benchmark)
+
+
+class Server:
+    def __init__(self, args, log_path):
+        self.args = args
+        self.log = open(log_path, "ab")
+        start = os.path.getsize(log_path)  # this server's banner comes after what is there
+        cmd = [args.kvq, "serve", "--model", args.model, "--port", "0",
+               "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
+               "--shutdown-grace-period", str(args.grace)] + args.extra
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.port = None
+        deadline = time.time() + 300
+        while time.time() < deadline and self.port is None:
+            if self.proc.poll() is not None:
+                raise RuntimeError("kvq serve exited with %d at start-up (see %s)" %
+                                   (self.proc.returncode, log_path))
+            with open(log_path, "rb") as f:
+                f.seek(start)
+                m = re.findall(rb"listening on http://127\.0\.0\.1:(\d+)", f.read())
+            if m:
+                self.port = int(m[-1])
+            else:
+                time.sleep(0.05)
+        if self.port is None:
+            raise RuntimeError("kvq serve did not start")
+
+    def rss_kib(self):
+        try:
+            with open("/proc/%d/status" % self.proc.pid) as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    def stop(self, sig=signal.SIGTERM, timeout=120):
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+
+def request(port, path, body, timeout=600, stream=False, drop_after=None):
+    """Returns (status, text or json, done) ; raises OSError on connection problems."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        if not stream or r.status != 200:
+            data = r.read()
+            try:
+                return r.status, json.loads(data), True
+            except ValueError:
+                return r.status, None, True
+        text, done, events = "", False, 0
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:]
+            if payload == b"[DONE]":
+                done = True
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                return 500, chunk, False
+            for ch in chunk.get("choices", []):
+                text += ch.get("text", "")
+            events += 1
+            if drop_after is not None and events >= drop_after:
+                return 200, text, False
+        return r.status, text, done
+    finally:
+        c.close()
+
+
+def metrics(port):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        c.request("GET", "/metrics")
+        body = c.getresponse().read().decode()
+    finally:
+        c.close()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            base = name.split("{", 1)[0]
+            out[base] = out.get(base, 0.0) + float(value)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kvq", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--duration", type=float, default=600)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--kv-cache-memory", default="7MiB",
+                    help="small enough to preempt, large enough for one context-filling prompt")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--grace", type=float, default=10)
+    ap.add_argument("--rss-bound", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--log", default="soak-server.log")
+    ap.add_argument("extra", nargs="*", help="more kvq serve flags (after --)")
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    rng = random.Random(seed)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    if os.path.exists(args.log):
+        os.remove(args.log)
+    print("soak: seed %d, %s s, concurrency %s, KV cache %s" %
+          (seed, args.duration, levels, args.kv_cache_memory), flush=True)
+
+    server = Server(args, args.log)
+    port = server.port
+    M = args.max_tokens
+    # Context length from /v1/models; the long prompt is token ids up to the context minus M.
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/v1/models")
+    ctx = json.loads(c.getresponse().read())["data"][0]["max_model_len"]
+    c.close()
+    long_ids = [rng.randrange(3, 4000) for _ in range(ctx - M)]
+
+    def greedy_body(kind, i):
+        if kind == "chat":
+            return "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[i]}],
+                                            "max_completion_tokens": M, "temperature": 0,
+                                            "ignore_eos": True}
+        prompt = long_ids if kind == "long" else PROMPTS[i]
+        return "/v1/completions", {"prompt": prompt, "max_tokens": M, "temperature": 0,
+                                   "ignore_eos": True}
+
+    def text_of(kind, status, payload):
+        if status != 200 or payload is None:
+            return None
+        if kind == "stream":
+            return payload
+        ch = payload["choices"][0]
+        return ch["message"]["content"] if kind == "chat" else ch["text"]
+
+    # Solo references (one request at a time).
+    ref = {}
+    for kind in ("whole", "chat"):
+        for i in range(len(PROMPTS)):
+            path, body = greedy_body(kind, i)
+            st, p, _ = request(port, path, body)
+            ref[(kind, i)] = text_of(kind, st, p)
+            if ref[(kind, i)] is None:
+                raise RuntimeError("solo reference failed: %s %d status %s" % (kind, i, st))
+    path, body = greedy_body("long", 0)
+    st, p, _ = request(port, path, body)
+    ref[("long", 0)] = text_of("long", st, p)
+    if ref[("long", 0)] is None:
+        raise RuntimeError("solo reference of the context-filling prompt failed: %s %s" % (st, p))
+    print("soak: %d solo references (context %d, long prompt %d tokens)" %
+          (len(ref), ctx, len(long_ids)), flush=True)
+
+    lock = threading.Lock()
+    counts = {k: 0 for k in ("stream", "whole", "chat", "long", "disconnect", "sampled")}
+    failures, interrupted = [], [0]
+    state = {"port": port, "restarting": False}
+    stop = threading.Event()
+    active_level = [levels[0]]
+
+    def record_failure(msg):
+        with lock:
+            if len(failures) < 50:
+                failures.append(msg)
+
+    def client(idx, crng):
+        while not stop.is_set():
+            if idx >= active_level[0]:
+                time.sleep(0.05)
+                continue
+            r = crng.random()
+            kind = ("stream" if r < 0.3 else "whole" if r < 0.5 else "chat" if r < 0.65 else
+                    "long" if r < 0.75 else "disconnect" if r < 0.9 else "sampled")
+            i = 0 if kind == "long" else crng.randrange(len(PROMPTS))
+            p_now = state["port"]
+            try:
+                if kind in ("stream", "disconnect"):
+                    _, body = greedy_body("whole", i)
+                    body["stream"] = True
+                    drop = crng.randrange(1, 6) if kind == "disconnect" else None
+                    st, payload, done = request(p_now, "/v1/completions", body, stream=True,
+                                                drop_after=drop)
+                    if kind == "stream":
+                        if st == 503 or (st == 200 and not done and state["restarting"]):
+                            interrupted[0] += 1
+                            continue
+                        if st != 200 or not done:
+                            record_failure("stream %d: status %s, done %s" % (i, st, done))
+                        elif payload != ref[("whole", i)]:
+                            record_failure("stream %d: text differs from the solo run" % i)
+                elif kind == "sampled":
+                    body = {"prompt": PROMPTS[i], "max_tokens": M, "temperature": 0.8, "n": 2,
+                            "seed": crng.randrange(1 << 30), "ignore_eos": True}
+                    st, payload, _ = request(p_now, "/v1/completions", body)
+                    if st == 503:
+                        interrupted[0] += 1
+                        continue
+                    if st != 200 or len(payload["choices"]) != 2 or \
+                            payload["usage"]["completion_tokens"] != 2 * M:
+                        record_failure("sampled %d: status %s %s" % (i, st, str(payload)[:200]))
+                else:
+                    path, body = greedy_body(kind, i)
+                    st, payload, _ = request(p_now, path, body)
+                    if st == 503:
+                        interrupted[0] += 1
+                        continue
+                    got = text_of(kind, st, payload)
+                    want = ref[(kind, 0 if kind == "long" else i)]
+                    if got is None:
+                        record_failure("%s %d: status %s %s" % (kind, i, st, str(payload)[:200]))
+                    elif got != want:
+                        at = next((k for k in range(min(len(got), len(want))) if got[k] != want[k]),
+                                  min(len(got), len(want)))
+                        record_failure("%s %d: text differs from the solo run at char %d" %
+                                       (kind, i, at))
+                with lock:
+                    counts[kind] += 1
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                if state["restarting"] or p_now != state["port"]:
+                    interrupted[0] += 1
+                    time.sleep(0.1)
+                else:
+                    record_failure("%s %d: %s: %s" % (kind, i, type(e).__name__, e))
+
+    threads = [threading.Thread(target=client, args=(k, random.Random(seed + 1 + k)), daemon=True)
+               for k in range(max(levels))]
+    for t in threads:
+        t.start()
+    samples = []  # (t, rss KiB, blocks used, running, waiting)
+    t0 = time.time()
+    restarted = False
+    restart_exit = None
+    while time.time() - t0 < args.duration:
+        el = time.time() - t0
+        active_level[0] = levels[min(len(levels) - 1, int(el / (args.duration / len(levels))))]
+        if not restarted and el >= args.duration / 2:
+            # The fault: SIGTERM under load, then a fresh server.
+            state["restarting"] = True
+            restart_exit = server.stop(signal.SIGTERM, timeout=args.grace + 60)
+            if restart_exit != 0:
+                record_failure("SIGTERM under load: exit status %s" % restart_exit)
+            server = Server(args, args.log)
+            state["port"] = server.port
+            time.sleep(0.5)
+            state["restarting"] = False
+            restarted = True
+            samples.append(("restart", el))
+            continue
+        if server.proc.poll() is not None:
+            record_failure("kvq serve exited on its own with status %s at %.0f s (see %s)" %
+                           (server.proc.returncode, el, args.log))
+            break
+        try:
+            m = metrics(state["port"])
+            samples.append((el, server.rss_kib(), m.get("kvq_kv_blocks_used", 0.0),
+                            m.get("kvq_requests_running", 0.0), m.get("kvq_requests_waiting", 0.0)))
+        except OSError:
+            pass
+        time.sleep(5)
+    stop.set()
+    for t in threads:
+        t.join(timeout=args.max_tokens * 5 + 60)
+    # Idle: every block back.
+    blocks_idle, m = None, {}
+    for _ in range(100 if server.proc.poll() is None else 0):
+        m = metrics(state["port"])
+        blocks_idle = m.get("kvq_kv_blocks_used", 0.0)
+        if blocks_idle == 0 and m.get("kvq_requests_running", 0) == 0:
+            break
+        time.sleep(0.1)
+    final_exit = server.stop(signal.SIGTERM) if server.proc.poll() is None else server.proc.returncode
+    with open(args.log, "rb") as f:
+        log = f.read().decode(errors="replace").splitlines()
+    bad_log = [l for l in log if re.search(r"error|internal", l, re.I) and
+               not re.search(r"(chat)?cmpl-[0-9a-f]+", l)]
+    # RSS: the samples of the server running at the end (after the restart); warm-up = its first
+    # fifth.
+    cut = max([k + 1 for k, s in enumerate(samples) if s[0] == "restart"] or [0])
+    after = [s for s in samples[cut:] if s[1]]
+    rss_growth = None
+    if len(after) >= 3:
+        warm = after[max(0, len(after) // 5)][1]
+        rss_growth = max(s[1] for s in after[len(after) // 5:]) / warm - 1.0
+    ok = (not failures and blocks_idle == 0 and final_exit == 0 and (restart_exit in (0, None)) and
+          not bad_log and (rss_growth is None or rss_growth <= args.rss_bound))
+    report = {
+        "seed": seed, "duration_s": args.duration, "concurrency": levels,
+        "kv_cache_memory": args.kv_cache_memory, "max_tokens": M, "context": ctx,
+        "completed": counts, "interrupted_by_restart": interrupted[0], "failures": failures,
+        "kv_blocks_used_idle": blocks_idle, "sigterm_under_load_exit": restart_exit,
+        "final_exit": final_exit, "rss_growth_after_warmup": rss_growth,
+        "rss_kib_samples": [s[1] for s in after], "max_blocks_used": max(
+            [s[2] for s in samples if s[0] != "restart"] or [0]),
+        "error_log_lines_without_request_id": bad_log[:20],
+        "preemptions_after_restart": m.get("kvq_preemptions_total"), "ok": ok,
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "rss_kib_samples"}, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
