@@ -43,6 +43,12 @@ ModelConfig parse_model_config(const json& j, const std::string& src) {
     c.model_type = j["model_type"].get<std::string>();
 
   c.num_layers = get_int(j, "num_hidden_layers", src, std::nullopt);
+  // Every layer gets a plan entry (and a spec per backend check): refuse counts no model has
+  // before they cost seconds or gigabytes (a fuzzed config.json with 4096 layers took a second
+  // to plan under the sanitizers; 2^30 would allocate gigabytes).
+  if (c.num_layers > kMaxModelLayers)
+    throw InputError(src + ": num_hidden_layers " + std::to_string(c.num_layers) +
+                     " is over kvq's limit of " + std::to_string(kMaxModelLayers) + " layers");
   c.num_q_heads = get_int(j, "num_attention_heads", src, std::nullopt);
   c.num_kv_heads = get_int(j, "num_key_value_heads", src, c.num_q_heads);
   c.hidden_size = get_int(j, "hidden_size", src, 0);

@@ -26,11 +26,14 @@ struct ModelConfig {
   int max_position_embeddings = 0;
   std::string torch_dtype;  // as written ("bfloat16", ...)
   KvDtype model_dtype = KvDtype::kFloat32;
-  int sliding_window = 0;  // tokens; 0 when no layer slides
+  int sliding_window = 0;                      // tokens; 0 when no layer slides
   std::vector<AttentionKind> layer_attention;  // per layer: kCausal or kSlidingWindow
   nlohmann::json raw;                          // the whole config.json
   std::vector<std::string> warnings;           // non-fatal oddities found while reading
 };
+
+// The most decoder layers a config may declare (the largest public models have ~130).
+inline constexpr int kMaxModelLayers = 1024;
 
 // Parses a config.json object; `source` names the file in error messages.
 // Throws InputError for missing or malformed fields.

@@ -113,6 +113,15 @@ TEST(ModelConfigBadInput, EachMistakeIsNamed) {
   dtype["torch_dtype"] = "int8";
   EXPECT_NE(error_of(dtype).find("accepted: float32, float16, bfloat16"), std::string::npos);
   EXPECT_NE(error_of(json::array()).find("JSON object"), std::string::npos);
+  // Layer counts no model has are refused before anything is planned per layer (a fuzzed
+  // config with 4096 layers took a second to plan; 2^30 would allocate gigabytes).
+  for (int layers : {kMaxModelLayers + 1, 1 << 30}) {
+    json many = llama_config();
+    many["num_hidden_layers"] = layers;
+    EXPECT_NE(error_of(many).find("over kvq's limit of 1024 layers"), std::string::npos) << layers;
+  }
+  json most = llama_config(kMaxModelLayers);
+  EXPECT_EQ(parse_model_config(most, "config.json").num_layers, kMaxModelLayers);
 }
 
 TEST(ModelConfigBadInput, MissingOrMalformedFiles) {
