@@ -69,6 +69,22 @@ class Stats:
         self.error_samples = []
 
 
+def sse_chunks(resp):
+    """The JSON chunks of a server-sent-event response, up to `data: [DONE]` (then the generator
+    ends); EOFError when the stream ends before it."""
+    while True:
+        line = resp.readline()
+        if not line:
+            raise EOFError("stream ended without [DONE]")
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:]
+        if payload == b"[DONE]":
+            return
+        yield json.loads(payload)
+
+
 def client_loop(host, port, model, args, deadline, stats, seed):
     rng = random.Random(seed)
     while time.monotonic() < deadline:
@@ -100,20 +116,9 @@ def client_loop(host, port, model, args, deadline, stats, seed):
             if resp.status != 200:
                 raise RuntimeError("HTTP %d: %s" % (resp.status, resp.read()[:200]))
             done = False
-            while not done:
+            for chunk in sse_chunks(resp):
                 if time.monotonic() >= deadline:
                     break
-                line = resp.readline()
-                if not line:
-                    raise RuntimeError("stream ended without [DONE]")
-                line = line.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:]
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(payload)
                 now = time.monotonic()
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
@@ -133,6 +138,8 @@ def client_loop(host, port, model, args, deadline, stats, seed):
                         itl.extend([(now - last) / k] * k)
                     last = now
                     tokens += k
+            else:
+                done = True
             if done and usage_tokens is not None:
                 tokens = usage_tokens
             with stats.lock:

@@ -34,7 +34,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_load import PROMPTS  # noqa: E402  (the same code prompts as the load benchmark)
+# The load benchmark's code prompts, SSE reader and /metrics scraper.
+from serve_load import PROMPTS, metric_sum, scrape, sse_chunks  # noqa: E402
 
 
 class Server:
@@ -94,45 +95,29 @@ def request(port, path, body, timeout=600, stream=False, drop_after=None):
                 return r.status, json.loads(data), True
             except ValueError:
                 return r.status, None, True
-        text, done, events = "", False, 0
-        while True:
-            line = r.readline()
-            if not line:
-                break
-            line = line.strip()
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:]
-            if payload == b"[DONE]":
-                done = True
-                break
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                return 500, chunk, False
-            for ch in chunk.get("choices", []):
-                text += ch.get("text", "")
-            events += 1
-            if drop_after is not None and events >= drop_after:
-                return 200, text, False
-        return r.status, text, done
+        text, events = "", 0
+        try:
+            for chunk in sse_chunks(r):
+                if "error" in chunk:
+                    return 500, chunk, False
+                for ch in chunk.get("choices", []):
+                    text += ch.get("text", "")
+                events += 1
+                if drop_after is not None and events >= drop_after:
+                    return 200, text, False
+        except EOFError:
+            return r.status, text, False
+        return r.status, text, True
     finally:
         c.close()
 
 
 def metrics(port):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        c.request("GET", "/metrics")
-        body = c.getresponse().read().decode()
-    finally:
-        c.close()
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            base = name.split("{", 1)[0]
-            out[base] = out.get(base, 0.0) + float(value)
-    return out
+    """Each metric summed over its label sets; OSError when the server does not answer."""
+    m = scrape("http://127.0.0.1:%d" % port)
+    if not m:
+        raise OSError("no /metrics from port %d" % port)
+    return {name: metric_sum(m, name) for name in {k.split("{", 1)[0] for k in m}}
 
 
 def main():
