@@ -76,7 +76,30 @@ struct Exchange {
 // listening socket is reachable from a subclass, so widen the backlog after binding.
 class Server : public httplib::Server {
  public:
-  void widen_backlog() { ::listen(svr_sock_, SOMAXCONN); }
+  Server() {
+    // httplib's default also sets SO_REUSEPORT, which lets a second server bind a port in use
+    // and silently share it; keep only SO_REUSEADDR (quick restarts over TIME_WAIT).
+    set_socket_options([](socket_t sock) {
+      int yes = 1;
+      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    });
+  }
+  // Binds host:port (0: a free port); returns the port. InputError naming the address otherwise.
+  int bind_listener(const std::string& host, int port) {
+    const std::string where = host + ":" + std::to_string(port);
+    if (port < 0 || port > 65535)
+      throw InputError("--port " + std::to_string(port) + ": accepted: 0 (any free port) to 65535");
+    if (port == 0) {
+      port = bind_to_any_port(host);
+      if (port < 0)
+        throw InputError("cannot listen on " + where + ": the host address cannot be bound");
+    } else if (!bind_to_port(host, port)) {
+      throw InputError("cannot listen on " + where +
+                       ": the port is in use or the host address cannot be bound");
+    }
+    ::listen(svr_sock_, SOMAXCONN);
+    return port;
+  }
 };
 
 }  // namespace
@@ -146,12 +169,6 @@ struct HttpServer::Impl {
       return new httplib::ThreadPool(static_cast<size_t>(workers));
     };
     http.set_tcp_nodelay(true);
-    // httplib's default also sets SO_REUSEPORT, which lets a second server bind a port in use
-    // and silently share it; keep only SO_REUSEADDR (quick restarts over TIME_WAIT).
-    http.set_socket_options([](socket_t sock) {
-      int yes = 1;
-      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-    });
     http.set_payload_max_length(opt.max_body_bytes > 0 ? opt.max_body_bytes
                                                        : std::numeric_limits<size_t>::max());
     if (!opt.api_key.empty())
@@ -688,21 +705,7 @@ HttpServer::~HttpServer() {
 
 int HttpServer::bind() {
   Impl& s = *impl_;
-  const std::string where = s.opt.host + ":" + std::to_string(s.opt.port);
-  if (s.opt.port < 0 || s.opt.port > 65535)
-    throw InputError("--port " + std::to_string(s.opt.port) +
-                     ": accepted: 0 (any free port) to 65535");
-  if (s.opt.port == 0) {
-    s.bound_port = s.http.bind_to_any_port(s.opt.host);
-    if (s.bound_port < 0)
-      throw InputError("cannot listen on " + where + ": the host address cannot be bound");
-  } else {
-    if (!s.http.bind_to_port(s.opt.host, s.opt.port))
-      throw InputError("cannot listen on " + where +
-                       ": the port is in use or the host address cannot be bound");
-    s.bound_port = s.opt.port;
-  }
-  s.http.widen_backlog();
+  s.bound_port = s.http.bind_listener(s.opt.host, s.opt.port);
   return s.bound_port;
 }
 
@@ -740,10 +743,6 @@ LoadingResponder::LoadingResponder(const std::string& host, int port)
     : impl_(std::make_unique<Impl>()) {
   Server& http = impl_->http;
   http.new_task_queue = [] { return new httplib::ThreadPool(2); };
-  http.set_socket_options([](socket_t sock) {  // as HttpServer: SO_REUSEADDR, not SO_REUSEPORT
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-  });
   http.Get("/health", [](const httplib::Request&, httplib::Response& r) {
     r.status = 503;
     r.set_content(R"({"status":"loading"})", std::string(kJson));
@@ -760,13 +759,7 @@ LoadingResponder::LoadingResponder(const std::string& host, int port)
       }));
   for (const char* path : {"/v1/completions", "/v1/chat/completions"})
     http.Post(path, [](const httplib::Request&, httplib::Response& r) { r.status = 503; });
-  const std::string where = host + ":" + std::to_string(port);
-  if (port < 0 || port > 65535)
-    throw InputError("--port " + std::to_string(port) + ": accepted: 0 (any free port) to 65535");
-  port_ = port == 0 ? http.bind_to_any_port(host) : (http.bind_to_port(host, port) ? port : -1);
-  if (port_ < 0)
-    throw InputError("cannot listen on " + where +
-                     ": the port is in use or the host address cannot be bound");
+  port_ = http.bind_listener(host, port);
   std::signal(SIGPIPE, SIG_IGN);
   impl_->thread = std::thread([this] {
     impl_->http.listen_after_bind();
