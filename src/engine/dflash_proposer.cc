@@ -1,11 +1,15 @@
 // The dflash proposer (docs/notes/dflash.md): context K/V written from the target's features as
 // the target keeps positions; each step one drafter pass over every sequence's block
 // [last token, mask x k] at positions s..s+k (non-causal), whose rows 1..k are the drafts; the
-// block's slots are rolled back after the pass.
+// block's slots are rolled back after the pass. With the features on the target's GPU, the
+// kept rows of the target's last pass wait for that drafter pass, which writes their context
+// K/V in the same device step (one host round trip, one graph); before_target_pass writes
+// any that are still waiting on their own.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string_view>
 #include <unordered_map>
 
 #include "kvq/core/error.h"
@@ -45,8 +49,26 @@ class DflashProposer final : public Proposer {
 
   void release(uint64_t seq) override {
     const SequenceId id = static_cast<SequenceId>(seq);
+    // Its waiting rows' slots go back to the cache with its blocks: never write them.
+    size_t keep = 0;
+    for (size_t i = 0; i < pending_.seqs.size(); ++i)
+      if (pending_.seqs[i] != seq) {
+        pending_.seqs[keep] = pending_.seqs[i];
+        pending_.rows[keep] = pending_.rows[i];
+        pending_.positions[keep] = pending_.positions[i];
+        pending_.slots[keep] = pending_.slots[i];
+        ++keep;
+      }
+    pending_.resize(keep);
     if (cache_->has_sequence(id)) cache_->free_sequence(id);
     state_.erase(seq);
+  }
+
+  void before_target_pass(const Model& target) override {
+    if (pending_.rows.empty()) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    write_pending(target);
+    context_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
   bool features_on_device(const Model& target) const override {
@@ -58,8 +80,13 @@ class DflashProposer final : public Proposer {
   void on_target_features(const Model& target, std::span<const KeptRows> kept,
                           std::span<const float> host) override {
     const auto t0 = std::chrono::steady_clock::now();
+    // Rows of an earlier pass still waiting lost their features to this pass.
+    KVQ_CHECK(pending_.rows.empty(),
+              "DflashProposer: the target ran a pass before before_target_pass() wrote the "
+              "context rows of the previous one");
     std::vector<int32_t> rows, positions;
     std::vector<int64_t> slots;
+    std::vector<uint64_t> seqs;
     for (const KeptRows& k : kept) {
       if (k.n <= 0) continue;
       State& st = state_[k.seq];
@@ -78,12 +105,23 @@ class DflashProposer final : public Proposer {
       for (int32_t p = 0; p < k.n; ++p) {
         positions.push_back(k.first + p);
         rows.push_back(k.row + p);
+        seqs.push_back(k.seq);
       }
       st.context += k.n;
     }
     if (!positions.empty()) {
       if (host.empty()) {
-        drafter_->write_feature_kv_from_target(target, rows, positions, slots, *cache_);
+        // On the device: wait for the next drafter pass (propose), unless these are many rows
+        // (a prefill), which the pass's step could not take.
+        if (fuse_ && positions.size() <= kMaxWaitingRows) {
+          pending_.target = &target;
+          pending_.seqs = std::move(seqs);
+          pending_.rows = std::move(rows);
+          pending_.positions = std::move(positions);
+          pending_.slots = std::move(slots);
+        } else {
+          drafter_->write_feature_kv_from_target(target, rows, positions, slots, *cache_);
+        }
       } else {
         KVQ_CHECK(host.size() % feature_size_ == 0, "DflashProposer: features of the wrong size");
         std::vector<float> features(rows.size() * feature_size_);
@@ -142,14 +180,26 @@ class DflashProposer final : public Proposer {
       ran.push_back(r);
     }
     ++calls_;
+    // Waiting context rows go with the pass when its step can take them (no more rows than the
+    // block's tokens), else on their own first.
+    if (!pending_.rows.empty() && (ran.empty() || pending_.rows.size() > tokens.size())) {
+      const Clock::time_point tw = Clock::now();
+      write_pending(*pending_.target);
+      context_s_ += seconds(tw, Clock::now());
+    }
     if (ran.empty()) {
       other_s_ += seconds(t0, Clock::now());
       return;
     }
     drafts_ += static_cast<int64_t>(ran.size());
     PagedKvCache::BlockTableStorage storage;
-    const ForwardBatch fb{tokens, pos, q_indptr, block_slots, cache_->block_table(ids, storage),
-                          rows};
+    ForwardBatch fb{tokens, pos, q_indptr, block_slots, cache_->block_table(ids, storage), rows};
+    if (!pending_.rows.empty()) {
+      fb.feature_source = pending_.target;
+      fb.feature_rows = pending_.rows;
+      fb.feature_positions = pending_.positions;
+      fb.feature_slots = pending_.slots;
+    }
     const size_t vocab = static_cast<size_t>(drafter_->vocab_size());
     const Clock::time_point t3 = Clock::now();
     // All greedy on a device that samples: only the argmax ids cross to the host.
@@ -164,6 +214,7 @@ class DflashProposer final : public Proposer {
       drafter_->forward(fb, *cache_, logits_);
     }
     const Clock::time_point t4 = Clock::now();
+    pending_.resize(0);
     size_t row = 0;
     for (size_t i = 0; i < ran.size(); ++i) {
       const DraftRequest& q = requests[ran[i]];
@@ -193,9 +244,29 @@ class DflashProposer final : public Proposer {
 
  private:
   struct State {
-    int32_t context = 0;  // positions whose context K/V are in the drafter's cache
+    int32_t context = 0;  // positions whose context K/V are in (or wait for) the drafter's cache
     bool broken = false;
   };
+  // Kept rows of the target's last pass whose context K/V wait for the next drafter pass.
+  struct Waiting {
+    const Model* target = nullptr;
+    std::vector<uint64_t> seqs;
+    std::vector<int32_t> rows, positions;
+    std::vector<int64_t> slots;
+    void resize(size_t n) { seqs.resize(n), rows.resize(n), positions.resize(n), slots.resize(n); }
+  };
+  static constexpr size_t kMaxWaitingRows = 512;
+  // KVQ_DFLASH_FUSE=0: every context write on its own (an A/B switch for benchmarks).
+  const bool fuse_ = [] {
+    const char* e = std::getenv("KVQ_DFLASH_FUSE");
+    return e == nullptr || std::string_view(e) != "0";
+  }();
+
+  void write_pending(const Model& target) {
+    drafter_->write_feature_kv_from_target(target, pending_.rows, pending_.positions,
+                                           pending_.slots, *cache_);
+    pending_.resize(0);
+  }
 
   std::shared_ptr<const Model> drafter_;
   std::unique_ptr<PagedKvCache> cache_;
@@ -203,6 +274,7 @@ class DflashProposer final : public Proposer {
   size_t feature_size_ = 0;
   int32_t max_k_ = 0;
   std::unordered_map<uint64_t, State> state_;
+  Waiting pending_;
   std::vector<float> logits_;
   std::vector<int32_t> ids_;
   int64_t calls_ = 0, drafts_ = 0;

@@ -55,8 +55,8 @@ struct SingleSequencePass {
       batch.capture_layers = features_to->target_layers();
       capturing = true;
       // A drafter on the target's GPU reads the features there (no trip through the host).
-      batch.capture_on_device = model.keeps_captures_on_device() &&
-                                features_to->features_on_device(model);
+      batch.capture_on_device =
+          model.keeps_captures_on_device() && features_to->features_on_device(model);
       if (!batch.capture_on_device) {
         captured.resize(static_cast<size_t>(n) * batch.capture_layers.size() *
                         static_cast<size_t>(model.arch().hidden_size));
@@ -85,6 +85,7 @@ void step(const Model& model, PagedKvCache& cache, SequenceId seq, std::span<con
   SingleSequencePass pass(model, cache, seq, tokens, first_position, all_logits ? n : 0,
                           features_to);
   logits.resize(pass.rows.size() * static_cast<size_t>(model.vocab_size()));
+  if (features_to != nullptr) features_to->before_target_pass(model);
   model.forward(pass.batch, cache, logits);
   pass.hand_features(features_to, seq, n);
 }
@@ -144,12 +145,27 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
   // Every prompt chunk but the last needs no logits; the last one is the first step below, which
   // like every step runs what the cache lacks (plus any drafts) and yields at least one token.
   int32_t computed = 0;
-  const bool speculate = options.proposer != nullptr && options.num_speculative_tokens > 0 &&
-                         params.speculate;
+  const bool speculate =
+      options.proposer != nullptr && options.num_speculative_tokens > 0 && params.speculate;
   Proposer* features_to = speculate ? options.proposer : nullptr;
+  // The proposer keeps per-sequence state (a drafter's cache, context rows waiting for its next
+  // pass) under this call's sequence id: dropped when the call ends, however it ends, so the
+  // next call with the same proposer starts clean.
+  struct ReleaseAtExit {
+    Proposer* p;
+    uint64_t seq;
+    ~ReleaseAtExit() {
+      try {
+        if (p != nullptr) p->release(seq);
+      } catch (...) {  // never from a destructor; the proposer's next use re-checks its state
+      }
+    }
+  } release_at_exit{options.proposer, static_cast<uint64_t>(seq)};
+  if (options.proposer != nullptr) options.proposer->release(static_cast<uint64_t>(seq));
   for (; prompt_len - computed > chunk; computed += chunk)
-    step(model, cache, seq, prompt.subspan(static_cast<size_t>(computed), static_cast<size_t>(chunk)),
-         computed, false, logits, features_to);
+    step(model, cache, seq,
+         prompt.subspan(static_cast<size_t>(computed), static_cast<size_t>(chunk)), computed, false,
+         logits, features_to);
 
   TextStream stream(tokenizer, params);
   result.finish_reason = "length";
@@ -165,9 +181,8 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
     draft.q.clear();
     // No drafts on the prompt's step; at most what max tokens leaves after the target's own.
     if (speculate && generated > 0) {
-      const DraftRequest req{1, tokens,
-                             std::min(options.num_speculative_tokens, max_new - generated - 1),
-                             &sampler};
+      const DraftRequest req{
+          1, tokens, std::min(options.num_speculative_tokens, max_new - generated - 1), &sampler};
       if (req.max_drafts > 0) options.proposer->propose({&req, 1}, {&draft, 1});
     }
     std::vector<int32_t> run(tokens.begin() + computed, tokens.end());
@@ -175,8 +190,8 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
     // One row per draft plus the row of the last kept token.
     const SingleSequencePass pass(model, cache, seq, run, computed,
                                   static_cast<int32_t>(draft.tokens.size()) + 1, features_to);
-    const PassSequence ps{&sampler, static_cast<uint64_t>(generated), draft.tokens, draft.q,
-                          false};
+    const PassSequence ps{&sampler, static_cast<uint64_t>(generated), draft.tokens, draft.q, false};
+    if (features_to != nullptr) features_to->before_target_pass(model);
     forward_and_accept(model, pass.batch, cache, {&ps, 1}, results, logits);
     const Verified& v = results.front().verified;
     // The rejected drafts' K/V are rolled back: the cache holds every kept token but the last;

@@ -127,7 +127,7 @@ struct LlmEngine::Impl {
     }
   };
   std::array<SpecBucket, 32> spec_buckets;
-  int step_bucket = -1;       // this step's bucket when auto_disable decided it, else -1
+  int step_bucket = -1;  // this step's bucket when auto_disable decided it, else -1
   bool step_drafting = false;
 
   std::thread thread;
@@ -321,8 +321,8 @@ void LlmEngine::Impl::schedule_and_forward() {
       for (size_t d = 0; d <= drafts.size(); ++d)
         rows.push_back(static_cast<int32_t>(tokens.size() - drafts.size() - 1 + d));
       sampled.push_back(&r);
-      pass.push_back({&r.sampler, static_cast<uint64_t>(r.generated()), drafts, r.draft.q,
-                      r.want_logprobs});
+      pass.push_back(
+          {&r.sampler, static_cast<uint64_t>(r.generated()), drafts, r.draft.q, r.want_logprobs});
     }
   }
   PagedKvCache::BlockTableStorage storage;
@@ -342,6 +342,7 @@ void LlmEngine::Impl::schedule_and_forward() {
   }
   std::vector<PassResult> results;
   const auto t_forward = std::chrono::steady_clock::now();
+  if (!capture.empty()) config.proposer->before_target_pass(*model);
   forward_and_accept(*model, fb, blocks.cache(), pass, results, logits);
   counters.forward_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_forward).count();
@@ -356,8 +357,9 @@ void LlmEngine::Impl::schedule_and_forward() {
     const int32_t first = r.computed;
     r.computed += own;
     const auto it = std::find(sampled.begin(), sampled.end(), &r);
-    const Verified* v =
-        it == sampled.end() ? nullptr : &results[static_cast<size_t>(it - sampled.begin())].verified;
+    const Verified* v = it == sampled.end()
+                            ? nullptr
+                            : &results[static_cast<size_t>(it - sampled.begin())].verified;
     const int32_t accepted = v != nullptr ? v->accepted : 0;
     if (!capture.empty() && r.speculate)
       kept.push_back({static_cast<uint64_t>(r.seq()), first, own + accepted, q_indptr[b]});
@@ -392,7 +394,8 @@ void LlmEngine::Impl::schedule_and_forward() {
     bool decode_only = true;
     int64_t emitted = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
-      decode_only = decode_only && batch[i].n == 1 + static_cast<int32_t>(batch[i].r->draft.tokens.size());
+      decode_only =
+          decode_only && batch[i].n == 1 + static_cast<int32_t>(batch[i].r->draft.tokens.size());
       emitted += static_cast<int64_t>(results[i].verified.tokens.size());
     }
     if (decode_only && emitted > 0) {

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -207,6 +208,143 @@ TEST(DflashCuda, MatchesTheOracleGoldensAndTheCpuFeatures) {
       drafter->forward_sample(bb, *dcache, argmax, device_drafts);
       EXPECT_EQ(device_drafts, c["draft_ids"].get<std::vector<int32_t>>());
     }
+  }
+}
+
+// The speculative engine's path on the GPU: the context rows the target kept in its last pass
+// ride in the drafter's next block pass (ForwardBatch::feature_rows, one device step), for the
+// drafting sequence and for another one; the block logits equal those after a separate
+// write_feature_kv_from_target, eager and replayed from graphs, with a quantized cache.
+TEST(DflashCuda, ContextRowsFusedIntoTheBlockPassEqualASeparateWrite) {
+  KVQ_REQUIRE_GPU_AND_DFLASH();
+  uint32_t seed = std::random_device{}();
+  if (const char* e = std::getenv("KVQ_TEST_SEED"); e != nullptr && *e != '\0')
+    seed = static_cast<uint32_t>(std::stoul(e));
+  SCOPED_TRACE("KVQ_TEST_SEED=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const KvPlan tp = make_kv_plan(load_model_config(kTiny), kv_flags(KvDtype::kFp8E4M3));
+  for (bool graphs : {false, true}) {
+    SCOPED_TRACE(graphs ? "graphs" : "eager");
+    const std::unique_ptr<CudaModel> target = CudaModel::load(tp, fp32_options(graphs));
+    const std::unique_ptr<CudaModel> drafter = CudaModel::load_dflash_drafter(
+        drafter_plan(KvDtype::kFp8E4M3), *target, fp32_options(graphs));
+    const int V = target->vocab_size();
+    const int32_t n = 24 + static_cast<int32_t>(rng() % 40);  // context tokens
+    const int32_t m = 1 + static_cast<int32_t>(rng() % 9);    // the last pass's kept rows
+    const int k = 8;
+    std::vector<int32_t> ctx(static_cast<size_t>(n)), pos(static_cast<size_t>(n));
+    for (int32_t& t : ctx) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(V));
+    std::iota(pos.begin(), pos.end(), 0);
+    // The target's pass over the whole context, its features kept on the device.
+    auto tcache = target->create_cache(32);
+    tcache->add_sequence(1);
+    const std::vector<int64_t> tslots = tcache->append(1, n);
+    const int32_t qi[2] = {0, n};
+    const SequenceId one[1] = {1};
+    const int32_t last_row[1] = {n - 1};
+    PagedKvCache::BlockTableStorage tst;
+    ForwardBatch tb{ctx, pos, qi, tslots, tcache->block_table(one, tst), last_row};
+    const std::vector<int32_t> layers = drafter->arch().dflash->target_layer_ids;
+    tb.capture_layers = layers;
+    tb.capture_on_device = true;
+    std::vector<float> tlogits(static_cast<size_t>(V));
+    target->forward(tb, *tcache, tlogits);
+    std::vector<int32_t> all_rows(static_cast<size_t>(n));
+    std::iota(all_rows.begin(), all_rows.end(), 0);
+
+    std::vector<int32_t> block{static_cast<int32_t>(rng() % static_cast<uint32_t>(V))}, bpos{n},
+        rows;
+    for (int j = 1; j <= k; ++j) {
+      block.push_back(kMaskToken);
+      bpos.push_back(n + j);
+      rows.push_back(j);
+    }
+    const int32_t bqi[2] = {0, k + 1};
+    auto block_pass = [&](PagedKvCache& cache, SequenceId id, const ForwardBatch* features) {
+      const SequenceId ids[1] = {id};
+      const std::vector<int64_t> bslots = cache.append(id, k + 1);
+      PagedKvCache::BlockTableStorage bst;
+      ForwardBatch bb{block, bpos, bqi, bslots, cache.block_table(ids, bst), rows};
+      if (features != nullptr) {
+        bb.feature_source = features->feature_source;
+        bb.feature_rows = features->feature_rows;
+        bb.feature_positions = features->feature_positions;
+        bb.feature_slots = features->feature_slots;
+      }
+      std::vector<float> got(static_cast<size_t>(k) * V, std::nanf(""));
+      drafter->forward(bb, cache, got);
+      cache.truncate(id, n);
+      return got;
+    };
+
+    // Reference: every context row written on its own, then the block pass.
+    auto ref_cache = drafter->create_cache(32);
+    ref_cache->add_sequence(1);
+    const std::vector<int64_t> ref_slots = ref_cache->append(1, n);
+    drafter->write_feature_kv_from_target(*target, all_rows, pos, ref_slots, *ref_cache);
+    const std::vector<float> want = block_pass(*ref_cache, 1, nullptr);
+
+    // Fused: the first n - m rows before, the last m (sequence 1) and all n (sequence 2, not
+    // drafting) in the block pass of sequence 1; then sequence 2's own pass.
+    auto cache = drafter->create_cache(64);
+    cache->add_sequence(1);
+    cache->add_sequence(2);
+    const std::vector<int64_t> s1 = cache->append(1, n - m);
+    drafter->write_feature_kv_from_target(
+        *target, std::span<const int32_t>(all_rows).first(static_cast<size_t>(n - m)),
+        std::span<const int32_t>(pos).first(static_cast<size_t>(n - m)), s1, *cache);
+    std::vector<int64_t> fslots = cache->append(1, m);
+    std::vector<int32_t> frows(all_rows.end() - m, all_rows.end()), fpos = frows;
+    const std::vector<int64_t> s2 = cache->append(2, n);
+    fslots.insert(fslots.end(), s2.begin(), s2.end());
+    frows.insert(frows.end(), all_rows.begin(), all_rows.end());
+    fpos.insert(fpos.end(), pos.begin(), pos.end());
+    ForwardBatch features{};
+    features.feature_source = target.get();
+    features.feature_rows = frows;
+    features.feature_positions = fpos;
+    features.feature_slots = fslots;
+    // Three times (eager, captured, replayed with graphs on): the rows are rewritten unchanged.
+    std::vector<float> first;
+    for (int rep = 0; rep < 3; ++rep) {
+      const std::vector<float> got = block_pass(*cache, 1, &features);
+      if (rep == 0) {
+        first = got;
+      } else {
+        ASSERT_EQ(got, first) << "repeat " << rep;
+      }
+    }
+    const std::vector<float> second = block_pass(*cache, 2, nullptr);
+    for (const std::vector<float>* got :
+         {static_cast<const std::vector<float>*>(&first), &second}) {
+      double worst = 0.0;
+      int bad = 0;
+      for (int r = 0; r < k; ++r) {
+        double row_max = 0.0;
+        for (int e = 0; e < V; ++e)
+          row_max = std::max(row_max, std::abs(static_cast<double>(want[size_t(r) * V + e])));
+        const double tol = 1e-4 * (1.0 + row_max);
+        for (int e = 0; e < V; ++e) {
+          const double d = std::abs((*got)[size_t(r) * V + e] - want[size_t(r) * V + e]);
+          worst = std::max(worst, d / tol);
+          if (!(d <= tol) && ++bad <= 5)
+            ADD_FAILURE() << (got == &first ? "sequence 1" : "sequence 2") << ": row " << r + 1
+                          << " id " << e << " differs by " << d << " > " << tol;
+        }
+      }
+      std::fprintf(stderr,
+                   "fused context rows (%s, n %d, m %d): worst error %.3f of the "
+                   "tolerance\n",
+                   graphs ? "graphs" : "eager", n, m, worst);
+    }
+    // Rows whose positions do not match them, or from a model that captured nothing, are
+    // refused before anything runs.
+    ForwardBatch bad = features;
+    bad.feature_positions = std::span<const int32_t>(fpos).first(fpos.size() - 1);
+    EXPECT_THROW(block_pass(*cache, 1, &bad), InternalError);
+    bad = features;
+    bad.feature_source = drafter.get();
+    EXPECT_THROW(block_pass(*cache, 1, &bad), InternalError);
   }
 }
 

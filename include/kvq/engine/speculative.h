@@ -28,10 +28,10 @@ namespace kvq {
 using SparseDist = std::vector<std::pair<int32_t, double>>;
 
 struct DraftRequest {
-  uint64_t seq = 0;                  // the caller's key for the sequence, stable while it lives
-  std::span<const int32_t> tokens;   // every token so far; the last is not yet in the target's cache
-  int32_t max_drafts = 0;            // at most this many drafts (may be 0)
-  Sampler* sampler = nullptr;        // the request's rule and random stream (draws of drafts)
+  uint64_t seq = 0;                 // the caller's key for the sequence, stable while it lives
+  std::span<const int32_t> tokens;  // every token so far; the last is not yet in the target's cache
+  int32_t max_drafts = 0;           // at most this many drafts (may be 0)
+  Sampler* sampler = nullptr;       // the request's rule and random stream (draws of drafts)
 };
 
 struct Draft {
@@ -64,6 +64,10 @@ class Proposer {
                                   std::span<const float> host) {
     (void)target, (void)kept, (void)host;
   }
+  // Before every forward pass of the target (the callers of on_target_features call it): a
+  // proposer that kept on_target_features' device rows to read later (a DFlash drafter fuses
+  // them into its next pass) reads them now, as the pass will overwrite them.
+  virtual void before_target_pass(const Model& target) { (void)target; }
   // True when `target`'s passes should keep the captured features on its device
   // (ForwardBatch::capture_on_device) because this proposer reads them there.
   virtual bool features_on_device(const Model& target) const {

@@ -65,6 +65,8 @@ ArchitectureConfig parse_architecture(const ModelConfig& config);
 
 // One forward step over a batch of sequences. Their new tokens' cache slots are already
 // reserved (PagedKvCache::append); the model writes K/V there, then attends.
+class Model;
+
 struct ForwardBatch {
   std::span<const int32_t> tokens;     // new tokens, sequences concatenated
   std::span<const int32_t> positions;  // position of each new token in its sequence
@@ -82,6 +84,13 @@ struct ForwardBatch {
   // memory, where Model::device_captured() finds them until its next forward pass. Only for a
   // model with keeps_captures_on_device() (a DFlash drafter on the same GPU reads them there).
   bool capture_on_device = false;
+  // A DFlash drafter that reads_features_of(*feature_source) only: before the pass, in the same
+  // device step (one host round trip for both), the context K/V of rows `feature_rows` of
+  // feature_source->device_captured() at `feature_positions`, written to `feature_slots`, as
+  // write_feature_kv_from_target would. The rows may belong to any sequence, drafting or not.
+  const Model* feature_source = nullptr;
+  std::span<const int32_t> feature_rows = {}, feature_positions = {};
+  std::span<const int64_t> feature_slots = {};
 };
 
 // A token id that a DFlash drafter embeds as its learned mask vector (block rows 1..k).

@@ -364,6 +364,11 @@ class CudaDecoderModel final : public CudaModel {
     int Q = 0;            // verify: most queries of a sequence
     int context = 0;      // decode: context bucket
     int capture_set = 0;  // 0: no capture; else 1 + index into capture_sets_
+    // A DFlash drafter's context rows written before the body (ForwardBatch::feature_rows):
+    // their number (graph steps: padded to a bucket with inert rows, slot -1) and the target's
+    // captured features they are gathered from.
+    int C = 0;
+    const float* feature_src = nullptr;
     size_t num_indices = 0;
     int fallback_context = 0;  // prefill without the prefill kernels: bucket of the rows
 #if KVQ_MODEL_CUDA_PREFILL
@@ -384,9 +389,12 @@ class CudaDecoderModel final : public CudaModel {
   std::vector<LayerCacheView> check_feature_write(std::span<const int32_t> positions,
                                                   std::span<const int64_t> slots,
                                                   PagedKvCache& cache) const;
-  // Context K/V of n rows whose features are in feat_ and whose slots and positions are staged
-  // on the device (d_feat_step_), written into every layer's cache.
-  void context_kv_rows(int n, const std::vector<LayerCacheView>& views) const;
+  // Context K/V of n rows whose features are in feat_ and whose slots and positions are on the
+  // device, written into every layer's cache.
+  void context_kv_rows(int n, const std::vector<LayerCacheView>& views, const int64_t* d_slots,
+                       const int32_t* d_positions) const;
+  // The staged feature rows of a step (ForwardBatch::feature_rows) into the step's staging.
+  void stage_features(const ForwardBatch& b, PagedKvCache& cache, Step& st) const;
   // The first n slots, positions (and rows) of h_feat_step_ to d_feat_step_, on the stream.
   void stage_feature_rows(int n, bool rows) const;
   void run_body(const Step& st, const std::vector<LayerCacheView>& views) const;
@@ -453,22 +461,27 @@ class CudaDecoderModel final : public CudaModel {
   mutable size_t cap_layers_ = 0;
   mutable std::vector<std::vector<int32_t>> capture_sets_;
   // Step staging: the same layout in pinned host memory and on the device.
+  // `features`: a DFlash drafter's fused context rows, packed for the step's row count C as
+  // slots [C] (int64), positions [C], rows [C]; copied only by steps that have them.
   struct Offsets {
     size_t tokens, positions, slots, q_indptr, bt_indptr, seq_lens, exp_indptr, exp_seq_lens,
-        logit_rows, params, indices, total;
+        logit_rows, params, indices, features, total;
   } off_{};
   std::byte* h_step_ = nullptr;
   std::byte* d_step_ = nullptr;
   int32_t* h_ids_ = nullptr;
 
   mutable std::mutex mu_;
-  // Graphs by (batch bucket, context bucket or -Q for verify steps, capture set).
-  using GraphKey = std::tuple<int, int, int>;
+  // Graphs by (batch bucket, context bucket or -Q for verify steps, capture set, fused context
+  // rows bucket).
+  using GraphKey = std::tuple<int, int, int, int>;
   mutable std::map<GraphKey, cudaGraphExec_t> graphs_;
   mutable std::set<GraphKey> seen_;  // keys run eagerly once (warm-up)
   // The storage the graphs were captured for: every layer's K and V base. (Layer 0's K base
   // alone is not enough: a new cache can reuse that address while other layers moved.)
   mutable std::vector<const std::byte*> graph_cache_;
+  // The target's captured features the graphs with fused context rows read.
+  mutable const float* graph_feature_src_ = nullptr;
   mutable size_t graph_bytes_ = 0;
 
   template <typename T>
@@ -686,6 +699,7 @@ void CudaDecoderModel::allocate_buffers() {
   off_.logit_rows = region(T * 4);
   off_.params = region(T * sizeof(DeviceSampling));
   off_.indices = region(idx_cap_ * 4);
+  off_.features = region(arch_.dflash ? T * 16 : 0);
   off_.total = o;
   d_step_ = static_cast<std::byte*>(buf_.alloc(off_.total));
   void* hp = nullptr;
@@ -985,7 +999,42 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
             h_at<int32_t>(off_.indices));
   KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_, h_step_, off_.indices + num_indices * 4,
                                  cudaMemcpyHostToDevice, stream_));
+  stage_features(b, cache, st);
   return st;
+}
+
+void CudaDecoderModel::stage_features(const ForwardBatch& b, PagedKvCache& cache, Step& st) const {
+  const size_t C = b.feature_rows.size();
+  if (b.feature_source == nullptr && C == 0) return;
+  KVQ_CHECK(b.feature_source != nullptr && reads_features_of(*b.feature_source),
+            "forward: feature rows need a DFlash drafter on its target's GPU (reads_features_of)");
+  KVQ_CHECK(b.feature_positions.size() == C && b.feature_slots.size() == C,
+            "forward: feature rows, positions and slots differ in length");
+  if (C == 0) return;
+  KVQ_CHECK(C <= static_cast<size_t>(T_cap_), "forward: " + std::to_string(C) +
+                                                  " feature rows exceed the step's " +
+                                                  std::to_string(T_cap_) + " rows");
+  const auto& src = static_cast<const CudaDecoderModel&>(*b.feature_source);
+  st.feature_src = src.device_captured();
+  KVQ_CHECK(st.feature_src != nullptr,
+            "forward: the feature source's last pass captured no features");
+  (void)check_feature_write(b.feature_positions, b.feature_slots, cache);
+  for (int32_t r : b.feature_rows)
+    KVQ_CHECK(r >= 0 && r < src.T_cap_, "forward: feature row " + std::to_string(r) +
+                                            " outside the source's " + std::to_string(src.T_cap_) +
+                                            " captured rows");
+  // A graph step pads the rows to a bucket (inert: slot -1) so few graphs serve every count.
+  const int n = static_cast<int>(C);
+  st.C = st.decode || st.verify ? std::min(T_cap_, std::max(4, pow2_at_least(n))) : n;
+  auto* slots = h_at<int64_t>(off_.features);
+  auto* positions = reinterpret_cast<int32_t*>(slots + st.C);
+  int32_t* rows = positions + st.C;
+  std::copy(b.feature_slots.begin(), b.feature_slots.end(), slots);
+  std::copy(b.feature_positions.begin(), b.feature_positions.end(), positions);
+  std::copy(b.feature_rows.begin(), b.feature_rows.end(), rows);
+  for (int i = n; i < st.C; ++i) slots[i] = -1, positions[i] = 0, rows[i] = 0;
+  KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_ + off_.features, h_step_ + off_.features,
+                                 static_cast<size_t>(st.C) * 16, cudaMemcpyHostToDevice, stream_));
 }
 
 void CudaDecoderModel::attention(const Step& st, int l, const LayerCacheView& view) const {
@@ -1069,6 +1118,17 @@ void CudaDecoderModel::logits_rows(int first, int n) const {
 }
 
 void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView>& views) const {
+  if (st.C > 0) {
+    // A DFlash drafter's context rows first: their K/V are in the cache before the block
+    // attends to them (the body reuses the same activation buffers afterwards).
+    const int F =
+        static_cast<int>(arch_.dflash->target_layer_ids.size()) * arch_.dflash->target_hidden_size;
+    const int64_t* slots = d_at<int64_t>(off_.features);
+    const auto* positions = reinterpret_cast<const int32_t*>(slots + st.C);
+    const int32_t* rows = positions + st.C;
+    cuda_model::gather_rows(st.feature_src, rows, st.C, F, feat_, stream_);
+    context_kv_rows(st.C, views, slots, positions);
+  }
   const int T = st.T;
   const int32_t* tokens = d_at<int32_t>(off_.tokens);
   cuda_model::embed_gather(w_->embed, bf16_, w_->mask, tokens, T, H_, x_, stream_);
@@ -1166,11 +1226,10 @@ void CudaDecoderModel::stage_feature_rows(int n, bool rows) const {
                                      cudaMemcpyHostToDevice, stream_));
 }
 
-void CudaDecoderModel::context_kv_rows(int n, const std::vector<LayerCacheView>& views) const {
+void CudaDecoderModel::context_kv_rows(int n, const std::vector<LayerCacheView>& views,
+                                       const int64_t* d_slots, const int32_t* d_positions) const {
   const int Fi =
       static_cast<int>(arch_.dflash->target_layer_ids.size()) * arch_.dflash->target_hidden_size;
-  auto* d_slots = reinterpret_cast<int64_t*>(d_feat_step_);
-  auto* d_positions = reinterpret_cast<int32_t*>(d_feat_step_ + size_t(T_cap_) * 8);
   const void* in = feat_;
   if (bf16_) {
     cuda_model::to_bf16(feat_, static_cast<int64_t>(n) * Fi, feat_h_, stream_);
@@ -1216,7 +1275,8 @@ void CudaDecoderModel::write_feature_kv(std::span<const float> features,
     KVQ_CUDA_CHECK(cudaMemcpyAsync(feat_, features.data() + r0 * F,
                                    static_cast<size_t>(n) * F * sizeof(float),
                                    cudaMemcpyHostToDevice, stream_));
-    context_kv_rows(n, views);
+    context_kv_rows(n, views, reinterpret_cast<int64_t*>(d_feat_step_),
+                    reinterpret_cast<int32_t*>(d_feat_step_ + size_t(T_cap_) * 8));
   }
   // No wait: the next step on this stream runs after these writes, and the features (pageable
   // host memory) were staged by the driver before cudaMemcpyAsync returned.
@@ -1259,7 +1319,8 @@ void CudaDecoderModel::write_feature_kv_from_target(const Model& target,
     cuda_model::gather_rows(src, d_rows, n, F, feat_, stream_);
     // The target's buffer is read before its next pass (on its own stream) may overwrite it.
     KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    context_kv_rows(n, views);
+    context_kv_rows(n, views, reinterpret_cast<int64_t*>(d_feat_step_),
+                    reinterpret_cast<int32_t*>(d_feat_step_ + size_t(T_cap_) * 8));
   }
 }
 
@@ -1284,6 +1345,7 @@ void CudaDecoderModel::tune_gemms(int m) const {
 void CudaDecoderModel::run_step(const Step& st, PagedKvCache& cache) const {
   // Before any graph capture: the first decode step of each batch bucket picks its GEMMs.
   if (st.decode || st.verify) tune_gemms(st.T);
+  if ((st.decode || st.verify) && st.C > 0) tune_gemms(st.C);
   std::vector<LayerCacheView> views;
   for (size_t l = 0; l < cache.num_layers(); ++l) views.push_back(cache.layer_view(l));
   const bool graph = (st.decode || st.verify) && options_.cuda_graphs;
@@ -1302,8 +1364,20 @@ void CudaDecoderModel::run_step(const Step& st, PagedKvCache& cache) const {
     graphs_.clear();
     graph_cache_ = cache_id;
   }
+  if (st.C > 0 && st.feature_src != graph_feature_src_) {  // graphs hold the source's address
+    KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (auto it = graphs_.begin(); it != graphs_.end();) {
+      if (std::get<3>(it->first) > 0) {
+        KVQ_CUDA_CHECK(cudaGraphExecDestroy(it->second));
+        it = graphs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    graph_feature_src_ = st.feature_src;
+  }
   // Verify graphs are keyed by (batch bucket, -Q): their attention reads lengths on the device.
-  const GraphKey key{st.S, st.verify ? -st.Q : st.context, st.capture_set};
+  const GraphKey key{st.S, st.verify ? -st.Q : st.context, st.capture_set, st.C};
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     if (seen_.insert(key).second) {  // first time: run eagerly (loads modules, warms cuBLAS)
@@ -1339,6 +1413,8 @@ void CudaDecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
   KVQ_CHECK(logits.size() == R * V, "forward: logits span has " + std::to_string(logits.size()) +
                                         " floats, expected " + std::to_string(R) + " x " +
                                         std::to_string(V));
+  KVQ_CHECK(!b.tokens.empty() || b.feature_rows.empty(),
+            "forward: feature rows need a pass with at least one token");
   std::lock_guard<std::mutex> lock(mu_);
   if (b.tokens.empty()) return;
   const Step st = stage(b, cache, {});
@@ -1370,6 +1446,8 @@ void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache
           "device sampling with temperature > 0 is not built yet in this CUDA model; use "
           "temperature 0 (greedy)");
 #endif
+  KVQ_CHECK(!b.tokens.empty() || b.feature_rows.empty(),
+            "forward: feature rows need a pass with at least one token");
   std::lock_guard<std::mutex> lock(mu_);
   if (b.tokens.empty()) return;
   const Step st = stage(b, cache, per_row);

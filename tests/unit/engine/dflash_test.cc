@@ -178,6 +178,8 @@ TEST_P(DflashGreedy, GenerateGivesPlainGreedyIdsWithBothCachesQuantized) {
       const float tie = traits(kv).scale_kind == ScaleKind::kPerTokenHead ? 5e-3f : 1e-3f;
       EXPECT_EQ(compare_greedy(prompt, want, c, &near_ties, target.get(), tie), "")
           << "seed " << seed;
+      // The same proposer serves both calls (generate() releases its sequence at the end).
+      EXPECT_GT(got.spec.drafted, 0) << "call " << t << " with k " << k << " drafted nothing";
       total.add(got.spec);
     }
   }
