@@ -19,7 +19,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -472,6 +474,18 @@ class CudaDecoderModel final : public CudaModel {
   int32_t* h_ids_ = nullptr;
 
   mutable std::mutex mu_;
+  // KVQ_GPU_TIMING=1: device time of every forward (events from after the staging to after
+  // the copies back: body, sampling, launch gaps) against the host wall time of the whole
+  // call, printed at destruction.
+  struct Timing {
+    bool on = false;
+    cudaEvent_t begin = nullptr, end = nullptr;
+    int64_t calls = 0;
+    double device_ms = 0.0, wall_ms = 0.0;
+  };
+  mutable Timing timing_;
+  void timing_begin() const;  // after the step's staging: device time of the step itself
+  void timing_end(std::chrono::steady_clock::time_point t0) const;
   // Graphs by (batch bucket, context bucket or -Q for verify steps, capture set, fused context
   // rows bucket).
   using GraphKey = std::tuple<int, int, int, int>;
@@ -583,6 +597,16 @@ CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& o
 }
 
 CudaDecoderModel::~CudaDecoderModel() {
+  if (timing_.on) {
+    if (timing_.calls > 0)
+      std::fprintf(stderr,
+                   "kvq gpu timing (%s): %lld forward calls, device %.4f ms/call, host wall "
+                   "%.4f ms/call\n",
+                   arch_.dflash ? "drafter" : "model", static_cast<long long>(timing_.calls),
+                   timing_.device_ms / timing_.calls, timing_.wall_ms / timing_.calls);
+    (void)cudaEventDestroy(timing_.begin);
+    (void)cudaEventDestroy(timing_.end);
+  }
   for (auto& [key, exec] : graphs_) (void)cudaGraphExecDestroy(exec);
   if (stream_) (void)cudaStreamSynchronize(stream_);
   if (cublas_) (void)cublasDestroy(cublas_);
@@ -607,6 +631,11 @@ cuda::DecodePlan CudaDecoderModel::decode_plan(int group, int num_seqs, int cont
 
 void CudaDecoderModel::allocate_buffers() {
   KVQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (const char* e = std::getenv("KVQ_GPU_TIMING"); e != nullptr && std::string(e) == "1") {
+    KVQ_CUDA_CHECK(cudaEventCreate(&timing_.begin));
+    KVQ_CUDA_CHECK(cudaEventCreate(&timing_.end));
+    timing_.on = true;
+  }
   KVQ_CUBLAS_CHECK(cublasCreate(&cublas_));
   KVQ_CUBLAS_CHECK(cublasSetStream(cublas_, stream_));
   KVQ_CUBLAS_CHECK(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
@@ -1417,7 +1446,9 @@ void CudaDecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
             "forward: feature rows need a pass with at least one token");
   std::lock_guard<std::mutex> lock(mu_);
   if (b.tokens.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
   const Step st = stage(b, cache, {});
+  timing_begin();
   run_step(st, cache);
   for (int r0 = 0; r0 < st.R; r0 += R_cap_) {
     const int n = std::min(R_cap_, st.R - r0);
@@ -1427,7 +1458,9 @@ void CudaDecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
                                    cudaMemcpyDeviceToHost, stream_));
   }
   copy_captured(b);
+  if (timing_.on) KVQ_CUDA_CHECK(cudaEventRecord(timing_.end, stream_));
   KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  timing_end(t0);
 }
 
 void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache,
@@ -1450,7 +1483,9 @@ void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache
             "forward: feature rows need a pass with at least one token");
   std::lock_guard<std::mutex> lock(mu_);
   if (b.tokens.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
   const Step st = stage(b, cache, per_row);
+  timing_begin();
   run_step(st, cache);
   for (int r0 = 0; r0 < st.R; r0 += R_cap_) {
     const int n = std::min(R_cap_, st.R - r0);
@@ -1465,8 +1500,25 @@ void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache
   KVQ_CUDA_CHECK(
       cudaMemcpyAsync(h_ids_, d_ids_, R * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
   copy_captured(b);
+  if (timing_.on) KVQ_CUDA_CHECK(cudaEventRecord(timing_.end, stream_));
   KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  timing_end(t0);
   std::copy(h_ids_, h_ids_ + R, next_tokens.begin());
+}
+
+void CudaDecoderModel::timing_begin() const {
+  if (timing_.on) KVQ_CUDA_CHECK(cudaEventRecord(timing_.begin, stream_));
+}
+
+void CudaDecoderModel::timing_end(std::chrono::steady_clock::time_point t0) const {
+  if (!timing_.on) return;
+  const double wall =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  float ms = 0.0f;
+  KVQ_CUDA_CHECK(cudaEventElapsedTime(&ms, timing_.begin, timing_.end));
+  ++timing_.calls;
+  timing_.device_ms += ms;
+  timing_.wall_ms += wall;
 }
 
 // Context creation and the device's memory before kvq allocates anything.
