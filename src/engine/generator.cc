@@ -190,7 +190,8 @@ GenerationResult generate(const Model& model, const Tokenizer& tokenizer,
     // One row per draft plus the row of the last kept token.
     const SingleSequencePass pass(model, cache, seq, run, computed,
                                   static_cast<int32_t>(draft.tokens.size()) + 1, features_to);
-    const PassSequence ps{&sampler, static_cast<uint64_t>(generated), draft.tokens, draft.q, false};
+    const PassSequence ps{&sampler, static_cast<uint64_t>(generated), draft.tokens, draft.q, false,
+                          0};
     if (features_to != nullptr) features_to->before_target_pass(model);
     forward_and_accept(model, pass.batch, cache, {&ps, 1}, results, logits);
     const Verified& v = results.front().verified;

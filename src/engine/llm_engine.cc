@@ -24,7 +24,8 @@ namespace {
 
 struct Request {
   Request(RequestId rid, std::vector<int32_t> prompt, const SamplingParams& p,
-          int32_t max_new_tokens, const Tokenizer& tokenizer, OutputCallback cb, bool logprobs)
+          int32_t max_new_tokens, const Tokenizer& tokenizer, OutputCallback cb, bool logprobs,
+          int top)
       : id(rid),
         tokens(std::move(prompt)),
         prompt_len(static_cast<int32_t>(tokens.size())),
@@ -33,6 +34,7 @@ struct Request {
         stream(tokenizer, p),
         on_output(std::move(cb)),
         want_logprobs(logprobs),
+        top_logprobs(logprobs ? top : 0),
         speculate(p.speculate) {}
 
   RequestId id;
@@ -43,6 +45,7 @@ struct Request {
   TextStream stream;
   OutputCallback on_output;
   bool want_logprobs;
+  int top_logprobs;  // alternatives per token (with want_logprobs)
   bool speculate;
   Draft draft;        // this step's drafts (decoding sequences only)
   SpecCounters spec;  // this request's speculation so far
@@ -321,8 +324,8 @@ void LlmEngine::Impl::schedule_and_forward() {
       for (size_t d = 0; d <= drafts.size(); ++d)
         rows.push_back(static_cast<int32_t>(tokens.size() - drafts.size() - 1 + d));
       sampled.push_back(&r);
-      pass.push_back(
-          {&r.sampler, static_cast<uint64_t>(r.generated()), drafts, r.draft.q, r.want_logprobs});
+      pass.push_back({&r.sampler, static_cast<uint64_t>(r.generated()), drafts, r.draft.q,
+                      r.want_logprobs, r.top_logprobs});
     }
   }
   PagedKvCache::BlockTableStorage storage;
@@ -420,7 +423,10 @@ void LlmEngine::Impl::schedule_and_forward() {
       const TextStream::Step out = r.stream.push(id);
       o.token_ids.push_back(id);
       if (out.has_text) o.text += out.text;
-      if (r.want_logprobs) o.logprobs.push_back({id, res.logprobs[t]});
+      if (r.want_logprobs)
+        o.logprobs.push_back(
+            {id, res.logprobs[t],
+             t < res.top.size() ? res.top[t] : std::vector<std::pair<int32_t, float>>{}});
       stop = out.stop;
       length = r.generated() >= r.max_new;
     }
@@ -608,8 +614,11 @@ int32_t LlmEngine::context_length() const {
 }
 
 RequestId LlmEngine::add_request(std::vector<int32_t> prompt, const SamplingParams& params,
-                                 OutputCallback on_output, bool want_logprobs) {
+                                 OutputCallback on_output, bool want_logprobs, int top_logprobs) {
   Impl& m = *impl_;
+  if (top_logprobs < 0 || top_logprobs > kMaxTopLogprobs)
+    throw InputError("top_logprobs " + std::to_string(top_logprobs) + " is outside 0.." +
+                     std::to_string(kMaxTopLogprobs));
   if (auto errors = sampling_param_errors(params); !errors.empty())
     throw InputError(errors.front());
   if (prompt.empty()) throw InputError("the prompt is empty (no tokens to start from)");
@@ -639,7 +648,8 @@ RequestId LlmEngine::add_request(std::vector<int32_t> prompt, const SamplingPara
     std::lock_guard lock(m.mu);
     id = m.next_id++;
     m.inbox.push_back(std::make_unique<Request>(id, std::move(prompt), params, max_new,
-                                                *m.tokenizer, std::move(on_output), want_logprobs));
+                                                *m.tokenizer, std::move(on_output), want_logprobs,
+                                                top_logprobs));
   }
   m.cv.notify_all();
   return id;

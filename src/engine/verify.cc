@@ -1,5 +1,6 @@
 #include "verify.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -7,13 +8,40 @@
 
 namespace kvq {
 
-float logprob_of(std::span<const float> logits, int32_t id) {
+namespace {
+// max + log(sum exp(l - max)): the log-softmax normalizer of a row.
+double log_normalizer(std::span<const float> logits) {
   double max = -std::numeric_limits<double>::infinity();
   for (float l : logits) max = std::max(max, static_cast<double>(l));
   double sum = 0.0;
   for (float l : logits) sum += std::exp(static_cast<double>(l) - max);
-  return static_cast<float>(static_cast<double>(logits[static_cast<size_t>(id)]) - max -
-                            std::log(sum));
+  return max + std::log(sum);
+}
+}  // namespace
+
+float logprob_of(std::span<const float> logits, int32_t id) {
+  return static_cast<float>(static_cast<double>(logits[static_cast<size_t>(id)]) -
+                            log_normalizer(logits));
+}
+
+float logprob_and_top(std::span<const float> logits, int32_t id, int n,
+                      std::vector<std::pair<int32_t, float>>& top) {
+  const double z = log_normalizer(logits);
+  top.clear();
+  std::vector<int32_t> ids;
+  ids.reserve(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i)
+    if (!std::isnan(logits[i])) ids.push_back(static_cast<int32_t>(i));
+  const size_t k = std::min(ids.size(), static_cast<size_t>(std::max(n, 0)));
+  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), ids.end(),
+                    [&](int32_t a, int32_t b) {
+                      const float la = logits[static_cast<size_t>(a)],
+                                  lb = logits[static_cast<size_t>(b)];
+                      return la > lb || (la == lb && a < b);
+                    });
+  for (size_t i = 0; i < k; ++i)
+    top.emplace_back(ids[i], static_cast<float>(logits[static_cast<size_t>(ids[i])] - z));
+  return static_cast<float>(static_cast<double>(logits[static_cast<size_t>(id)]) - z);
 }
 
 void forward_and_accept(const Model& model, const ForwardBatch& batch, PagedKvCache& cache,
@@ -66,8 +94,15 @@ void forward_and_accept(const Model& model, const ForwardBatch& batch, PagedKvCa
       out[i].verified = accept_drafts(*s.sampler, s.drafts, s.q, row_logits);
     }
     if (s.want_logprobs)
-      for (size_t t = 0; t < out[i].verified.tokens.size(); ++t)
-        out[i].logprobs.push_back(logprob_of(row_logits(t), out[i].verified.tokens[t]));
+      for (size_t t = 0; t < out[i].verified.tokens.size(); ++t) {
+        if (s.top_logprobs > 0) {
+          out[i].top.emplace_back();
+          out[i].logprobs.push_back(logprob_and_top(row_logits(t), out[i].verified.tokens[t],
+                                                    s.top_logprobs, out[i].top.back()));
+        } else {
+          out[i].logprobs.push_back(logprob_of(row_logits(t), out[i].verified.tokens[t]));
+        }
+      }
     row += s.drafts.size() + 1;
   }
 }

@@ -20,11 +20,14 @@ struct PassSequence {
   std::span<const int32_t> drafts;
   std::span<const SparseDist> q;
   bool want_logprobs = false;
+  int top_logprobs = 0;  // with want_logprobs: alternatives per token
 };
 
 struct PassResult {
-  Verified verified;             // tokens to emit (>= 1) and accepted drafts
-  std::vector<float> logprobs;   // per token, when asked: the target's log-softmax at its row
+  Verified verified;            // tokens to emit (>= 1) and accepted drafts
+  std::vector<float> logprobs;  // per token, when asked: the target's log-softmax at its row
+  // per token, when top_logprobs > 0: that many most likely (id, logprob), most likely first
+  std::vector<std::vector<std::pair<int32_t, float>>> top;
 };
 
 // Runs `batch` (whose logit_rows are the sequences' rows, in order) and fills out[i] for
@@ -35,5 +38,9 @@ void forward_and_accept(const Model& model, const ForwardBatch& batch, PagedKvCa
 
 // log-softmax of `logits` at `id`.
 float logprob_of(std::span<const float> logits, int32_t id);
+// log-softmax of `logits` at `id`, and the n most likely (id, logprob) into `top` (most likely
+// first, ties by lower id; NaN logits never among them).
+float logprob_and_top(std::span<const float> logits, int32_t id, int n,
+                      std::vector<std::pair<int32_t, float>>& top);
 
 }  // namespace kvq

@@ -421,8 +421,12 @@ struct HttpServer::Impl {
           ++outstanding;
         }
         try {
+          // completions: `logprobs: k` asks k alternatives; chat: `top_logprobs: k`.
+          const int top = !g.logprobs                            ? 0
+                          : g.endpoint == Endpoint::kCompletions ? *g.logprobs
+                                                                 : g.top_logprobs;
           ex->ids.push_back(engine.add_request(ids, p, make_callback(ex, static_cast<size_t>(i)),
-                                               g.logprobs.has_value()));
+                                               g.logprobs.has_value(), top));
         } catch (...) {
           std::lock_guard ol(outstanding_mu);
           --outstanding;

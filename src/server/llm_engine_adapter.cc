@@ -18,8 +18,9 @@ class LlmServingEngine final : public ServingEngine {
   }
   std::vector<KvLayerGroup> kv_layer_groups() const override { return groups_; }
   RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
-                        OutputCallback on_output, bool want_logprobs) override {
-    return e_.add_request(std::move(prompt), params, std::move(on_output), want_logprobs);
+                        OutputCallback on_output, bool want_logprobs, int top_logprobs) override {
+    return e_.add_request(std::move(prompt), params, std::move(on_output), want_logprobs,
+                          top_logprobs);
   }
   void cancel(RequestId id) override { e_.cancel(id); }
   EngineStats stats() const override { return e_.stats(); }

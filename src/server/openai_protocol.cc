@@ -316,28 +316,41 @@ nlohmann::json logprobs_json(Endpoint endpoint, const std::vector<TokenLogprob>&
                              const TokenText& token_text, int64_t* text_offset) {
   if (endpoint == Endpoint::kCompletions) {
     nlohmann::json tokens = nlohmann::json::array(), values = nlohmann::json::array(),
-                   offsets = nlohmann::json::array();
+                   offsets = nlohmann::json::array(), tops = nlohmann::json::array();
+    bool any_top = false;
     for (const auto& lp : logprobs) {
       std::string t = token_text(lp.id);
       offsets.push_back(*text_offset);
       *text_offset += static_cast<int64_t>(t.size());
       tokens.push_back(std::move(t));
       values.push_back(lp.logprob);
+      // OpenAI's legacy shape: {token text: logprob}; two ids spelled alike keep the likelier.
+      nlohmann::json top = nlohmann::json::object();
+      for (const auto& [id, v] : lp.top) {
+        const std::string s = token_text(id);
+        if (!top.contains(s)) top[s] = v;
+      }
+      any_top = any_top || !lp.top.empty();
+      tops.push_back(std::move(top));
     }
     return {{"tokens", tokens},
             {"token_logprobs", values},
-            {"top_logprobs", nullptr},
+            {"top_logprobs", any_top ? tops : nlohmann::json(nullptr)},
             {"text_offset", offsets}};
   }
-  nlohmann::json content = nlohmann::json::array();
-  for (const auto& lp : logprobs) {
-    std::string t = token_text(lp.id);
+  auto entry = [&](int32_t id, float v) {
+    std::string t = token_text(id);
     nlohmann::json bytes = nlohmann::json::array();
     for (unsigned char c : t) bytes.push_back(static_cast<int>(c));
-    content.push_back({{"token", std::move(t)},
-                       {"logprob", lp.logprob},
-                       {"bytes", std::move(bytes)},
-                       {"top_logprobs", nlohmann::json::array()}});
+    return nlohmann::json{{"token", std::move(t)}, {"logprob", v}, {"bytes", std::move(bytes)}};
+  };
+  nlohmann::json content = nlohmann::json::array();
+  for (const auto& lp : logprobs) {
+    nlohmann::json e = entry(lp.id, lp.logprob);
+    nlohmann::json top = nlohmann::json::array();
+    for (const auto& [id, v] : lp.top) top.push_back(entry(id, v));
+    e["top_logprobs"] = std::move(top);
+    content.push_back(std::move(e));
   }
   return {{"content", std::move(content)}};
 }

@@ -23,8 +23,8 @@
 namespace kvq {
 
 struct EngineConfig {
-  int64_t num_blocks = 0;             // KV cache blocks shared by all requests (> 0)
-  int32_t max_num_seqs = 64;          // sequences running at once
+  int64_t num_blocks = 0;                // KV cache blocks shared by all requests (> 0)
+  int32_t max_num_seqs = 64;             // sequences running at once
   int32_t max_num_batched_tokens = 512;  // tokens per step (prefill chunks + decodes)
   bool enable_prefix_caching = true;
   // Speculative decoding (no proposer: none). Each step, every decoding sequence whose request
@@ -50,18 +50,21 @@ using RequestId = uint64_t;
 struct TokenLogprob {
   int32_t id = 0;
   float logprob = 0.0f;
+  // When asked (add_request's top_logprobs): the most likely tokens at this position with
+  // their logprobs, most likely first (ties: lower id first).
+  std::vector<std::pair<int32_t, float>> top = {};
 };
 
 // One event for one request, delivered on the engine thread, in order. The last event of a
 // request has `finished` set (and is delivered exactly once, also after cancel()).
 struct RequestOutput {
   RequestId id = 0;
-  std::string text;                  // new text since the previous event (complete UTF-8)
-  std::vector<int32_t> token_ids;    // new token ids since the previous event
+  std::string text;                    // new text since the previous event (complete UTF-8)
+  std::vector<int32_t> token_ids;      // new token ids since the previous event
   std::vector<TokenLogprob> logprobs;  // per new token: the sampled token's logprob (when asked)
   bool finished = false;
-  std::string finish_reason;         // "stop", "length", "cancelled", or "error" (an internal
-                                     // failure in the request's step; its blocks were freed)
+  std::string finish_reason;  // "stop", "length", "cancelled", or "error" (an internal
+                              // failure in the request's step; its blocks were freed)
   int32_t prompt_tokens = 0;
   int32_t completion_tokens = 0;     // so far
   int32_t cached_prompt_tokens = 0;  // prompt tokens served from the prefix cache
@@ -78,12 +81,12 @@ struct EngineStats {
                                      // admitted; re-admission after preemption is not counted)
   int64_t prefix_cache_hits = 0;     // prompt tokens found
   int64_t blocks_total = 0;
-  int64_t blocks_used = 0;           // owned by running sequences (a shared block counts once)
-  int64_t blocks_cached_free = 0;    // cached prefix blocks with no owner (evictable)
-  int64_t prompt_tokens_total = 0;   // prompts of admitted requests (once per request)
+  int64_t blocks_used = 0;          // owned by running sequences (a shared block counts once)
+  int64_t blocks_cached_free = 0;   // cached prefix blocks with no owner (evictable)
+  int64_t prompt_tokens_total = 0;  // prompts of admitted requests (once per request)
   int64_t generation_tokens_total = 0;
-  int64_t requests_finished = 0;     // every final event, whatever its reason
-  SpecCounters spec;                 // speculative decoding, all requests
+  int64_t requests_finished = 0;  // every final event, whatever its reason
+  SpecCounters spec;              // speculative decoding, all requests
   // Where the engine thread's time went (wall clock, cumulative): steps that ran a forward
   // pass, the proposer's drafting in them (drafter passes, context writes), and the target's
   // forward pass with verification and sampling.
@@ -96,7 +99,8 @@ struct EngineStats {
 
 class LlmEngine {
  public:
-  LlmEngine(std::unique_ptr<Model> model, std::unique_ptr<Tokenizer> tokenizer, EngineConfig config);
+  LlmEngine(std::unique_ptr<Model> model, std::unique_ptr<Tokenizer> tokenizer,
+            EngineConfig config);
   // Stops the engine thread; unfinished requests get a "cancelled" final event. Not from a
   // callback (it joins the engine thread).
   ~LlmEngine();
@@ -112,9 +116,11 @@ class LlmEngine {
   // outside the vocabulary, a prompt that does not fit the model's context, a prompt plus
   // max_tokens (capped by the context) that could not fit the whole cache even alone, or invalid
   // sampling parameters. `want_logprobs`: report each sampled token's logprob (log-softmax of
-  // the model's logits, before temperature and truncation). May be called from a callback.
+  // the model's logits, before temperature and truncation), and with `top_logprobs` > 0 (at most
+  // kMaxTopLogprobs) that many most likely tokens at each position. May be called from a callback.
   RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
-                        OutputCallback on_output, bool want_logprobs = false);
+                        OutputCallback on_output, bool want_logprobs = false, int top_logprobs = 0);
+  static constexpr int kMaxTopLogprobs = 20;
   // Cancels a request (no-op when it has finished or is unknown): frees everything it holds.
   // Takes effect at the engine's next step, before any further token of that request; the
   // final "cancelled" event follows on the engine thread. May be called from a callback.

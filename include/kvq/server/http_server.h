@@ -29,8 +29,9 @@ class ServingEngine {
   // Tokens the whole KV cache holds: no sequence can be longer (default max_tokens stay below).
   virtual int64_t cache_capacity_tokens() const = 0;
   virtual std::vector<KvLayerGroup> kv_layer_groups() const = 0;
+  // LlmEngine::add_request: top_logprobs alternatives per token (with want_logprobs).
   virtual RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
-                                OutputCallback on_output, bool want_logprobs) = 0;
+                                OutputCallback on_output, bool want_logprobs, int top_logprobs) = 0;
   virtual void cancel(RequestId id) = 0;
   virtual EngineStats stats() const = 0;
 };

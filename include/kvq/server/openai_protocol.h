@@ -58,7 +58,7 @@ struct GenerationRequest {
   bool include_usage = false;  // stream_options.include_usage
   // completions: `logprobs: k` (k >= 0); chat: `logprobs: true`. nullopt: not asked.
   std::optional<int> logprobs;
-  int top_logprobs = 0;  // chat's top_logprobs (alternatives are not returned)
+  int top_logprobs = 0;  // chat's top_logprobs: alternatives per token
 };
 
 // Parses a request body; throws ApiError (400) for malformed JSON or a body that is not an object.
@@ -95,9 +95,10 @@ struct ResponseMeta {
 using TokenText = std::function<std::string(int32_t id)>;
 
 // The logprobs object of one choice over `logprobs` (tokens in order): completions' shape
-// {tokens, token_logprobs, top_logprobs: null, text_offset} with offsets counted from
-// `text_offset` (advanced past these tokens), or chat's {content: [{token, logprob, bytes,
-// top_logprobs: []}]}.
+// {tokens, token_logprobs, top_logprobs, text_offset} with offsets counted from `text_offset`
+// (advanced past these tokens) and top_logprobs null when no alternatives were asked, else one
+// {token text: logprob} object per token; or chat's {content: [{token, logprob, bytes,
+// top_logprobs: [{token, logprob, bytes}]}]}.
 nlohmann::json logprobs_json(Endpoint endpoint, const std::vector<TokenLogprob>& logprobs,
                              const TokenText& token_text, int64_t* text_offset);
 

@@ -74,7 +74,10 @@ OutputCallback Collector::callback(std::function<void(const RequestOutput&)> als
       if (c.finished_events > 0) ++c.events_after_final;
       ++c.events;
       c.ids.insert(c.ids.end(), o.token_ids.begin(), o.token_ids.end());
-      for (const auto& lp : o.logprobs) c.logprobs.push_back(lp.logprob);
+      for (const auto& lp : o.logprobs) {
+        c.logprobs.push_back(lp.logprob);
+        if (!lp.top.empty()) c.top.push_back(lp.top);
+      }
       c.text += o.text;
       c.prompt_tokens = o.prompt_tokens;
       c.completion_tokens = o.completion_tokens;

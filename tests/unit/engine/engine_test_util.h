@@ -58,6 +58,7 @@ struct Collected {
   std::vector<int32_t> ids;
   std::string text;
   std::vector<float> logprobs;
+  std::vector<std::vector<std::pair<int32_t, float>>> top;  // per token, when asked
   std::string finish_reason;
   int events = 0;
   int finished_events = 0;

@@ -587,10 +587,12 @@ TEST(LlmEngine, LogprobsAreTheModelsLogSoftmax) {
   const std::unique_ptr<Model> reference = reference_model()->with_plan(f32);
   const std::vector<int32_t> prompt = random_prompt(rng, 9);
   Collector collector;
-  const RequestId id = engine->add_request(prompt, greedy(4), collector.callback(), true);
+  constexpr int kTop = 3;
+  const RequestId id = engine->add_request(prompt, greedy(4), collector.callback(), true, kTop);
   ASSERT_TRUE(collector.wait_finished(1));
   const Collected got = collector.get(id);
   ASSERT_EQ(got.logprobs.size(), got.ids.size());
+  ASSERT_EQ(got.top.size(), got.ids.size());
   std::vector<int32_t> tokens = prompt;
   tokens.insert(tokens.end(), got.ids.begin(), got.ids.end());
   score_tokens(*reference, tokens, 64, [&](int32_t pos, std::span<const float> l) {
@@ -599,11 +601,33 @@ TEST(LlmEngine, LogprobsAreTheModelsLogSoftmax) {
     double max = l[0], sum = 0;
     for (float x : l) max = std::max(max, static_cast<double>(x));
     for (float x : l) sum += std::exp(x - max);
-    const double want =
-        l[static_cast<size_t>(got.ids[static_cast<size_t>(k)])] - max - std::log(sum);
+    const double z = max + std::log(sum);
+    const double want = l[static_cast<size_t>(got.ids[static_cast<size_t>(k)])] - z;
     EXPECT_NEAR(got.logprobs[static_cast<size_t>(k)], want, 1e-3 * (1 + std::abs(want)))
         << "token " << k << ", seed " << seed;
+    // The alternatives: the reference's kTop largest, most likely first (greedy: the chosen
+    // token leads), each at its log-softmax.
+    const auto& top = got.top[static_cast<size_t>(k)];
+    ASSERT_EQ(top.size(), static_cast<size_t>(kTop)) << "token " << k;
+    EXPECT_EQ(top[0].first, got.ids[static_cast<size_t>(k)]) << "token " << k;
+    std::vector<double> sorted(l.begin(), l.end());
+    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    for (int j = 0; j < kTop; ++j) {
+      const auto [tid, lp] = top[static_cast<size_t>(j)];
+      EXPECT_NEAR(lp, l[static_cast<size_t>(tid)] - z, 1e-3 * (1 + std::abs(lp)))
+          << "token " << k << " alternative " << j;
+      // Its logit is the j-th largest (up to the engine's own rounding of near ties).
+      EXPECT_NEAR(l[static_cast<size_t>(tid)], sorted[static_cast<size_t>(j)], 1e-3)
+          << "token " << k << " alternative " << j;
+      if (j > 0) {
+        EXPECT_GE(top[static_cast<size_t>(j) - 1].second, lp);
+      }
+    }
   });
+  // More than the engine gives is refused before queueing.
+  EXPECT_THROW(engine->add_request(prompt, greedy(2), collector.callback(), true,
+                                   LlmEngine::kMaxTopLogprobs + 1),
+               InputError);
 }
 
 TEST(LlmEngine, BadRequestsAreRefusedBeforeQueueing) {

@@ -655,11 +655,19 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
   EXPECT_EQ(always.stats.spec_steps_skipped, 0);
   EXPECT_GE(always.stats.spec.verify_steps, max_new - 3);
 
-  const Run good = run(true, true);
-  EXPECT_EQ(good.ids, want.output_ids) << "seed " << seed;
   // Five tokens per drafting step against one: drafting stays on after plain's 5 measured steps.
+  // The policy compares wall-clock times, and under `ctest -j2` on 2 cores another test's
+  // threads can stall a run's drafting steps (seen once: 36 steps skipped): up to three tries,
+  // so only a policy that keeps turning a paying drafter off fails.
+  const int64_t bound = 5 + max_new / kSpecProbeInterval + 1;
+  Run good;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    good = run(true, true);
+    if (good.stats.spec_steps_skipped <= bound) break;
+  }
+  EXPECT_EQ(good.ids, want.output_ids) << "seed " << seed;
   EXPECT_GT(good.stats.spec.accepted, 0);
-  EXPECT_LE(good.stats.spec_steps_skipped, 5 + max_new / kSpecProbeInterval + 1) << "seed " << seed;
+  EXPECT_LE(good.stats.spec_steps_skipped, bound) << "seed " << seed;
   EXPECT_EQ(good.stats.blocks_used, 0);
 }
 

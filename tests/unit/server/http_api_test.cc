@@ -112,9 +112,24 @@ TEST_F(HttpApi, CompletionShapeAndUsage) {
     EXPECT_EQ(c["text"], engine_->expected_text(max_tokens));
     EXPECT_EQ(c["finish_reason"], "length");
     ASSERT_EQ(c["logprobs"]["token_logprobs"].size(), static_cast<size_t>(max_tokens));
-    for (int k = 0; k < max_tokens; ++k)
+    // `logprobs: 1` asks one alternative per token: {token text: logprob}.
+    ASSERT_EQ(c["logprobs"]["top_logprobs"].size(), static_cast<size_t>(max_tokens));
+    for (int k = 0; k < max_tokens; ++k) {
       EXPECT_FLOAT_EQ(c["logprobs"]["token_logprobs"][k].get<float>(), FakeEngine::logprob_of(k));
+      const json& top = c["logprobs"]["top_logprobs"][k];
+      ASSERT_TRUE(top.is_object() && top.size() == 1u) << top.dump();
+      EXPECT_FLOAT_EQ(top.at(c["logprobs"]["tokens"][k].get<std::string>()).get<float>(),
+                      FakeEngine::logprob_of(k));
+    }
   }
+  EXPECT_EQ(engine_->last_top_logprobs(), 1);
+  // `logprobs: 0`: the chosen tokens only, top_logprobs null.
+  json zero =
+      post("/v1/completions", {{"prompt", prompt}, {"max_tokens", 3}, {"logprobs", 0}}, &status);
+  ASSERT_EQ(status, 200) << zero.dump();
+  EXPECT_EQ(engine_->last_top_logprobs(), 0);
+  EXPECT_TRUE(zero["choices"][0]["logprobs"]["top_logprobs"].is_null());
+  EXPECT_EQ(zero["choices"][0]["logprobs"]["token_logprobs"].size(), 3u);
   // Token-id prompts reach the engine as they are.
   json ids = post("/v1/completions", {{"prompt", {5, 6, 7}}, {"max_tokens", 2}}, &status);
   ASSERT_EQ(status, 200) << ids.dump();
@@ -178,6 +193,25 @@ TEST_F(HttpApi, ChatWholeAndStreamed) {
   EXPECT_EQ(r["choices"][1]["message"]["role"], "assistant");
   EXPECT_EQ(r["choices"][1]["message"]["content"], engine_->expected_text(6));
   EXPECT_EQ(r["choices"][1]["logprobs"]["content"].size(), 6u);
+  EXPECT_TRUE(r["choices"][1]["logprobs"]["content"][0]["top_logprobs"].empty());
+  // top_logprobs: that many {token, logprob, bytes} per token, the chosen one first here.
+  json t = post("/v1/chat/completions",
+                {{"messages", msgs}, {"max_tokens", 4}, {"logprobs", true}, {"top_logprobs", 3}},
+                &status);
+  ASSERT_EQ(status, 200) << t.dump();
+  EXPECT_EQ(engine_->last_top_logprobs(), 3);
+  const json& content = t["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 4u);
+  for (size_t k = 0; k < content.size(); ++k) {
+    const json& top = content[k]["top_logprobs"];
+    ASSERT_EQ(top.size(), 3u) << top.dump();
+    EXPECT_EQ(top[0]["token"], content[k]["token"]);
+    for (int j = 0; j < 3; ++j) {
+      EXPECT_FLOAT_EQ(top[j]["logprob"].get<float>(),
+                      FakeEngine::logprob_of(static_cast<int>(k)) - 0.5f * static_cast<float>(j));
+      EXPECT_EQ(top[j]["bytes"].size(), top[j]["token"].get<std::string>().size());
+    }
+  }
   // Without max_tokens, chat may use the rest of the context (vLLM's default).
   json d = post("/v1/chat/completions", {{"messages", msgs}}, &status);
   ASSERT_EQ(status, 200) << d.dump();

@@ -177,7 +177,7 @@ class FakeEngine final : public ServingEngine {
   int64_t cache_capacity_tokens() const override { return int64_t{1} << 40; }
   std::vector<KvLayerGroup> kv_layer_groups() const override { return {}; }
   RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
-                        OutputCallback cb, bool want_logprobs) override {
+                        OutputCallback cb, bool want_logprobs, int top_logprobs) override {
     if (prompt.empty()) throw InputError("empty prompt");
     std::lock_guard lk(mu_);
     const RequestId id = ++next_;
@@ -190,8 +190,10 @@ class FakeEngine final : public ServingEngine {
           std::make_unique<StreamingDecoder>(tok_),
           std::find(prompt.begin(), prompt.end(), kFailToken) != prompt.end(),
           std::find(prompt.begin(), prompt.end(), kHoldToken) != prompt.end()};
+    r.top = top_logprobs;
     last_params_ = params;
     last_prompt_ = prompt;
+    last_top_logprobs_ = top_logprobs;
     reqs_.emplace(id, std::move(r));
     cv_.notify_all();
     return id;
@@ -212,6 +214,10 @@ class FakeEngine final : public ServingEngine {
   int64_t cancelled_count() const {
     std::lock_guard lk(mu_);
     return cancelled_;
+  }
+  int last_top_logprobs() const {
+    std::lock_guard lk(mu_);
+    return last_top_logprobs_;
   }
   SamplingParams last_params() const {
     std::lock_guard lk(mu_);
@@ -245,6 +251,7 @@ class FakeEngine final : public ServingEngine {
     std::unique_ptr<StreamingDecoder> decoder;
     bool fail = false;
     bool hold = false;
+    int top = 0;  // alternatives: the token, then the next ones of the cycle, 0.5 less each
   };
 
   void loop() {
@@ -268,7 +275,13 @@ class FakeEngine final : public ServingEngine {
           o.finish_reason = "error";
         } else {
           const int32_t tok = cycle_[static_cast<size_t>(r.generated) % cycle_.size()];
-          if (r.want_logprobs) o.logprobs.push_back({tok, logprob_of(r.generated)});
+          if (r.want_logprobs) {
+            TokenLogprob lp{tok, logprob_of(r.generated)};
+            for (int j = 0; j < r.top; ++j)
+              lp.top.emplace_back(cycle_[static_cast<size_t>(r.generated + j) % cycle_.size()],
+                                  logprob_of(r.generated) - 0.5f * static_cast<float>(j));
+            o.logprobs.push_back(std::move(lp));
+          }
           ++r.generated;
           o.token_ids.push_back(tok);
           o.text = r.decoder->push(tok);
@@ -301,6 +314,7 @@ class FakeEngine final : public ServingEngine {
   int64_t cancelled_ = 0, finished_ = 0;
   SamplingParams last_params_;
   std::vector<int32_t> last_prompt_;
+  int last_top_logprobs_ = 0;
   bool quit_ = false;
   std::thread thread_;
 };
