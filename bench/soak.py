@@ -13,7 +13,11 @@ reference for every prompt, then for --duration seconds runs client threads at e
 Halfway through, the server gets SIGTERM under load (it must drain and exit 0) and is started
 again; requests cut by the restart count as interrupted, not as errors.
 Checks, all printed and in --json: no wrong or lost response (a greedy text that differs from its
-solo run, a 5xx, a missing [DONE]); 0 KV blocks in use once idle (kvq_kv_blocks_used); resident
+solo run, a 5xx, a missing [DONE]), where a text that parts from its solo run at a near tie is
+counted apart, not as wrong: the solo references carry the top two logprobs of every token, and
+a parting counts as a near tie when the solo run's two most likely tokens there were within
+--tie-eps nats and the loaded run took the second (batch shapes may move such a tie on a GPU,
+whose GEMMs and attention splits depend on the batch); 0 KV blocks in use once idle (kvq_kv_blocks_used); resident
 memory after warm-up within --rss-bound (default 5%) of its value at the end of warm-up; every
 server log line that reports an error names its request id. Exit status 1 when a check fails.
 
@@ -132,6 +136,8 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--grace", type=float, default=10)
     ap.add_argument("--rss-bound", type=float, default=0.05)
+    ap.add_argument("--tie-eps", type=float, default=0.1,
+                    help="a parting is a near tie when the solo run's top two were this close (nats)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--log", default="soak-server.log")
@@ -155,14 +161,32 @@ def main():
     c.close()
     long_ids = [rng.randrange(3, 4000) for _ in range(ctx - M)]
 
-    def greedy_body(kind, i):
+    def greedy_body(kind, i, top2=False):
         if kind == "chat":
-            return "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[i]}],
-                                            "max_completion_tokens": M, "temperature": 0,
-                                            "ignore_eos": True}
+            body = {"messages": [{"role": "user", "content": PROMPTS[i]}],
+                    "max_completion_tokens": M, "temperature": 0, "ignore_eos": True}
+            if top2:
+                body.update({"logprobs": True, "top_logprobs": 2})
+            return "/v1/chat/completions", body
         prompt = long_ids if kind == "long" else PROMPTS[i]
-        return "/v1/completions", {"prompt": prompt, "max_tokens": M, "temperature": 0,
-                                   "ignore_eos": True}
+        body = {"prompt": prompt, "max_tokens": M, "temperature": 0, "ignore_eos": True}
+        if top2:
+            body["logprobs"] = 2
+        return "/v1/completions", body
+
+    def solo_tokens(kind, payload):
+        """[(text offset, token text, [(alternative text, logprob) x 2])] of a solo reference."""
+        lp = payload["choices"][0]["logprobs"]
+        out = []
+        if kind == "chat":
+            at = 0
+            for t in lp["content"]:
+                out.append((at, t["token"], [(a["token"], a["logprob"]) for a in t["top_logprobs"]]))
+                at += len(t["token"])
+        else:
+            for at, tok, top in zip(lp["text_offset"], lp["tokens"], lp["top_logprobs"]):
+                out.append((at, tok, sorted(top.items(), key=lambda kv: -kv[1])))
+        return out
 
     def text_of(kind, status, payload):
         if status != 200 or payload is None:
@@ -172,20 +196,22 @@ def main():
         ch = payload["choices"][0]
         return ch["message"]["content"] if kind == "chat" else ch["text"]
 
-    # Solo references (one request at a time).
-    ref = {}
+    # Solo references (one request at a time), with the top two logprobs of every token.
+    ref, ref_tokens = {}, {}
     for kind in ("whole", "chat"):
         for i in range(len(PROMPTS)):
-            path, body = greedy_body(kind, i)
+            path, body = greedy_body(kind, i, top2=True)
             st, p, _ = request(port, path, body)
             ref[(kind, i)] = text_of(kind, st, p)
             if ref[(kind, i)] is None:
                 raise RuntimeError("solo reference failed: %s %d status %s" % (kind, i, st))
-    path, body = greedy_body("long", 0)
+            ref_tokens[(kind, i)] = solo_tokens(kind, p)
+    path, body = greedy_body("long", 0, top2=True)
     st, p, _ = request(port, path, body)
     ref[("long", 0)] = text_of("long", st, p)
     if ref[("long", 0)] is None:
         raise RuntimeError("solo reference of the context-filling prompt failed: %s %s" % (st, p))
+    ref_tokens[("long", 0)] = solo_tokens("long", p)
     print("soak: %d solo references (context %d, long prompt %d tokens)" %
           (len(ref), ctx, len(long_ids)), flush=True)
 
@@ -196,10 +222,33 @@ def main():
     stop = threading.Event()
     active_level = [levels[0]]
 
+    wrong_total = [0]
+    ties = {}  # (kind, prompt, char) -> [count, gap of the solo run's top two]
+
     def record_failure(msg):
         with lock:
+            wrong_total[0] += 1
             if len(failures) < 50:
                 failures.append(msg)
+
+    def check_text(kind, i, got, want_key):
+        """A greedy text against its solo run: equal, a near tie, or wrong (recorded)."""
+        want = ref[want_key]
+        if got == want:
+            return
+        at = next((k for k in range(min(len(got), len(want))) if got[k] != want[k]),
+                  min(len(got), len(want)))
+        # The solo token that holds the first differing character, and its top two there.
+        for off, tok, top in ref_tokens[want_key]:
+            if off <= at < off + max(len(tok), 1):
+                if (len(top) >= 2 and top[0][0] == tok and top[0][1] - top[1][1] <= args.tie_eps
+                        and got[off:].startswith(top[1][0]) and got[:off] == want[:off]):
+                    with lock:
+                        t = ties.setdefault((kind, i, at), [0, top[0][1] - top[1][1]])
+                        t[0] += 1
+                    return
+                break
+        record_failure("%s %d: text differs from the solo run at char %d" % (kind, i, at))
 
     def client(idx, crng):
         while not stop.is_set():
@@ -224,8 +273,8 @@ def main():
                             continue
                         if st != 200 or not done:
                             record_failure("stream %d: status %s, done %s" % (i, st, done))
-                        elif payload != ref[("whole", i)]:
-                            record_failure("stream %d: text differs from the solo run" % i)
+                        else:
+                            check_text("stream", i, payload, ("whole", i))
                 elif kind == "sampled":
                     body = {"prompt": PROMPTS[i], "max_tokens": M, "temperature": 0.8, "n": 2,
                             "seed": crng.randrange(1 << 30), "ignore_eos": True}
@@ -243,14 +292,10 @@ def main():
                         interrupted[0] += 1
                         continue
                     got = text_of(kind, st, payload)
-                    want = ref[(kind, 0 if kind == "long" else i)]
                     if got is None:
                         record_failure("%s %d: status %s %s" % (kind, i, st, str(payload)[:200]))
-                    elif got != want:
-                        at = next((k for k in range(min(len(got), len(want))) if got[k] != want[k]),
-                                  min(len(got), len(want)))
-                        record_failure("%s %d: text differs from the solo run at char %d" %
-                                       (kind, i, at))
+                    else:
+                        check_text(kind, i, got, (kind, 0 if kind == "long" else i))
                 with lock:
                     counts[kind] += 1
             except (OSError, http.client.HTTPException, ValueError) as e:
@@ -325,6 +370,10 @@ def main():
         "seed": seed, "duration_s": args.duration, "concurrency": levels,
         "kv_cache_memory": args.kv_cache_memory, "max_tokens": M, "context": ctx,
         "completed": counts, "interrupted_by_restart": interrupted[0], "failures": failures,
+        "wrong_or_lost": wrong_total[0], "tie_eps": args.tie_eps,
+        "near_ties": sum(t[0] for t in ties.values()),
+        "near_tie_partings": [{"kind": k[0], "prompt": k[1], "char": k[2], "count": t[0],
+                               "top2_gap": t[1]} for k, t in sorted(ties.items())],
         "kv_blocks_used_idle": blocks_idle, "sigterm_under_load_exit": restart_exit,
         "final_exit": final_exit, "rss_growth_after_warmup": rss_growth,
         "rss_kib_samples": [s[1] for s in after], "max_blocks_used": max(
