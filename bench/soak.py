@@ -224,6 +224,7 @@ def main():
 
     wrong_total = [0]
     ties = {}  # (kind, prompt, char) -> [count, gap of the solo run's top two]
+    unexplained = {}  # (kind, prompt, char) -> what the two runs had there (first of each)
 
     def record_failure(msg):
         with lock:
@@ -231,23 +232,46 @@ def main():
             if len(failures) < 50:
                 failures.append(msg)
 
-    def check_text(kind, i, got, want_key):
-        """A greedy text against its solo run: equal, a near tie, or wrong (recorded)."""
+    def tie(kind, i, at, gap):
+        with lock:
+            t = ties.setdefault((kind, i, at), [0, gap])
+            t[0] += 1
+
+    def check_text(kind, i, got, want_key, got_tokens=None):
+        """A greedy text against its solo run: equal, a near tie, or wrong (recorded).
+        got_tokens: the loaded run's token texts (from its logprobs), when it has them: then the
+        first differing token is found even where two tokenizations spell the same text."""
         want = ref[want_key]
-        if got == want:
+        solo = ref_tokens[want_key]
+        if got == want and (got_tokens is None or got_tokens == [t[1] for t in solo]):
             return
         at = next((k for k in range(min(len(got), len(want))) if got[k] != want[k]),
                   min(len(got), len(want)))
-        # The solo token that holds the first differing character, and its top two there.
-        for off, tok, top in ref_tokens[want_key]:
-            if off <= at < off + max(len(tok), 1):
-                if (len(top) >= 2 and top[0][0] == tok and top[0][1] - top[1][1] <= args.tie_eps
-                        and got[off:].startswith(top[1][0]) and got[:off] == want[:off]):
-                    with lock:
-                        t = ties.setdefault((kind, i, at), [0, top[0][1] - top[1][1]])
-                        t[0] += 1
+        if got_tokens is not None:
+            j = next((k for k in range(min(len(got_tokens), len(solo)))
+                      if got_tokens[k] != solo[k][1]), None)
+            if j is not None:
+                top = solo[j][2]
+                if (len(top) >= 2 and top[0][0] == solo[j][1] and got_tokens[j] == top[1][0]
+                        and top[0][1] - top[1][1] <= args.tie_eps):
+                    tie(kind, i, solo[j][0], top[0][1] - top[1][1])
                     return
-                break
+        else:
+            # The solo token that holds the first differing character, and its top two there.
+            for off, tok, top in solo:
+                if off <= at < off + max(len(tok), 1):
+                    if (len(top) >= 2 and top[0][0] == tok and top[0][1] - top[1][1] <= args.tie_eps
+                            and got[off:].startswith(top[1][0])):
+                        tie(kind, i, at, top[0][1] - top[1][1])
+                        return
+                    break
+        with lock:
+            key = (kind, i, at)
+            if key not in unexplained and len(unexplained) < 20:
+                near = [(o, t, tp) for o, t, tp in solo if at - 40 <= o <= at + 8]
+                unexplained[key] = {"want": want[max(0, at - 40):at + 20],
+                                    "got": got[max(0, at - 40):at + 20],
+                                    "got_tokens": got_tokens, "solo_tokens_near": near}
         record_failure("%s %d: text differs from the solo run at char %d" % (kind, i, at))
 
     def client(idx, crng):
@@ -287,6 +311,11 @@ def main():
                         record_failure("sampled %d: status %s %s" % (i, st, str(payload)[:200]))
                 else:
                     path, body = greedy_body(kind, i)
+                    # Half the non-streamed completions bring their tokens (logprobs: 0, the
+                    # host-sampling path), so a parting is found token by token.
+                    with_tokens = kind != "chat" and crng.random() < 0.5
+                    if with_tokens:
+                        body["logprobs"] = 0
                     st, payload, _ = request(p_now, path, body)
                     if st == 503:
                         interrupted[0] += 1
@@ -295,7 +324,9 @@ def main():
                     if got is None:
                         record_failure("%s %d: status %s %s" % (kind, i, st, str(payload)[:200]))
                     else:
-                        check_text(kind, i, got, (kind, 0 if kind == "long" else i))
+                        toks = (payload["choices"][0]["logprobs"]["tokens"] if with_tokens
+                                else None)
+                        check_text(kind, i, got, (kind, 0 if kind == "long" else i), toks)
                 with lock:
                     counts[kind] += 1
             except (OSError, http.client.HTTPException, ValueError) as e:
@@ -374,6 +405,8 @@ def main():
         "near_ties": sum(t[0] for t in ties.values()),
         "near_tie_partings": [{"kind": k[0], "prompt": k[1], "char": k[2], "count": t[0],
                                "top2_gap": t[1]} for k, t in sorted(ties.items())],
+        "unexplained_partings": [dict(kind=k[0], prompt=k[1], char=k[2], **v)
+                                 for k, v in sorted(unexplained.items())],
         "kv_blocks_used_idle": blocks_idle, "sigterm_under_load_exit": restart_exit,
         "final_exit": final_exit, "rss_growth_after_warmup": rss_growth,
         "rss_kib_samples": [s[1] for s in after], "max_blocks_used": max(
