@@ -1,6 +1,8 @@
 // Reads a checkpoint's weights into fp32: checks each tensor's presence, dtype and shape
 // (InputError naming the tensor and file), then converts F32/F16/BF16 by value from the
-// memory-mapped files, with a progress line on stderr for large checkpoints.
+// memory-mapped files, with a progress line on stderr for large checkpoints. F8_E4M3 weights
+// of a checkpoint that declares FP8 weight quantization (weight_quant.h) are dequantized: code
+// x its `weight_scale` (per tensor or per output channel), exact in fp32.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +12,7 @@
 
 #include "kvq/io/safetensors.h"
 #include "model/mapped_file.h"
+#include "model/weight_quant.h"
 
 namespace kvq::model {
 
@@ -29,12 +32,17 @@ class CheckpointReader {
   void read(std::string_view name, float* dst);
   // Ends the progress line (if one was shown).
   void finish();
+  // The checkpoint's declared weight quantization.
+  const WeightQuantization& quantization() const { return quant_; }
 
  private:
   std::pair<const SafetensorsFile*, const TensorInfo*> find_or_throw(std::string_view name) const;
   const MappedFile& mapping(const SafetensorsFile* file);
+  // A float tensor (F32/F16/BF16) by value into dst.
+  void convert(const SafetensorsFile* file, const TensorInfo* t, float* dst);
 
   std::string dir_;
+  WeightQuantization quant_;
   CheckpointFiles files_;
   std::vector<MappedFile> maps_;  // parallel to files_.files(), opened on first use
   uint64_t total_bytes_ = 0;

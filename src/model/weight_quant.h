@@ -1,0 +1,37 @@
+// A checkpoint's weight quantization as published: compressed-tensors "float-quantized" W8
+// (config.json quantization_config with config_groups of 8-bit float weights, per-tensor or
+// per-channel scales, static or dynamic 8-bit float activations, an `ignore` list) and ModelOpt
+// FP8 (quant_algo FP8 in config.json or hf_quant_config.json, per-tensor scales,
+// exclude_modules). Every other weight scheme (integer GPTQ/AWQ, NVFP4, block-scaled FP8, ...)
+// is refused with one line naming it and what kvq loads.
+//
+// The CPU and CUDA models read such weights through CheckpointReader, which dequantizes each
+// F8_E4M3 weight once at load (code x its `weight_scale`, exact in fp32); activation scales are
+// not applied (the projections run in the model's float precision).
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvq::model {
+
+struct WeightQuantization {
+  enum class Scale { kTensor, kChannel };
+
+  bool fp8 = false;  // FP8 (e4m3) weights with `<name>_scale` tensors
+  Scale scale = Scale::kTensor;
+  bool static_activations = false;  // input_scale tensors (recorded; not applied)
+  std::vector<std::string> ignore;  // modules left unquantized: names or "re:" patterns
+  std::string description;          // e.g. "compressed-tensors float-quantized, W8 channel"
+
+  // Whether the weight `name` (a ".weight" tensor) is one of the quantized ones.
+  bool quantizes(std::string_view name) const;
+};
+
+// Reads `dir`'s config.json quantization_config and hf_quant_config.json. A configuration that
+// declares only a KV-cache scheme (kv_cache_scheme, kv_cache_quant_algo) is no weight
+// quantization. Throws InputError (one line: the file, the scheme, what kvq loads) otherwise.
+WeightQuantization read_weight_quantization(const std::string& dir);
+
+}  // namespace kvq::model
