@@ -2,7 +2,6 @@
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
-#include <regex>
 
 #include "kvq/core/error.h"
 #include "kvq/core/json_text.h"
@@ -106,6 +105,54 @@ WeightQuantization modelopt(const json& q, const std::string& where) {
   return w;
 }
 
+// A "re:" ignore pattern as checkpoints write them ("re:.*lm_head", "re:model\.layers\.0\..*"):
+// literals, "\x" escapes, "." (any character) and ".*" (any run); no backtracking regex engine,
+// so a hostile pattern costs at most |pattern| x |name| steps. Other regex syntax is refused.
+bool pattern_matches(std::string_view pat, std::string_view s) {
+  struct Tok {
+    char c;
+    bool any, star;
+  };
+  std::vector<Tok> toks;
+  for (size_t i = 0; i < pat.size(); ++i) {
+    const char c = pat[i];
+    if (c == '\\' && i + 1 < pat.size()) {
+      toks.push_back({pat[++i], false, false});
+    } else if (c == '.') {
+      const bool star = i + 1 < pat.size() && pat[i + 1] == '*';
+      toks.push_back({0, true, star});
+      if (star) ++i;
+    } else if (std::string_view("[](){}+?|^$*\\").find(c) != std::string_view::npos) {
+      throw InputError("quantization config: ignore pattern 're:" + std::string(pat) +
+                       "' uses regex syntax kvq does not match ('" + std::string(1, c) +
+                       "'); accepted: literals, '\\.' escapes, '.' and '.*'");
+    } else {
+      toks.push_back({c, false, false});
+    }
+  }
+  // reach[j]: the first j tokens match the prefix read so far.
+  std::vector<char> reach(toks.size() + 1, 0), next(toks.size() + 1, 0);
+  auto close = [&](std::vector<char>& r) {  // ".*" also matches nothing
+    for (size_t j = 0; j < toks.size(); ++j)
+      if (r[j] && toks[j].star) r[j + 1] = 1;
+  };
+  reach[0] = 1;
+  close(reach);
+  for (char ch : s) {
+    std::fill(next.begin(), next.end(), 0);
+    for (size_t j = 0; j < toks.size(); ++j) {
+      if (!reach[j]) continue;
+      if (toks[j].star)
+        next[j] = 1;  // ".*" takes this character and stays
+      else if (toks[j].any || toks[j].c == ch)
+        next[j + 1] = 1;
+    }
+    close(next);
+    reach.swap(next);
+  }
+  return reach[toks.size()] != 0;
+}
+
 }  // namespace
 
 bool WeightQuantization::quantizes(std::string_view name) const {
@@ -114,11 +161,7 @@ bool WeightQuantization::quantizes(std::string_view name) const {
   if (module.ends_with(".weight")) module.resize(module.size() - 7);
   for (const std::string& p : ignore) {
     if (p.starts_with("re:")) {
-      try {
-        if (std::regex_match(module, std::regex(p.substr(3)))) return false;
-      } catch (const std::regex_error&) {
-        throw InputError("quantization config: ignore pattern '" + p + "' is not a valid regex");
-      }
+      if (pattern_matches(std::string_view(p).substr(3), module)) return false;
     } else if (module == p || (p.find('.') == std::string::npos && module.ends_with("." + p)) ||
                (p.ends_with("*") && module.starts_with(p.substr(0, p.size() - 1)))) {
       // A bare name ("lm_head") matches that module anywhere; "x.*" matches by prefix.
@@ -128,13 +171,14 @@ bool WeightQuantization::quantizes(std::string_view name) const {
   return true;
 }
 
-WeightQuantization read_weight_quantization(const std::string& dir) {
-  const auto cfg_path = std::filesystem::path(dir) / "config.json";
-  if (std::filesystem::exists(cfg_path)) {
-    const json cfg = parse_json_file(cfg_path.string());
+WeightQuantization parse_weight_quantization(const nlohmann::json& cfg,
+                                             const nlohmann::json& hf_quant,
+                                             const std::string& config_path,
+                                             const std::string& hf_quant_path) {
+  {
     if (cfg.is_object() && cfg.contains("quantization_config") &&
         !cfg["quantization_config"].is_null()) {
-      const std::string where = cfg_path.string() + " quantization_config";
+      const std::string where = config_path + " quantization_config";
       const json& q = cfg["quantization_config"];
       if (!q.is_object())
         throw InputError(where + " should be an object, got " + q.dump().substr(0, 80));
@@ -149,13 +193,18 @@ WeightQuantization read_weight_quantization(const std::string& dir) {
       refuse(where, what);
     }
   }
-  const auto hf = std::filesystem::path(dir) / "hf_quant_config.json";
-  if (std::filesystem::exists(hf)) {
-    const json j = parse_json_file(hf.string());
-    if (j.is_object() && j.contains("quantization") && j["quantization"].is_object())
-      return modelopt(j["quantization"], hf.string());
-  }
+  if (hf_quant.is_object() && hf_quant.contains("quantization") &&
+      hf_quant["quantization"].is_object())
+    return modelopt(hf_quant["quantization"], hf_quant_path);
   return {};
+}
+
+WeightQuantization read_weight_quantization(const std::string& dir) {
+  const auto cfg_path = std::filesystem::path(dir) / "config.json";
+  const auto hf = std::filesystem::path(dir) / "hf_quant_config.json";
+  const json cfg = std::filesystem::exists(cfg_path) ? parse_json_file(cfg_path.string()) : json();
+  const json hq = std::filesystem::exists(hf) ? parse_json_file(hf.string()) : json();
+  return parse_weight_quantization(cfg, hq, cfg_path.string(), hf.string());
 }
 
 }  // namespace kvq::model

@@ -10,6 +10,7 @@
 // not applied (the projections run in the model's float precision).
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -33,5 +34,11 @@ struct WeightQuantization {
 // declares only a KV-cache scheme (kv_cache_scheme, kv_cache_quant_algo) is no weight
 // quantization. Throws InputError (one line: the file, the scheme, what kvq loads) otherwise.
 WeightQuantization read_weight_quantization(const std::string& dir);
+// The same from parsed files: config.json's object and hf_quant_config.json's (null: absent);
+// the paths name them in errors.
+WeightQuantization parse_weight_quantization(const nlohmann::json& config,
+                                             const nlohmann::json& hf_quant,
+                                             const std::string& config_path,
+                                             const std::string& hf_quant_path);
 
 }  // namespace kvq::model

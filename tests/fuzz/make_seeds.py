@@ -78,6 +78,20 @@ def main():
         "torch_dtype": "float16", "sliding_window": 128,
         "quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"}}
     write("model_config", "mistral_modelopt.bin", b"\x00\x08\x00\x02" + json.dumps(mistral).encode())
+    # FP8 weights as compressed-tensors publishes them (config_groups, ignore with re: patterns).
+    fp8w = dict(llama)
+    fp8w["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"type": "float", "num_bits": 8, "strategy": "channel", "dynamic": False,
+                        "symmetric": True},
+            "input_activations": {"type": "float", "num_bits": 8, "strategy": "token",
+                                  "dynamic": True}}},
+        "ignore": ["lm_head", "re:.*mlp\\.down_proj", "re:model\\.layers\\.1.\\..*"],
+        "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor",
+                            "dynamic": False, "symmetric": True}}
+    write("model_config", "llama_ct_fp8_weights.bin", b"\x00\x00\x00\x00" + json.dumps(fp8w).encode())
     # ---- tokenizer: byte 0 even + tokenizer.json, or byte 0 odd + text ----
     with open("models/kvq-code-tiny/tokenizer.json") as f:
         tok = json.load(f)

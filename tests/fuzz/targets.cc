@@ -27,6 +27,7 @@
 #include "kvq/server/chat_format.h"
 #include "kvq/server/openai_protocol.h"
 #include "kvq/tokenizer/tokenizer.h"
+#include "model/weight_quant.h"
 
 namespace kvq::fuzz {
 
@@ -127,6 +128,16 @@ void model_config(Input data) {
   const uint8_t* sel = data.data();
   try {
     const nlohmann::json j = parse_json_text(as_text(data.subspan(4)), "fuzz/config.json");
+    // The weight quantization first: a config whose weights kvq refuses may still plan.
+    try {
+      const model::WeightQuantization wq = model::parse_weight_quantization(
+          j, nlohmann::json(), "fuzz/config.json", "fuzz/hf_quant_config.json");
+      for (const char* name : {"lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
+                               "model.layers.12.mlp.down_proj.weight"})
+        (void)wq.quantizes(name);
+    } catch (const InputError& e) {
+      rejected(e);
+    }
     const ModelConfig config = parse_model_config(j, "fuzz/config.json");
     (void)read_checkpoint_kv_scheme(config);
     KvPlanOptions o;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kvq/io/safetensors.h"
+#include "model/weight_quant.h"
 #include "model_test_util.h"
 
 namespace kvq::test {
@@ -239,6 +240,31 @@ TEST(Fp8Checkpoint, OtherSchemesAndBrokenFilesAreRefused) {
     EXPECT_NE(e.find("F8_E4M3"), std::string::npos) << e;
     EXPECT_NE(e.find("declares none"), std::string::npos) << e;
   }
+}
+
+// The ignore list as checkpoints write it: bare module names, dotted names, "re:" patterns
+// (literals, escapes, '.', '.*'; other regex syntax is refused, never run by a regex engine).
+TEST(Fp8Checkpoint, IgnoreListMatchesModules) {
+  model::WeightQuantization q;
+  q.fp8 = true;
+  q.ignore = {"lm_head", "model.layers.0.mlp.down_proj", "re:.*self_attn\\.k_proj",
+              "re:model\\.layers\\.1.\\..*"};
+  EXPECT_FALSE(q.quantizes("lm_head.weight"));
+  EXPECT_FALSE(q.quantizes("model.layers.0.mlp.down_proj.weight"));
+  EXPECT_TRUE(q.quantizes("model.layers.1.mlp.down_proj.weight"));
+  EXPECT_FALSE(q.quantizes("model.layers.3.self_attn.k_proj.weight"));
+  EXPECT_TRUE(q.quantizes("model.layers.3.self_attn.q_proj.weight"));
+  EXPECT_FALSE(q.quantizes("model.layers.12.mlp.up_proj.weight"));  // "1." then "2"
+  EXPECT_TRUE(q.quantizes("model.layers.2.mlp.up_proj.weight"));
+  q.ignore = {"re:(a+)+$"};
+  try {
+    (void)q.quantizes("lm_head.weight");
+    ADD_FAILURE() << "a regex group was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("re:(a+)+$"), std::string::npos) << e.what();
+  }
+  q.fp8 = false;
+  EXPECT_FALSE(q.quantizes("model.layers.0.mlp.up_proj.weight"));  // nothing is quantized
 }
 
 }  // namespace
