@@ -14,5 +14,6 @@ Action add_generate_command(CLI::App& app);
 Action add_eval_command(CLI::App& app);
 Action add_serve_command(CLI::App& app);
 Action add_bench_command(CLI::App& app);
+Action add_quantize_command(CLI::App& app);
 
 }  // namespace kvq::cli

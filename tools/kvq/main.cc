@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   add(kvq::cli::add_eval_command);
   add(kvq::cli::add_serve_command);
   add(kvq::cli::add_bench_command);
+  add(kvq::cli::add_quantize_command);
 
   std::vector<std::string> args = kvq::cli::normalize_args(argc, argv);
   std::vector<char*> cargs;

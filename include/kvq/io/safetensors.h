@@ -71,4 +71,29 @@ class CheckpointFiles {
   std::vector<SafetensorsFile> files_;
 };
 
+// Writes a safetensors file tensor by tensor, so a checkpoint never has to sit in memory whole:
+// the header (the entries in order, offsets back to back, padded to 8 bytes) goes out first,
+// then add() takes each tensor's bytes in the same order. finish() checks that every entry got
+// its bytes and flushes. InputError naming the path on any I/O failure or misuse.
+class SafetensorsWriter {
+ public:
+  struct Entry {
+    std::string name;
+    TensorDtype dtype = TensorDtype::kF32;
+    std::vector<int64_t> shape;
+  };
+  SafetensorsWriter(const std::string& path, std::vector<Entry> entries,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  // The next entry's bytes (name and byte count must match it).
+  void add(std::string_view name, const void* data, size_t bytes);
+  void finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace kvq
