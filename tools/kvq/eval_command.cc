@@ -12,6 +12,7 @@
 #include "kvq/core/error.h"
 #include "kvq/core/log.h"
 #include "kvq/engine/evaluator.h"
+#include "kvq/plan/model_config.h"
 #include "model_flags.h"
 
 namespace kvq::cli {
@@ -38,6 +39,8 @@ Action add_eval_command(CLI::App& app) {
     bool all_dtypes = false;
     int context = 512;
     int64_t max_tokens = 0;
+    std::string reference_model;
+    std::string reference_kv = "float32";
   };
   auto st = std::make_shared<State>();
   st->model.add_to(*sub);
@@ -50,19 +53,40 @@ Action add_eval_command(CLI::App& app) {
   sub->add_option("--max-tokens", st->max_tokens,
                   "evaluate at most this many tokens (default: all)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  sub->add_option("--reference-model", st->reference_model,
+                  "compare against this model (same tokenizer and vocabulary), e.g. the bf16 "
+                  "original of an FP8 checkpoint (default: the same weights)");
+  sub->add_option("--reference-kv-cache-dtype", st->reference_kv,
+                  "the reference's KV cache dtype (default float32)");
   return [st]() {
     const std::string text = read_text_file(st->text);
     LoadedModel lm = st->model.load();
     const std::vector<int32_t> tokens = lm.tokenizer->encode(text, /*add_special_tokens=*/false);
 
-    // Reference: every layer's K and V in float32 (the exact path).
+    // Reference: every layer's K and V in float32 (the exact path), of the same weights or of
+    // --reference-model.
+    const KvDtype ref_kv = parse_kv_dtype_or_throw(st->reference_kv, "--reference-kv-cache-dtype");
+    if (!traits(ref_kv).concrete)
+      throw InputError("--reference-kv-cache-dtype " + st->reference_kv +
+                       ": name a dtype (auto is not one)");
     KvPlanOptions ref_options = st->model.plan.options();
-    ref_options.kv = DtypeFlag{KvDtype::kFloat32, "reference float32"};
+    ref_options.kv = DtypeFlag{ref_kv, "--reference-kv-cache-dtype " + st->reference_kv};
     ref_options.k.reset();
     ref_options.v.reset();
     ref_options.skip_layers.clear();
-    std::unique_ptr<Model> reference =
-        lm.model->with_plan(st->model.make_plan(ref_options), st->model.attention_backend);
+    std::unique_ptr<Model> reference;
+    if (st->reference_model.empty()) {
+      reference =
+          lm.model->with_plan(st->model.make_plan(ref_options), st->model.attention_backend);
+    } else {
+      ModelFlags rf = st->model;
+      rf.plan.model = st->reference_model;
+      reference = rf.load_model(make_kv_plan(load_model_config(st->reference_model), ref_options));
+      if (reference->vocab_size() != lm.model->vocab_size())
+        throw InputError("--reference-model " + st->reference_model + " has a vocabulary of " +
+                         std::to_string(reference->vocab_size()) + " tokens; the model has " +
+                         std::to_string(lm.model->vocab_size()));
+    }
 
     std::vector<std::unique_ptr<Model>> owned;
     std::vector<EvalCandidate> candidates;
@@ -98,6 +122,7 @@ Action add_eval_command(CLI::App& app) {
       j["windows"] = r.windows;
       j["context"] = st->context;
       j["reference"] = {{"kv_dtype", r.reference_label}, {"ppl", r.reference_ppl}};
+      if (!st->reference_model.empty()) j["reference"]["model"] = st->reference_model;
       j["rows"] = nlohmann::json::array();
       for (const auto& row : r.rows) {
         nlohmann::json o = {{"kv_dtype", row.label}, {"plan", row.plan_summary}};
@@ -119,7 +144,10 @@ Action add_eval_command(CLI::App& app) {
     std::printf("kvq eval: %s on %s: %lld predicted tokens in %d windows of <= %d tokens\n",
                 st->model.plan.model.c_str(), st->text.c_str(),
                 static_cast<long long>(r.predicted_tokens), r.windows, st->context);
-    std::printf("reference: %s KV cache, PPL %.4f\n\n", r.reference_label.c_str(), r.reference_ppl);
+    std::printf("reference: %s%s%s KV cache, PPL %.4f\n\n",
+                st->reference_model.empty() ? "" : st->reference_model.c_str(),
+                st->reference_model.empty() ? "" : " with a ", r.reference_label.c_str(),
+                r.reference_ppl);
     std::printf("%-22s %11s %8s %10s %10s %10s %8s\n", "KV cache", "bytes/tok", "vs bf16", "PPL",
                 "dPPL", "mean KL", "top-1");
     for (const auto& row : r.rows) {
