@@ -198,6 +198,39 @@ TEST(CliEval, AllDtypesTableMarksWhatCannotRun) {
   }
 }
 
+// --reference-model: the same model with the same KV dtype is itself (KL 0, every top-1
+// agrees); the small draft model (same tokenizer, other weights) differs; another vocabulary
+// is refused in one line.
+TEST(CliEval, ReferenceModelFromAnotherFolder) {
+  SKIP_WITHOUT(kCode);
+  const std::string draft = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny-draft";
+  SKIP_WITHOUT(draft);
+  auto eval = [&](const std::string& ref) {
+    const auto r =
+        run_kvq({"eval", "--model", kCode, "--text", kCode + "/heldout.txt", "--max-tokens", "512",
+                 "--kv-cache-dtype", "bfloat16", "--reference-model", ref,
+                 "--reference-kv-cache-dtype", "bfloat16", "--json"});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return json::parse(r.out);
+  };
+  const json self = eval(kCode);
+  EXPECT_EQ(self["reference"]["model"], kCode);
+  EXPECT_EQ(self["reference"]["kv_dtype"], "bfloat16");
+  EXPECT_EQ(self["rows"][0]["mean_kl"].get<double>(), 0.0);
+  EXPECT_EQ(self["rows"][0]["top1_agreement"].get<double>(), 1.0);
+  EXPECT_EQ(self["rows"][0]["ppl"].get<double>(), self["reference"]["ppl"].get<double>());
+  const json other = eval(draft);
+  EXPECT_GT(other["rows"][0]["mean_kl"].get<double>(), 0.01);
+  EXPECT_NE(other["reference"]["ppl"].get<double>(), self["reference"]["ppl"].get<double>());
+  if (std::filesystem::exists(kStories + "/model.safetensors"))
+    expect_error(run_kvq({"eval", "--model", kCode, "--text", kCode + "/heldout.txt",
+                          "--reference-model", kStories}),
+                 "vocabulary");
+  expect_error(run_kvq({"eval", "--model", kCode, "--text", kCode + "/heldout.txt",
+                        "--reference-kv-cache-dtype", "fp9"}),
+               "--reference-kv-cache-dtype");
+}
+
 TEST(CliEvalBadInput, MissingTextFile) {
   SKIP_WITHOUT(kStories);
   expect_error(run_kvq({"eval", "--model", kStories, "--text", "/nonexistent/file.txt"}), "--text");
