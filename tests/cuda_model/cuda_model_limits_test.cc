@@ -10,11 +10,12 @@
 #include "kvq/core/error.h"
 #include "kvq/model/cuda_model.h"
 #include "kvq/plan/kv_plan.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 namespace {
 
-const std::string kTiny = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
+const std::string kTiny = ::kvq::test::source_dir() + "/models/kvq-code-tiny";
 
 TEST(CudaModelLimits, SequenceLongerThanTheContextIsAnInputError) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";

@@ -18,6 +18,7 @@
 #include "kvq/cache/device_kv_cache.h"
 #include "kvq/core/error.h"
 #include "kvq/model/cuda_model.h"
+#include "support/source_dir.h"
 #include "unit/model/model_test_util.h"
 
 namespace kvq::test {
@@ -26,8 +27,8 @@ namespace {
 #define SKIP_WITHOUT_GPU() \
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"
 
-const std::string kTiny = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
-const std::string kStories = std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K";
+const std::string kTiny = ::kvq::test::source_dir() + "/models/kvq-code-tiny";
+const std::string kStories = ::kvq::test::source_dir() + "/../shared/models/stories260K";
 
 CudaModelOptions small_options(bool graphs = true) {
   CudaModelOptions o;

@@ -21,13 +21,14 @@
 #include "kvq/core/error.h"
 #include "kvq/model/cuda_model.h"
 #include "kvq/plan/speculative_config.h"
+#include "support/source_dir.h"
 
 namespace kvq {
 namespace {
 
-const std::string kTiny = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
-const std::string kDflash = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny-dflash";
-const std::string kGoldens = std::string(KVQ_SOURCE_DIR) + "/tests/fixtures/goldens/";
+const std::string kTiny = ::kvq::test::source_dir() + "/models/kvq-code-tiny";
+const std::string kDflash = ::kvq::test::source_dir() + "/models/kvq-code-tiny-dflash";
+const std::string kGoldens = ::kvq::test::source_dir() + "/tests/fixtures/goldens/";
 
 KvPlanOptions kv_flags(KvDtype kv) {
   KvPlanOptions o;

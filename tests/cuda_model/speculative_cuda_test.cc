@@ -21,13 +21,14 @@
 #include "kvq/model/cuda_model.h"
 #include "kvq/plan/speculative_config.h"
 #include "kvq/tokenizer/tokenizer.h"
+#include "support/source_dir.h"
 
 namespace kvq {
 namespace {
 
-const std::string kTiny = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
-const std::string kDraft = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny-draft";
-const std::string kDflash = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny-dflash";
+const std::string kTiny = ::kvq::test::source_dir() + "/models/kvq-code-tiny";
+const std::string kDraft = ::kvq::test::source_dir() + "/models/kvq-code-tiny-draft";
+const std::string kDflash = ::kvq::test::source_dir() + "/models/kvq-code-tiny-dflash";
 
 CudaModelOptions options(bool graphs = true) {
   CudaModelOptions o;

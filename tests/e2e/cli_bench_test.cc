@@ -6,13 +6,14 @@
 #include <string>
 
 #include "e2e/cli_test_util.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 namespace {
 
 using nlohmann::json;
 
-const std::string kCode = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
+const std::string kCode = ::kvq::test::source_dir() + "/models/kvq-code-tiny";
 
 void expect_error(const CommandResult& r, const std::string& needle) {
   EXPECT_EQ(r.exit_code, 2) << r.err;
@@ -53,9 +54,9 @@ TEST(CliBench, KvBudgetBoundsTheBatch) {
   const int block_bytes = kLayers * 2 * 16 * kKvHeads * kHeadDim * 2;
   const int blocks = (1 << 20) / block_bytes;
   const int largest = blocks / 3;
-  const std::vector<std::string> base = {"bench", "--model", kCode, "--input-len", "40",
-                                         "--output-len", "6", "--kv-cache-memory", "1MiB",
-                                         "--json"};
+  const std::vector<std::string> base = {"bench", "--model",      kCode, "--input-len",
+                                         "40",    "--output-len", "6",   "--kv-cache-memory",
+                                         "1MiB",  "--json"};
   auto args = base;
   args.insert(args.end(), {"--batch", std::to_string(largest)});
   const auto ok = run_kvq(args);

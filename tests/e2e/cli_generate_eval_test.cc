@@ -9,14 +9,15 @@
 
 #include "e2e/cli_test_util.h"
 #include "support/fixtures.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 namespace {
 
 using nlohmann::json;
 
-const std::string kStories = std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K";
-const std::string kCode = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
+const std::string kStories = ::kvq::test::source_dir() + "/../shared/models/stories260K";
+const std::string kCode = ::kvq::test::source_dir() + "/models/kvq-code-tiny";
 
 #define SKIP_WITHOUT(dir)                                          \
   if (!std::filesystem::exists(std::string(dir) + "/config.json")) \
@@ -203,7 +204,7 @@ TEST(CliEval, AllDtypesTableMarksWhatCannotRun) {
 // is refused in one line.
 TEST(CliEval, ReferenceModelFromAnotherFolder) {
   SKIP_WITHOUT(kCode);
-  const std::string draft = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny-draft";
+  const std::string draft = ::kvq::test::source_dir() + "/models/kvq-code-tiny-draft";
   SKIP_WITHOUT(draft);
   auto eval = [&](const std::string& ref) {
     const auto r =

@@ -7,17 +7,18 @@
 
 #include "e2e/cli_test_util.h"
 #include "support/fixtures.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 namespace {
 
 using nlohmann::json;
 
-const std::string kShared = std::string(KVQ_SOURCE_DIR) + "/../shared";
+const std::string kShared = ::kvq::test::source_dir() + "/../shared";
 const std::string kStories = kShared + "/models/stories260K";
 
-#define SKIP_WITHOUT_SHARED()                                                      \
-  if (!std::filesystem::exists(kStories + "/config.json"))                         \
+#define SKIP_WITHOUT_SHARED()                              \
+  if (!std::filesystem::exists(kStories + "/config.json")) \
   GTEST_SKIP() << "../shared/models/stories260K is absent; skipping"
 
 void expect_one_line_error(const CommandResult& r, const std::string& needle) {
@@ -53,8 +54,8 @@ TEST(CliPlan, Stories260KFp8SkippingLayerZero) {
 
 TEST(CliPlan, TableAndMemoryBudget) {
   SKIP_WITHOUT_SHARED();
-  const auto r = run_kvq({"plan", "--model", kStories, "-ctk", "int8_per_token_head", "-ctv", "bf16",
-                          "--kv-cache-memory", "1MiB"});
+  const auto r = run_kvq({"plan", "--model", kStories, "-ctk", "int8_per_token_head", "-ctv",
+                          "bf16", "--kv-cache-memory", "1MiB"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("int8_per_token_head"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("-ctk int8_per_token_head"), std::string::npos) << r.out;
@@ -64,7 +65,8 @@ TEST(CliPlan, TableAndMemoryBudget) {
 }
 
 TEST(CliPlanBadInput, FlagsAndFiles) {
-  const std::string good = make_model_dir(llama_config(4, 8, 2, 64), {f32_tensor("w", {2}, {1.f, 2.f})});
+  const std::string good =
+      make_model_dir(llama_config(4, 8, 2, 64), {f32_tensor("w", {2}, {1.f, 2.f})});
   expect_one_line_error(run_kvq({"plan", "--model", good, "--kv-cache-dtype", "fp9"}),
                         "--kv-cache-dtype: unknown KV cache dtype 'fp9'; accepted: auto");
   expect_one_line_error(run_kvq({"plan", "--model", good, "-ctk", "fp8_inc"}),
@@ -111,7 +113,8 @@ TEST(CliPlanBadInput, BrokenSafetensorsHeaders) {
   };
   for (const auto& c : cases) {
     const std::string dir = make_model_dir(llama_config(), {}, /*with_weights=*/false);
-    write_raw_safetensors(dir + "/model.safetensors", c.header, std::vector<uint8_t>(c.data), c.declared);
+    write_raw_safetensors(dir + "/model.safetensors", c.header, std::vector<uint8_t>(c.data),
+                          c.declared);
     const auto r = run_kvq({"plan", "--model", dir});
     expect_one_line_error(r, c.expect);
     EXPECT_NE(r.err.find("model.safetensors"), std::string::npos) << r.err;

@@ -20,13 +20,14 @@
 #include "kvq/plan/model_config.h"
 #include "kvq/quant/codec.h"
 #include "kvq/tokenizer/tokenizer.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 namespace {
 
 using nlohmann::json;
 
-const std::string kTiny = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
+const std::string kTiny = ::kvq::test::source_dir() + "/models/kvq-code-tiny";
 
 TEST(CliQuantize, Fp8WeightsAndCalibratedKvScalesRoundTrip) {
   if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << "no default model";

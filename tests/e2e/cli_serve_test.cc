@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "e2e/cli_test_util.h"
+#include "support/source_dir.h"
 
 extern char** environ;
 
@@ -27,7 +28,7 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-const std::string kCode = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
+const std::string kCode = ::kvq::test::source_dir() + "/models/kvq-code-tiny";
 
 std::string slurp(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -42,11 +43,12 @@ class ServeProcess {
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
     posix_spawn_file_actions_addopen(&fa, 2, err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    args.insert(args.begin(), {KVQ_BINARY, "serve"});
+    args.insert(args.begin(), {kvq_binary(), "serve"});
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    if (posix_spawn(&pid_, KVQ_BINARY, &fa, nullptr, argv.data(), environ) != 0) pid_ = -1;
+    if (posix_spawn(&pid_, kvq_binary().c_str(), &fa, nullptr, argv.data(), environ) != 0)
+      pid_ = -1;
     posix_spawn_file_actions_destroy(&fa);
     const std::string banner = "listening on http://127.0.0.1:";
     const auto until = Clock::now() + std::chrono::seconds(120);

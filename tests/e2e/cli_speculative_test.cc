@@ -7,26 +7,27 @@
 #include <nlohmann/json.hpp>
 
 #include "e2e/cli_test_util.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 namespace {
 
 using nlohmann::json;
 
-const std::string kModels = std::string(KVQ_SOURCE_DIR) + "/models";
+const std::string kModels = ::kvq::test::source_dir() + "/models";
 const std::string kTiny = kModels + "/kvq-code-tiny";
 const std::string kDraft = kModels + "/kvq-code-tiny-draft";
 const std::string kDflash = kModels + "/kvq-code-tiny-dflash";
 
-#define SKIP_WITHOUT_MODELS()                                                     \
-  if (!std::filesystem::exists(kDraft + "/model.safetensors") ||                  \
-      !std::filesystem::exists(kDflash + "/model.safetensors"))                   \
+#define SKIP_WITHOUT_MODELS()                                    \
+  if (!std::filesystem::exists(kDraft + "/model.safetensors") || \
+      !std::filesystem::exists(kDflash + "/model.safetensors"))  \
   GTEST_SKIP() << "the default model's drafters are absent"
 
 std::string spec(const std::string& method, const std::string& model, int k,
                  const std::string& extra = "") {
-  std::string s = "{\"method\": \"" + method + "\", \"num_speculative_tokens\": " +
-                  std::to_string(k);
+  std::string s =
+      "{\"method\": \"" + method + "\", \"num_speculative_tokens\": " + std::to_string(k);
   if (!model.empty()) s += ", \"model\": \"" + model + "\"";
   return s + extra + "}";
 }
@@ -52,8 +53,9 @@ TEST(CliSpeculative, PlanShowsTheDrafterQuantizedLikeTheTarget) {
         EXPECT_EQ(l["attention"], "non_causal") << l.dump();
       }
     }
-    const auto t = run_kvq({"plan", "--model", kTiny, "--kv-cache-dtype", "fp8",
-                            "--speculative-config", spec(method, dir, 4, ", \"kv_cache_dtype\": \"bf16\"")});
+    const auto t =
+        run_kvq({"plan", "--model", kTiny, "--kv-cache-dtype", "fp8", "--speculative-config",
+                 spec(method, dir, 4, ", \"kv_cache_dtype\": \"bf16\"")});
     ASSERT_EQ(t.exit_code, 0) << t.err;
     EXPECT_NE(t.out.find("drafter (" + method), std::string::npos) << t.out;
     EXPECT_NE(t.out.find("--speculative-config kv_cache_dtype=bf16"), std::string::npos) << t.out;
@@ -62,14 +64,22 @@ TEST(CliSpeculative, PlanShowsTheDrafterQuantizedLikeTheTarget) {
 
 TEST(CliSpeculative, GenerateGivesPlainGreedyIdsWithEveryProposer) {
   SKIP_WITHOUT_MODELS();
-  const std::vector<std::string> base = {"generate", "--model", kTiny, "--prompt",
+  const std::vector<std::string> base = {"generate",
+                                         "--model",
+                                         kTiny,
+                                         "--prompt",
                                          "class Stack:\n    def __init__(self):",
-                                         "--temperature", "0", "-n", "48", "--output-ids",
-                                         "--kv-cache-dtype", "int8_per_token_head"};
+                                         "--temperature",
+                                         "0",
+                                         "-n",
+                                         "48",
+                                         "--output-ids",
+                                         "--kv-cache-dtype",
+                                         "int8_per_token_head"};
   const auto plain = run_kvq(base);
   ASSERT_EQ(plain.exit_code, 0) << plain.err;
-  for (const std::string& s : {spec("ngram", "", 4), spec("draft_model", kDraft, 3),
-                               spec("dflash", kDflash, 6)}) {
+  for (const std::string& s :
+       {spec("ngram", "", 4), spec("draft_model", kDraft, 3), spec("dflash", kDflash, 6)}) {
     std::vector<std::string> args = base;
     args.push_back("--speculative-config");
     args.push_back(s);
@@ -83,7 +93,7 @@ TEST(CliSpeculative, GenerateGivesPlainGreedyIdsWithEveryProposer) {
 
 TEST(CliSpeculative, InconsistentConfigsAreOneLineAndExitTwo) {
   SKIP_WITHOUT_MODELS();
-  const std::string stories = std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K";
+  const std::string stories = ::kvq::test::source_dir() + "/../shared/models/stories260K";
   std::vector<std::pair<std::string, std::string>> cases = {
       {"{not json", "not valid JSON"},
       {spec("ngram", "", 0), "num_speculative_tokens"},
@@ -97,8 +107,8 @@ TEST(CliSpeculative, InconsistentConfigsAreOneLineAndExitTwo) {
   if (std::filesystem::exists(stories + "/config.json"))
     cases.push_back({spec("draft_model", stories, 4), "tokenizer"});
   for (const auto& [config, needle] : cases) {
-    const auto r = run_kvq({"generate", "--model", kTiny, "--prompt", "x", "-n", "2",
-                            "--speculative-config", config});
+    const auto r = run_kvq(
+        {"generate", "--model", kTiny, "--prompt", "x", "-n", "2", "--speculative-config", config});
     EXPECT_EQ(r.exit_code, 2) << config << ": " << r.err;
     ASSERT_FALSE(r.err.empty()) << config;
     EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "one line: " << r.err;

@@ -12,7 +12,10 @@ struct CommandResult {
   std::string err;
 };
 
-// Runs KVQ_BINARY with `args` (no shell involved).
+// The kvq binary: $KVQ_BINARY, else the one this build made.
+const std::string& kvq_binary();
+
+// Runs kvq_binary() with `args` (no shell involved).
 CommandResult run_kvq(const std::vector<std::string>& args);
 
 // A fresh empty directory under the system temp dir, removed at exit of the test binary.

@@ -15,12 +15,13 @@
 #include "kvq/core/error.h"
 #include "kvq/engine/speculative.h"
 #include "kvq/plan/speculative_config.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 namespace {
 
-const std::string kDflashDir = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny-dflash";
-const std::string kGoldens = std::string(KVQ_SOURCE_DIR) + "/tests/fixtures/goldens/";
+const std::string kDflashDir = ::kvq::test::source_dir() + "/models/kvq-code-tiny-dflash";
+const std::string kGoldens = ::kvq::test::source_dir() + "/tests/fixtures/goldens/";
 
 KvPlanOptions kv_flags(KvDtype kv) {
   KvPlanOptions o;

@@ -17,10 +17,11 @@
 #include "kvq/engine/generator.h"
 #include "kvq/engine/llm_engine.h"
 #include "kvq/plan/kv_plan.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 
-inline const std::string kModelDir = KVQ_SOURCE_DIR "/models/kvq-code-tiny";
+inline const std::string kModelDir = ::kvq::test::source_dir() + "/models/kvq-code-tiny";
 
 // Sanitizer builds (10x slower) run the same cases on less work.
 #if defined(__SANITIZE_ADDRESS__)

@@ -18,6 +18,7 @@
 #include "engine_test_util.h"
 #include "kvq/core/error.h"
 #include "kvq/engine/speculative.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 namespace {
@@ -314,7 +315,7 @@ const char* kDraftDir = "/models/kvq-code-tiny-draft";
 // KV flag; else the target's own weights under an int4 cache plan (it then drafts well but,
 // with another KV dtype, not perfectly).
 std::shared_ptr<const Model> drafter_for(KvDtype kv) {
-  const std::string dir = std::string(KVQ_SOURCE_DIR) + kDraftDir;
+  const std::string dir = ::kvq::test::source_dir() + kDraftDir;
   if (std::filesystem::exists(dir + "/model.safetensors")) {
     SpeculativeConfig sc;
     sc.method = SpecMethod::kDraftModel;
@@ -404,10 +405,24 @@ struct EngineCase {
 
 class EngineSpeculation : public ::testing::TestWithParam<EngineCase> {};
 
+int64_t run_engine_speculation(const EngineCase& ec, uint32_t seed);
+
 TEST_P(EngineSpeculation, GreedyBatchGivesSoloIdsAndFreesEveryBlock) {
   KVQ_REQUIRE_MODEL();
   const EngineCase ec = GetParam();
-  const uint32_t seed = fresh_seed();
+  // The tiny cache must preempt, but whether it does depends on which requests the engine
+  // admitted before the others arrived (its thread runs while they are added; seen once under
+  // sanitizers: seed 2082704995, 0 preemptions): up to three workloads, each checked in full,
+  // until one preempts.
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const uint32_t seed = fresh_seed() + static_cast<uint32_t>(attempt);
+    if (run_engine_speculation(ec, seed) > 0 || ec.num_blocks >= 40 || HasFailure()) return;
+  }
+  ADD_FAILURE() << "three workloads on a " << ec.num_blocks << "-block cache never preempted";
+}
+
+// One workload of GreedyBatchGivesSoloIdsAndFreesEveryBlock; returns its preemptions.
+int64_t run_engine_speculation(const EngineCase& ec, uint32_t seed) {
   std::mt19937 rng(seed);
   const KvPlan plan = default_plan(KvDtype::kFp8E4M3);
   EngineConfig config;
@@ -442,7 +457,10 @@ TEST_P(EngineSpeculation, GreedyBatchGivesSoloIdsAndFreesEveryBlock) {
   }
   for (size_t i = 0; i < prompts.size(); ++i)
     ids.push_back(engine->add_request(prompts[i], params[i], collector.callback()));
-  ASSERT_TRUE(collector.wait_finished(prompts.size())) << "seed " << seed;
+  if (!collector.wait_finished(prompts.size())) {
+    ADD_FAILURE() << "requests did not finish; seed " << seed;
+    return 0;
+  }
   int near_ties = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
     const Collected got = collector.get(ids[i]);
@@ -456,14 +474,12 @@ TEST_P(EngineSpeculation, GreedyBatchGivesSoloIdsAndFreesEveryBlock) {
   EXPECT_GT(s.spec.drafted, 0);
   EXPECT_GT(s.spec.accepted, 0);
   EXPECT_EQ(s.spec.emitted, s.spec.accepted + s.spec.verify_steps);
-  if (ec.num_blocks < 40) {
-    EXPECT_GT(s.preemptions, 0) << "seed " << seed;
-  }
   if (ec.shared_prefix) {
     EXPECT_GT(s.prefix_cache_hits, 0);
   }
   EXPECT_EQ(s.running, 0);
   EXPECT_EQ(s.blocks_used, 0) << "blocks still held after every request ended";
+  return s.preemptions;
 }
 
 INSTANTIATE_TEST_SUITE_P(Engine, EngineSpeculation,
@@ -536,7 +552,7 @@ namespace {
 // layers in bf16, and greedy speculation still gives plain greedy's ids.
 TEST(SpeculativeSkipLayers, DrafterFollowsTheTargetsSkipRule) {
   KVQ_REQUIRE_MODEL();
-  const std::string dir = std::string(KVQ_SOURCE_DIR) + kDraftDir;
+  const std::string dir = ::kvq::test::source_dir() + kDraftDir;
   if (!std::filesystem::exists(dir + "/model.safetensors")) GTEST_SKIP() << dir << " absent";
   const uint32_t seed = fresh_seed();
   std::mt19937 rng(seed);

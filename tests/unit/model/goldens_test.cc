@@ -9,11 +9,12 @@
 #include <fstream>
 
 #include "model_test_util.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 namespace {
 
-const std::string kGoldens = std::string(KVQ_SOURCE_DIR) + "/tests/fixtures/goldens/";
+const std::string kGoldens = ::kvq::test::source_dir() + "/tests/fixtures/goldens/";
 
 nlohmann::json read_index(const std::string& model) {
   std::ifstream in(kGoldens + "model_" + model + ".json");
@@ -34,7 +35,7 @@ class Goldens : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     index_ = read_index(GetParam());
-    dir_ = std::string(KVQ_SOURCE_DIR) + "/" + index_["model_path"].get<std::string>();
+    dir_ = ::kvq::test::source_dir() + "/" + index_["model_path"].get<std::string>();
     if (!std::filesystem::exists(dir_ + "/model.safetensors"))
       GTEST_SKIP() << "model folder " << dir_ << " is absent; skipping its golden comparison";
     model_ = Model::load(plan_for(dir_, KvDtype::kFloat32));

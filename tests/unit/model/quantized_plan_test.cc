@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "model_test_util.h"
+#include "support/source_dir.h"
 
 namespace kvq::test {
 namespace {
@@ -98,10 +99,9 @@ TEST(QuantizedPlans, MixedDtypesPerLayerRunAndAgreeOnTop1) {
 
 // The same on the committed default model, on its golden prompts.
 TEST(QuantizedPlans, DefaultModelTop1Agreement) {
-  const std::string dir = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
+  const std::string dir = ::kvq::test::source_dir() + "/models/kvq-code-tiny";
   if (!std::filesystem::exists(dir + "/model.safetensors")) GTEST_SKIP() << dir << " is absent";
-  std::ifstream in(std::string(KVQ_SOURCE_DIR) +
-                   "/tests/fixtures/goldens/model_kvq-code-tiny.json");
+  std::ifstream in(::kvq::test::source_dir() + "/tests/fixtures/goldens/model_kvq-code-tiny.json");
   const auto index = nlohmann::json::parse(in);
   std::vector<std::vector<int32_t>> prompts;
   for (const auto& e : index["logits"])

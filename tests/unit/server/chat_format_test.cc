@@ -1,6 +1,7 @@
 // Chat rendering checked against Jinja2's rendering of real templates (chat_goldens.json,
 // written by gen_chat_goldens.py), and template detection.
 #include "kvq/server/chat_format.h"
+#include "support/source_dir.h"
 
 #include <gtest/gtest.h>
 
@@ -12,7 +13,7 @@ namespace kvq {
 namespace {
 
 TEST(ChatFormat, RendersLikeJinjaForKnownTemplates) {
-  std::ifstream in(std::string(KVQ_SOURCE_DIR) + "/tests/unit/server/chat_goldens.json");
+  std::ifstream in(::kvq::test::source_dir() + "/tests/unit/server/chat_goldens.json");
   ASSERT_TRUE(in) << "missing tests/unit/server/chat_goldens.json (run gen_chat_goldens.py)";
   const auto goldens = nlohmann::json::parse(in);
   ASSERT_GE(goldens["cases"].size(), 20u);

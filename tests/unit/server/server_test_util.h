@@ -20,11 +20,12 @@
 #include "kvq/core/error.h"
 #include "kvq/server/http_server.h"
 #include "kvq/tokenizer/tokenizer.h"
+#include "support/source_dir.h"
 
 namespace kvq::testing {
 
 inline std::string default_model_dir() {
-  return std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny";
+  return ::kvq::test::source_dir() + "/models/kvq-code-tiny";
 }
 
 // Runs `server` (bound to port 0) on a thread until destroyed.

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvq/tokenizer/tokenizer.h"
+#include "support/source_dir.h"
 #include "tokenizer/utf8.h"
 
 namespace kvq {
@@ -21,8 +22,8 @@ struct GoldenModel {
 };
 
 std::vector<GoldenModel> golden_models() {
-  return {{"kvq-code-tiny", std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny"},
-          {"stories260K", std::string(KVQ_SOURCE_DIR) + "/../shared/models/stories260K"}};
+  return {{"kvq-code-tiny", ::kvq::test::source_dir() + "/models/kvq-code-tiny"},
+          {"stories260K", ::kvq::test::source_dir() + "/../shared/models/stories260K"}};
 }
 
 nlohmann::json read_json(const std::string& path) {
@@ -33,7 +34,7 @@ nlohmann::json read_json(const std::string& path) {
 }
 
 std::string golden_path(const GoldenModel& m) {
-  return std::string(KVQ_SOURCE_DIR) + "/tests/fixtures/goldens/tokenizer_" + m.name + ".json";
+  return ::kvq::test::source_dir() + "/tests/fixtures/goldens/tokenizer_" + m.name + ".json";
 }
 
 bool available(const GoldenModel& m, std::string& why) {

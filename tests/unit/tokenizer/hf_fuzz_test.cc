@@ -8,14 +8,14 @@
 #include <nlohmann/json.hpp>
 
 #include "kvq/tokenizer/tokenizer.h"
+#include "support/source_dir.h"
 #include "tokenizer/utf8.h"
 
 namespace kvq {
 namespace {
 
 TEST(HfFuzzGoldens, EveryConfigurationMatchesHuggingFace) {
-  const std::string path =
-      std::string(KVQ_SOURCE_DIR) + "/tests/unit/tokenizer/hf_fuzz_goldens.json";
+  const std::string path = ::kvq::test::source_dir() + "/tests/unit/tokenizer/hf_fuzz_goldens.json";
   std::ifstream f(path);
   ASSERT_TRUE(f) << path;
   const nlohmann::json g = nlohmann::json::parse(f);
@@ -28,8 +28,7 @@ TEST(HfFuzzGoldens, EveryConfigurationMatchesHuggingFace) {
     if (cfg.contains("tokenizer")) {
       t.emplace(Tokenizer::from_json(cfg["tokenizer"].dump(), name));
     } else {
-      const std::string dir =
-          std::string(KVQ_SOURCE_DIR) + "/" + cfg["model_dir"].get<std::string>();
+      const std::string dir = ::kvq::test::source_dir() + "/" + cfg["model_dir"].get<std::string>();
       if (!std::filesystem::exists(dir + "/tokenizer.json")) {
         std::cout << "[skip] " << name << ": " << dir << " is absent\n";
         continue;

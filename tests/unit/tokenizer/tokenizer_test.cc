@@ -9,6 +9,7 @@
 
 #include "kvq/core/error.h"
 #include "support/fixtures.h"
+#include "support/source_dir.h"
 #include "tokenizer/nfc.h"
 #include "tokenizer_test_util.h"
 
@@ -67,7 +68,7 @@ TEST(Bpe, MergesAsStringsOrPairsAreTheSame) {
 }
 
 TEST(Bpe, MergesAsStringsOnTheRealCodeModel) {
-  const std::string path = std::string(KVQ_SOURCE_DIR) + "/models/kvq-code-tiny/tokenizer.json";
+  const std::string path = ::kvq::test::source_dir() + "/models/kvq-code-tiny/tokenizer.json";
   if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent";
   std::ifstream f(path);
   nlohmann::json j = nlohmann::json::parse(f);
@@ -294,7 +295,7 @@ TEST(Normalizer, NfcComposesDecomposedText) {
   EXPECT_EQ(tok::nfc("plain ascii"), "plain ascii");
 
   // The fixture texts hold one sentence in NFC and in NFD.
-  std::ifstream f(std::string(KVQ_SOURCE_DIR) + "/tests/fixtures/tokenizer_texts.json");
+  std::ifstream f(::kvq::test::source_dir() + "/tests/fixtures/tokenizer_texts.json");
   const nlohmann::json texts = nlohmann::json::parse(f)["texts"];
   std::string composed, decomposed;
   for (const auto& t : texts) {
@@ -433,7 +434,7 @@ std::vector<std::pair<std::string, Tokenizer>> tokenizers_under_test() {
                    make(test::sentencepiece_bpe({sp, "a", "b", "e", "l", "o"},
                                                 {{sp, "a"}, {"l", "o"}, {sp, "b"}})));
   for (const char* dir : {"/models/kvq-code-tiny", "/../shared/models/stories260K"}) {
-    const std::string d = std::string(KVQ_SOURCE_DIR) + dir;
+    const std::string d = ::kvq::test::source_dir() + dir;
     if (std::filesystem::exists(d + "/tokenizer.json")) out.emplace_back(d, Tokenizer::load(d));
   }
   return out;
