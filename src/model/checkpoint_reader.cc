@@ -67,7 +67,9 @@ void CheckpointReader::expect(std::string_view name, const std::vector<int64_t>&
              : std::string("; kvq runs F32, F16 and BF16 weights, and F8_E4M3 weights where "
                            "config.json declares FP8 weight quantization (compressed-tensors "
                            "float-quantized, ModelOpt FP8); ") +
-                   (quant_.fp8 ? "this one" : "this checkpoint declares none")));
+                   (quant_.fp8 ? "this checkpoint declares FP8 weights, not " +
+                                     std::string(to_string(t->dtype))
+                               : std::string("this checkpoint declares none"))));
   if (t->shape != shape)
     throw InputError(file->path() + ": tensor '" + t->name + "' has shape " + shape_text(t->shape) +
                      "; config.json implies " + shape_text(shape));
