@@ -56,8 +56,16 @@ void write_text_file(const std::string& path, const std::string& text) {
   if (!f) throw InputError(path + ": write failed");
 }
 
+// A progress line on stderr, redrawn only when the whole percent changes (a large checkpoint
+// has thousands of tensors).
 void progress(const char* what, size_t done, size_t total) {
-  std::fprintf(stderr, "\rkvq quantize: %s %3zu%%", what, total ? done * 100 / total : 100);
+  static const char* shown_what = nullptr;
+  static size_t shown = 0;
+  const size_t pct = total ? done * 100 / total : 100;
+  if (what == shown_what && pct == shown && done != total) return;
+  shown_what = what;
+  shown = pct;
+  std::fprintf(stderr, "\rkvq quantize: %s %3zu%%", what, pct);
   if (done == total) std::fprintf(stderr, "\n");
   std::fflush(stderr);
 }
