@@ -24,6 +24,29 @@ std::string text_of(const json& j) {
   throw InputError(where + ": " + what + " is not supported; " + kAccepted);
 }
 
+// A number-of-bits field; anything but an integer reads as -1 (refused by the caller with the
+// value named) instead of escaping as a JSON type error.
+int bits_of(const json& o) {
+  if (!o.contains("num_bits")) return -1;
+  const json& b = o["num_bits"];
+  return b.is_number_integer() && b.get<int64_t>() >= 0 && b.get<int64_t>() <= 64
+             ? static_cast<int>(b.get<int64_t>())
+             : -1;
+}
+
+std::string bits_text(const json& o) {
+  const int b = bits_of(o);
+  return b >= 0 ? std::to_string(b) : o.contains("num_bits") ? o["num_bits"].dump() : "?";
+}
+
+// A true/false field; a value of another type is an error that names it.
+bool flag_of(const json& o, const char* key, bool def, const std::string& where) {
+  if (!o.contains(key) || o[key].is_null()) return def;
+  if (!o[key].is_boolean())
+    throw InputError(where + ": '" + key + "' should be true or false, got " + o[key].dump());
+  return o[key].get<bool>();
+}
+
 std::vector<std::string> string_list(const json& j, const std::string& where,
                                      const std::string& field) {
   std::vector<std::string> out;
@@ -57,14 +80,14 @@ WeightQuantization compressed_tensors(const json& q, const std::string& where) {
       throw InputError(gw + ": a group needs a 'weights' object");
     const json& wt = g["weights"];
     const std::string type = wt.contains("type") ? text_of(wt["type"]) : "?";
-    const int bits = wt.value("num_bits", -1);
+    const int bits = bits_of(wt);
     const std::string strategy = wt.contains("strategy") ? text_of(wt["strategy"]) : "tensor";
     if (type != "float" || bits != 8)
-      refuse(gw, "weights of type " + type + " with " + std::to_string(bits) + " bits");
+      refuse(gw, "weights of type " + type + " with " + bits_text(wt) + " bits");
     if (strategy != "tensor" && strategy != "channel")
       refuse(gw, "weight scale strategy '" + strategy + "'" +
                      (wt.contains("block_structure") ? " " + wt["block_structure"].dump() : ""));
-    if (wt.value("dynamic", false) == true) refuse(gw, "dynamic weight scales");
+    if (flag_of(wt, "dynamic", false, gw + ".weights")) refuse(gw, "dynamic weight scales");
     const auto targets = string_list(g.value("targets", json::array({"Linear"})), gw, "targets");
     for (const std::string& t : targets)
       if (t != "Linear") refuse(gw, "targets '" + t + "' (only Linear layers are quantized)");
@@ -72,10 +95,9 @@ WeightQuantization compressed_tensors(const json& q, const std::string& where) {
     if (g.contains("input_activations") && !g["input_activations"].is_null()) {
       const json& a = g["input_activations"];
       const std::string at = a.contains("type") ? text_of(a["type"]) : "?";
-      if (at != "float" || a.value("num_bits", -1) != 8)
-        refuse(gw, "input activations of type " + at + " with " +
-                       std::to_string(a.value("num_bits", -1)) + " bits");
-      stat = a.value("dynamic", false) != true;
+      if (at != "float" || bits_of(a) != 8)
+        refuse(gw, "input activations of type " + at + " with " + bits_text(a) + " bits");
+      stat = !flag_of(a, "dynamic", false, gw + ".input_activations");
     }
     const auto scale = strategy == "tensor" ? WeightQuantization::Scale::kTensor
                                             : WeightQuantization::Scale::kChannel;

@@ -110,7 +110,8 @@ std::optional<CheckpointKvScheme> read_checkpoint_kv_scheme(const ModelConfig& c
           k.is_object() && k.contains("strategy") && k["strategy"].is_string()
               ? k["strategy"].get<std::string>()
               : "tensor";
-      const bool dynamic = k.is_object() && k.value("dynamic", false) == true;
+      const bool dynamic = k.is_object() && k.contains("dynamic") && k["dynamic"] != false &&
+                           !k["dynamic"].is_null();
       s.description = "config.json quantization_config.kv_cache_scheme (" + type + ", " +
                       std::to_string(bits) + " bits, " + strategy + ")";
       if (type == "float" && bits == 8 && !dynamic &&

@@ -117,7 +117,10 @@ ModelConfig parse_model_config(const json& j, const std::string& src) {
     const bool mistral = c.model_type == "mistral" || c.architecture == "MistralForCausalLM";
     if (qwen) {
       // Qwen2/Qwen3: layers at index >= max_window_layers slide, when use_sliding_window.
-      const bool use = j.value("use_sliding_window", false);
+      const json& u = j.contains("use_sliding_window") ? j["use_sliding_window"] : json();
+      if (!u.is_null() && !u.is_boolean())
+        throw InputError(src + ": use_sliding_window should be true or false, got " + u.dump());
+      const bool use = u.is_boolean() && u.get<bool>();
       const int max_window_layers = get_int(j, "max_window_layers", src, c.num_layers);
       if (use)
         for (int i = max_window_layers; i < c.num_layers; ++i)

@@ -524,7 +524,7 @@ std::unique_ptr<PostProcessor> parse_post_processor(const json& j, const std::st
       const json& item = single[i];
       if (item.is_object() && item.contains("Sequence")) {
         const json& seq = item["Sequence"];
-        if (!seq.is_object() || seq.value("id", "") != "A") {
+        if (!seq.is_object() || !seq.contains("id") || seq["id"] != "A") {
           bad(ipath, "a single-sequence template may only use the sequence \"A\"");
         }
         p->single.emplace_back(std::nullopt);

@@ -448,7 +448,7 @@ Tokenizer Tokenizer::load(const std::string& model_dir) {
       } else if (it->is_array()) {
         // Named templates: [{"name": "default", "template": ...}, ...]; take "default".
         for (const json& t : *it) {
-          if (t.is_object() && t.value("name", "") == "default" && t.contains("template") &&
+          if (t.is_object() && t.contains("name") && t["name"] == "default" && t.contains("template") &&
               t["template"].is_string()) {
             impl->chat_template = t["template"].get<std::string>();
           }
