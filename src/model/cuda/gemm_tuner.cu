@@ -5,6 +5,8 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cache/cuda/cuda_check.h"
 #include "kvq/core/error.h"
@@ -27,11 +29,16 @@ struct Choice {
   uint32_t alignment;  // every pointer must be at least this aligned
 };
 
-// The process-wide choices, keyed by (device, m, n, k, lda, ldc).
+// The process-wide choices, keyed by (device, type, m, n, k, lda, ldc).
+using GlobalKey = std::tuple<int, int, int, int, int, int, int>;
 std::mutex g_mu;
-std::map<std::tuple<int, int, int, int, int, int>, Choice>& choices() {
-  static std::map<std::tuple<int, int, int, int, int, int>, Choice> m;
+std::map<GlobalKey, Choice>& choices() {
+  static std::map<GlobalKey, Choice> m;
   return m;
+}
+
+void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t a, const void* v, size_t n) {
+  KVQ_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, a, v, n));
 }
 
 int current_device() {
@@ -47,18 +54,26 @@ struct GemmTuner::Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   uint32_t alignment = 256;
+  GemmInput type = GemmInput::kBF16;
+  bool timed = false;  // tune() chose the algorithm (else cuBLASLt's heuristic did)
 
-  Plan(int m, int n, int k, int lda, int ldc) {
+  Plan(GemmInput type_, int m, int n, int k, int lda, int ldc) : type(type_) {
     KVQ_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
-    KVQ_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
-    KVQ_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt)));
+    set_attr(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
+    set_attr(desc, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt));
+    const cudaDataType in_type = type == GemmInput::kFP8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
+    if (type == GemmInput::kFP8) {
+      // One fp32 scale per row of op(A) (the weight's output rows) and per column of op(B)
+      // (the input's token rows); the pointers are set per call.
+      const int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      set_attr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer, sizeof(outer));
+      set_attr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer, sizeof(outer));
+    }
     // Column-major: w is k x n (ld k) used transposed, in is k x m (ld lda), out n x m (ld ldc).
-    KVQ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, static_cast<uint64_t>(k),
+    KVQ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, in_type, static_cast<uint64_t>(k),
                                                 static_cast<uint64_t>(n), k));
-    KVQ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, static_cast<uint64_t>(k),
+    KVQ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, in_type, static_cast<uint64_t>(k),
                                                 static_cast<uint64_t>(m), lda));
     KVQ_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, CUDA_R_32F, static_cast<uint64_t>(n),
                                                 static_cast<uint64_t>(m), ldc));
@@ -88,35 +103,11 @@ const GemmTuner::Plan* GemmTuner::find(const Key& key) const {
   return it == plans_.end() ? nullptr : it->second.get();
 }
 
-double GemmTuner::tune(int m, int n, int k, const void* in, int lda,
-                       std::span<const void* const> weights, float* out, int ldc) {
-  KVQ_CHECK(m > 0 && n > 0 && k > 0 && !weights.empty(), "GemmTuner::tune: empty GEMM");
-  const Key key{m, n, k, lda, ldc};
-  if (find(key) != nullptr) return 0.0;
-  const int dev = current_device();
-  const std::tuple<int, int, int, int, int, int> gkey{dev, m, n, k, lda, ldc};
-  auto plan = std::make_unique<Plan>(m, n, k, lda, ldc);
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    const auto it = choices().find(gkey);
-    if (it != choices().end()) {
-      plan->algo = it->second.algo;
-      plan->alignment = it->second.alignment;
-      plans_.emplace(key, std::move(plan));
-      return 0.0;
-    }
-  }
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  KVQ_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
-  KVQ_CHECK(capturing == cudaStreamCaptureStatusNone,
-            "GemmTuner::tune: the stream is being captured");
-
-  uint32_t align = std::min(alignment_of(in), alignment_of(out));
-  for (const void* w : weights) align = std::min(align, alignment_of(w));
+int GemmTuner::candidates(const Plan& plan, uint32_t align,
+                          cublasLtMatmulHeuristicResult_t* found) const {
   cublasLtMatmulPreference_t pref = nullptr;
   KVQ_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = workspace_bytes_;
-  cublasLtMatmulHeuristicResult_t found[16] = {};
   int returned = 0;
   try {
     KVQ_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
@@ -127,24 +118,73 @@ double GemmTuner::tune(int m, int n, int k, const void* in, int lda,
     for (const cublasLtMatmulPreferenceAttributes_t attr : attrs)
       KVQ_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
-        lt_, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 16, found, &returned);
+        lt_, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 16, found, &returned);
     if (st != CUBLAS_STATUS_SUCCESS) returned = 0;
   } catch (...) {
     (void)cublasLtMatmulPreferenceDestroy(pref);
     throw;
   }
   (void)cublasLtMatmulPreferenceDestroy(pref);
+  return returned;
+}
+
+cublasStatus_t GemmTuner::launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo,
+                                 const void* in, const float* in_scale, const GemmWeight& w,
+                                 float* out, float beta) const {
+  if (plan.type == GemmInput::kFP8) {
+    // Host-side attributes of the descriptor: the call below reads them (also under capture).
+    set_attr(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w.scale, sizeof(w.scale));
+    set_attr(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &in_scale, sizeof(in_scale));
+  }
+  const float alpha = 1.0f;
+  return cublasLtMatmul(lt_, plan.desc, &alpha, w.w, plan.a, in, plan.b, &beta, out, plan.c, out,
+                        plan.c, &algo, workspace_, workspace_bytes_, stream_);
+}
+
+double GemmTuner::tune(int m, int n, int k, const void* in, int lda,
+                       std::span<const void* const> weights, float* out, int ldc) {
+  std::vector<GemmWeight> w;
+  for (const void* p : weights) w.push_back({p, nullptr});
+  return tune(GemmInput::kBF16, m, n, k, in, nullptr, lda, w, out, ldc);
+}
+
+double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, const float* in_scale,
+                       int lda, std::span<const GemmWeight> weights, float* out, int ldc) {
+  KVQ_CHECK(m > 0 && n > 0 && k > 0 && !weights.empty(), "GemmTuner::tune: empty GEMM");
+  KVQ_CHECK(type != GemmInput::kFP8 || in_scale != nullptr, "GemmTuner::tune: FP8 without scales");
+  const int ti = static_cast<int>(type);
+  const Key key{ti, m, n, k, lda, ldc};
+  if (const Plan* p = find(key); p != nullptr && p->timed) return 0.0;
+  const int dev = current_device();
+  const GlobalKey gkey{dev, ti, m, n, k, lda, ldc};
+  auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc);
+  plan->timed = true;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    const auto it = choices().find(gkey);
+    if (it != choices().end()) {
+      plan->algo = it->second.algo;
+      plan->alignment = it->second.alignment;
+      plans_[key] = std::move(plan);
+      return 0.0;
+    }
+  }
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  KVQ_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
+  KVQ_CHECK(capturing == cudaStreamCaptureStatusNone,
+            "GemmTuner::tune: the stream is being captured");
+
+  uint32_t align = std::min(alignment_of(in), alignment_of(out));
+  for (const GemmWeight& w : weights) align = std::min(align, alignment_of(w.w));
+  cublasLtMatmulHeuristicResult_t found[16] = {};
+  const int returned = candidates(*plan, align, found);
 
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   KVQ_CUDA_CHECK(cudaEventCreate(&e0));
   KVQ_CUDA_CHECK(cudaEventCreate(&e1));
-  const float alpha = 1.0f, beta = 0.0f;
   auto sweep = [&](const cublasLtMatmulAlgo_t& algo) {
-    for (const void* w : weights)
-      if (cublasLtMatmul(lt_, plan->desc, &alpha, w, plan->a, in, plan->b, &beta, out, plan->c, out,
-                         plan->c, &algo, workspace_, workspace_bytes_,
-                         stream_) != CUBLAS_STATUS_SUCCESS)
-        return false;
+    for (const GemmWeight& w : weights)
+      if (launch(*plan, algo, in, in_scale, w, out, 0.0f) != CUBLAS_STATUS_SUCCESS) return false;
     return true;
   };
   constexpr int kSweeps = 3;
@@ -173,20 +213,46 @@ double GemmTuner::tune(int m, int n, int k, const void* in, int lda,
     std::lock_guard<std::mutex> lock(g_mu);
     choices().emplace(gkey, Choice{plan->algo, align});
   }
-  plans_.emplace(key, std::move(plan));
+  plans_[key] = std::move(plan);
   return best_us;
 }
 
 bool GemmTuner::run(int m, int n, int k, const void* in, int lda, const void* w, float* out,
                     int ldc, float beta) const {
-  const Plan* p = find(Key{m, n, k, lda, ldc});
+  const Plan* p = find(Key{static_cast<int>(GemmInput::kBF16), m, n, k, lda, ldc});
   if (p == nullptr) return false;
   if (alignment_of(in) < p->alignment || alignment_of(w) < p->alignment ||
       alignment_of(out) < p->alignment)
     return false;
-  const float alpha = 1.0f;
-  KVQ_CUBLAS_CHECK(cublasLtMatmul(lt_, p->desc, &alpha, w, p->a, in, p->b, &beta, out, p->c, out,
-                                  p->c, &p->algo, workspace_, workspace_bytes_, stream_));
+  KVQ_CUBLAS_CHECK(launch(*p, p->algo, in, nullptr, GemmWeight{w, nullptr}, out, beta));
+  return true;
+}
+
+bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const float* in_scale,
+                    int lda, const GemmWeight& w, float* out, int ldc, float beta) {
+  if (type == GemmInput::kBF16) return std::as_const(*this).run(m, n, k, in, lda, w.w, out, ldc, beta);
+  KVQ_CHECK(in_scale != nullptr && w.scale != nullptr, "GemmTuner::run: FP8 without scales");
+  const Key key{static_cast<int>(type), m, n, k, lda, ldc};
+  const Plan* p = find(key);
+  if (p == nullptr) {
+    // An untuned FP8 shape: cuBLASLt's first choice for 16-byte aligned operands (what the
+    // FP8 kernels need anyway), kept for the next call of the same shape.
+    auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc);
+    cublasLtMatmulHeuristicResult_t found[16] = {};
+    const int returned = candidates(*plan, 16, found);
+    int pick = -1;
+    for (int i = 0; i < returned && pick < 0; ++i)
+      if (found[static_cast<size_t>(i)].state == CUBLAS_STATUS_SUCCESS) pick = i;
+    if (pick < 0) return false;
+    plan->algo = found[static_cast<size_t>(pick)].algo;
+    plan->alignment = 16;
+    p = plan.get();
+    plans_[key] = std::move(plan);
+  }
+  if (alignment_of(in) < p->alignment || alignment_of(w.w) < p->alignment ||
+      alignment_of(out) < p->alignment)
+    return false;
+  KVQ_CUBLAS_CHECK(launch(*p, p->algo, in, in_scale, w, out, beta));
   return true;
 }
 

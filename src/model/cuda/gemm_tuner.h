@@ -9,20 +9,36 @@
 // the same shape in one process -- graphs on and off -- run the same algorithms and give
 // bit-identical results.
 //
-// Layout: out[m][n] (fp32, row stride ldc) = in[m][k] (bf16, row stride lda) * w[n][k]^T
+// Layout: out[m][n] (fp32, row stride ldc) = in[m][k] (row stride lda) * w[n][k]^T
 // (+ beta * out), i.e. column-major out^T = w^T-op * in^T.
+//
+// Operands are bf16, or FP8 e4m3 with fp32 scales applied by cuBLASLt's outer-vector scaling
+// (Hopper and newer): out[i][j] = in_scale[i] * w_scale[j] * sum_c in[i][c] * w[j][c], one
+// scale per token row of `in` and one per output row of `w` (a per-tensor scale is that
+// vector with one value). FP8 shapes nobody tuned (prefill chunks) take cuBLASLt's first
+// heuristic choice instead of the timed one; bf16 ones are refused (the model then calls
+// cublasGemmEx).
 #pragma once
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <span>
 #include <tuple>
 
 namespace kvq::cuda_model {
+
+enum class GemmInput : uint8_t { kBF16, kFP8 };
+
+// One layer's weight: [n][k] values and, for FP8, its n dequantization scales (device).
+struct GemmWeight {
+  const void* w = nullptr;
+  const float* scale = nullptr;
+};
 
 class GemmTuner {
  public:
@@ -39,16 +55,29 @@ class GemmTuner {
   // Returns the microseconds per GEMM of the choice (0 when it was known already).
   double tune(int m, int n, int k, const void* in, int lda, std::span<const void* const> weights,
               float* out, int ldc);
+  // The same for any input type; FP8 needs `in_scale` (m floats, device) and each weight's
+  // scale.
+  double tune(GemmInput type, int m, int n, int k, const void* in, const float* in_scale, int lda,
+              std::span<const GemmWeight> weights, float* out, int ldc);
 
   // Runs the GEMM with the tuned algorithm; false (nothing launched) when (m, n, k, lda, ldc)
   // was not tuned or a pointer is less aligned than the tuned algorithm needs.
   bool run(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
            float beta) const;
+  // The same for any input type. FP8 shapes that were not tuned run cuBLASLt's heuristic
+  // choice (false only when it has none for the shape, or a pointer is under-aligned).
+  bool run(GemmInput type, int m, int n, int k, const void* in, const float* in_scale, int lda,
+           const GemmWeight& w, float* out, int ldc, float beta);
 
  private:
   struct Plan;
-  using Key = std::tuple<int, int, int, int, int>;  // m, n, k, lda, ldc
+  using Key = std::tuple<int, int, int, int, int, int>;  // type, m, n, k, lda, ldc
   const Plan* find(const Key& key) const;
+  // cuBLASLt's heuristic candidates for a plan (at most 16), for pointers of `align` bytes.
+  int candidates(const Plan& plan, uint32_t align, cublasLtMatmulHeuristicResult_t* found) const;
+  cublasStatus_t launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const void* in,
+                        const float* in_scale, const GemmWeight& w, float* out,
+                        float beta) const;
 
   cudaStream_t stream_;
   void* workspace_;

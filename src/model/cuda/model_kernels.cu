@@ -3,6 +3,7 @@
 #include <cfloat>
 
 #include "cache/cuda/cuda_check.h"
+#include "cache/cuda/kv_codec_device.cuh"
 #include "model/cuda/model_kernels.h"
 
 namespace kvq::cuda_model {
@@ -161,6 +162,33 @@ __global__ void to_bf16_kernel(const float* in, int64_t n, __nv_bfloat16* out) {
     out[i] = __float2bfloat16_rn(in[i]);
 }
 
+__global__ void quantize_fp8_kernel(const void* x, bool bf16, int cols, int64_t ldx, Fp8Scale mode,
+                                    const float* scale_in, uint8_t* codes, float* scale) {
+  __shared__ float scratch[32];
+  const int r = static_cast<int>(blockIdx.x);
+  const int64_t base = static_cast<int64_t>(r) * ldx;
+  float s = 1.0f;
+  if (mode == Fp8Scale::kDynamic) {
+    float amax = 0.0f;
+    for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
+      amax = fmaxf(amax, fabsf(load(x, base + c, bf16)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+    if (lane == 0) scratch[warp] = amax;
+    __syncthreads();
+    amax = 0.0f;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) amax = fmaxf(amax, scratch[w]);
+    s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+  } else {
+    s = mode == Fp8Scale::kStatic ? scale_in[0] : scale[r];
+  }
+  if (mode != Fp8Scale::kGiven && threadIdx.x == 0) scale[r] = s;
+  uint8_t* out = codes + static_cast<int64_t>(r) * cols;
+  for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
+    out[c] = static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(load(x, base + c, bf16), s)));
+}
+
 __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -286,6 +314,14 @@ void fill_random_bf16(void* w, int64_t n, uint64_t seed, float scale, cudaStream
 void fill_f32(float* w, int64_t n, float value, cudaStream_t stream) {
   if (n == 0) return;
   fill_f32_kernel<<<grid_for(n), kThreads, 0, stream>>>(w, n, value);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx, Fp8Scale mode,
+                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  quantize_fp8_kernel<<<rows, cols >= 2048 ? 512 : 128, 0, stream>>>(x, bf16, cols, ldx, mode,
+                                                                     scale_in, codes, scale);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

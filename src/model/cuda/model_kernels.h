@@ -48,6 +48,16 @@ void to_bf16(const float* in, int64_t n, void* out, cudaStream_t stream);
 void fill_random_bf16(void* w, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
 void fill_f32(float* w, int64_t n, float value, cudaStream_t stream);
 
+// FP8 (e4m3) rows for the FP8 GEMMs: codes[r][c] = e4m3(x[r][c] / scale[r]) (round to nearest
+// even, saturating at 448: the reference codec's rounding), rows of `cols` values `ldx` apart
+// in x (bf16 or fp32), packed in codes. The scale of row r:
+//   kDynamic: max |x[r][:]| / 448 (1 for an all-zero row), written to scale[r];
+//   kStatic:  scale_in[0] for every row, written to scale[r];
+//   kGiven:   scale[r] as it is (read, not written).
+enum class Fp8Scale : uint8_t { kDynamic, kStatic, kGiven };
+void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx, Fp8Scale mode,
+                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream);
+
 // out[r] = argmax of logits row r (lowest id on ties).
 void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream);
 
