@@ -8,6 +8,7 @@
 #include "kvq/attention/backend.h"
 #include "kvq/cache/paged_kv_cache.h"
 #include "kvq/core/log.h"
+#include "kvq/model/model.h"
 #include "plan_flags.h"
 #include "kvq/plan/speculative_config.h"
 
@@ -51,8 +52,12 @@ nlohmann::json show_plan(const PlanState& st, const KvPlan& plan, bool print) {
     out["layers"][i]["attention_backend"] = {{"name", choices[i].backend->name()},
                                            {"passed_over", passed}};
   }
+  const WeightScheme ws = describe_weights(plan.model);
+  out["weights"] = {{"stored", ws.stored}, {"fp8", ws.fp8}, {"cpu", ws.cpu}, {"cuda", ws.cuda}};
   if (!print) return out;
   std::cout << format_kv_plan(plan);
+  std::cout << "weights: " << ws.stored << "; runs as " << ws.cpu << " on the CPU, " << ws.cuda
+            << " on CUDA\n";
   // Backends, grouped: "cpu_reference: layers 0-4 (cpu_avx512: head_dim 8 not in {64, 128,
   // 256})".
   std::cout << "attention backends (" << st.device << "):\n";
