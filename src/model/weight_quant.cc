@@ -5,6 +5,7 @@
 
 #include "kvq/core/error.h"
 #include "kvq/core/json_text.h"
+#include "kvq/model/model.h"
 
 namespace kvq::model {
 
@@ -230,3 +231,32 @@ WeightQuantization read_weight_quantization(const std::string& dir) {
 }
 
 }  // namespace kvq::model
+
+namespace kvq {
+
+WeightScheme describe_weights(const ModelConfig& config) {
+  WeightScheme w;
+  if (config.dir.empty()) {
+    w.stored = "random bfloat16 (synthetic)";
+    w.cpu = "-";
+    w.cuda = "bfloat16";
+    return w;
+  }
+  const model::WeightQuantization q = model::read_weight_quantization(config.dir);
+  const std::string dtype = config.torch_dtype.empty() ? "float32" : config.torch_dtype;
+  if (!q.fp8) {
+    w.stored = dtype + " (config.json torch_dtype)";
+    w.cpu = dtype == "bfloat16" ? "bfloat16" : "float32";
+    w.cuda = dtype == "float32" ? "float32 (--dtype auto)" : "bfloat16 (--dtype auto)";
+    return w;
+  }
+  w.fp8 = true;
+  w.stored = q.description + (q.ignore.empty() ? std::string()
+                                               : ", " + std::to_string(q.ignore.size()) +
+                                                     " ignore pattern(s)");
+  w.cpu = "float32, dequantized once at load (4 bytes per weight; activations not quantized)";
+  w.cuda = "bfloat16, dequantized once at load";
+  return w;
+}
+
+}  // namespace kvq

@@ -147,4 +147,37 @@ TEST(CliBackends, JsonListsEveryBackendInPriorityOrder) {
 }
 
 }  // namespace
+// --tensor-parallel-size / -tp: each rank's heads and KV bytes per token, the group's capacity
+// for a per-GPU budget; a size the heads do not split over is one line, before any table.
+TEST(CliPlan, TensorParallelSplitsHeadsAndCache) {
+  const std::string model = source_dir() + "/models/kvq-code-tiny";  // 4 q / 2 kv
+  const auto r = run_kvq({"plan", "--model", model, "-tp", "2", "--kv-cache-dtype", "fp8",
+                          "--kv-cache-memory", "1MiB", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json j = json::parse(r.out);
+  const json& tp = j["tensor_parallel"];
+  EXPECT_EQ(tp["size"], 2);
+  EXPECT_EQ(tp["q_heads_per_rank"], 2);
+  EXPECT_EQ(tp["kv_heads_per_rank"], 1);
+  EXPECT_EQ(tp["kv_head_replicas"], 1);
+  EXPECT_EQ(tp["ranks"][1]["kv_heads"], json::array({1}));
+  // Half the heads, half the bytes: 6 layers x (K + V) x 1 head x 64 fp8 values.
+  EXPECT_EQ(tp["kv_bytes_per_token_per_rank"], 6 * 2 * 64);
+  EXPECT_EQ(j["totals"]["kv_bytes_per_token"], 6 * 2 * 2 * 64);
+  // A rank's blocks are half the bytes, so the same per-GPU budget holds (at least) twice the
+  // tokens of one GPU: whole blocks of 16 tokens in 1 MiB.
+  const int64_t half_block = j["memory"]["bytes_per_block_all_layers"].get<int64_t>() / 2;
+  EXPECT_EQ(tp["memory"]["tokens"].get<int64_t>(), (int64_t{1} << 20) / half_block * 16);
+  EXPECT_GE(tp["memory"]["tokens"].get<int64_t>(), 2 * j["memory"]["tokens"].get<int64_t>());
+
+  const auto t = run_kvq({"plan", "--model", model, "--tensor-parallel-size", "4"});
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  EXPECT_NE(t.out.find("tensor parallel: 4 ranks"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("replicated on 2 ranks"), std::string::npos) << t.out;
+
+  const auto bad = run_kvq({"plan", "--model", model, "-tp", "3"});
+  expect_one_line_error(bad, "--tensor-parallel-size 3");
+  EXPECT_EQ(bad.out, "") << "nothing is printed before the error";
+}
+
 }  // namespace kvq::test

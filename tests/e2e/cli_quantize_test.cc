@@ -101,6 +101,20 @@ TEST(CliQuantize, Fp8WeightsAndCalibratedKvScalesRoundTrip) {
     EXPECT_EQ(l["k"]["dtype"], "fp8_e4m3") << l.dump();
     EXPECT_EQ(l["k"]["provenance"], "checkpoint_scheme") << l.dump();
   }
+  // ... and names the weight scheme (and what each device runs).
+  EXPECT_EQ(plan["weights"]["fp8"], true) << plan["weights"].dump();
+  EXPECT_NE(plan["weights"]["stored"].get<std::string>().find("compressed-tensors"),
+            std::string::npos)
+      << plan["weights"].dump();
+  const auto pt = run_kvq({"plan", "--model", out});
+  ASSERT_EQ(pt.exit_code, 0) << pt.err;
+  EXPECT_NE(pt.out.find("weights: compressed-tensors float-quantized, FP8 weights with "
+                        "per-channel scales, dynamic activations"),
+            std::string::npos)
+      << pt.out;
+  const auto pb = run_kvq({"plan", "--model", kTiny, "--json"});
+  ASSERT_EQ(pb.exit_code, 0) << pb.err;
+  EXPECT_EQ(json::parse(pb.out)["weights"]["fp8"], false);
 
   // The scales are the largest |K| / |V| per layer and kv head that the quantized model writes
   // over the calibration tokens (recomputed here from its float32 cache), / 448.

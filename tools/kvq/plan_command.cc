@@ -8,8 +8,10 @@
 #include "kvq/attention/backend.h"
 #include "kvq/cache/paged_kv_cache.h"
 #include "kvq/core/log.h"
+#include "kvq/model/model.h"
 #include "plan_flags.h"
 #include "kvq/plan/speculative_config.h"
+#include "kvq/plan/tensor_parallel.h"
 
 namespace kvq::cli {
 
@@ -20,7 +22,60 @@ struct PlanState {
   bool json = false;
   std::string attention_backend;
   std::string device = "cpu";
+  int tensor_parallel_size = 1;
 };
+
+// --tensor-parallel-size N: the heads each rank holds, its KV bytes per token and (with
+// --kv-cache-memory, a per-GPU budget) the group's capacity, from rank 0's slice of the plan
+// (every rank's slice has the same sizes).
+nlohmann::json show_tensor_parallel(const PlanState& st, const KvPlan& plan, bool print) {
+  const TensorParallelSplit split = split_heads(plan.model, st.tensor_parallel_size);
+  const KvPlan rank0 = slice_kv_plan(plan, split, 0);
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int r = 0; r < split.size; ++r)
+    ranks.push_back({{"rank", r},
+                     {"first_q_head", split.first_q_head(r)},
+                     {"kv_heads", split.kv_heads_of(r)}});
+  const size_t per_rank = rank0.bytes_per_token();
+  nlohmann::json j = {{"size", split.size},
+                      {"q_heads_per_rank", split.q_heads_per_rank},
+                      {"kv_heads_per_rank", split.kv_heads_per_rank},
+                      {"kv_head_replicas", split.kv_head_replicas},
+                      {"ranks", ranks},
+                      {"kv_bytes_per_token_per_rank", per_rank},
+                      {"kv_bytes_per_token_group", per_rank * static_cast<size_t>(split.size)},
+                      {"notes", split.notes},
+                      {"memory", nullptr}};
+  int64_t blocks = 0, tokens = 0;
+  size_t budget = 0;
+  if (!st.flags.kv_cache_memory.empty()) {
+    budget = parse_byte_size(st.flags.kv_cache_memory, "--kv-cache-memory");
+    blocks = blocks_for_budget(rank0.layers, budget);
+    tokens = blocks * (rank0.layers.empty() ? 0 : rank0.layers.front().block_tokens);
+    j["memory"] = {{"budget_bytes_per_rank", budget},
+                   {"num_blocks_per_rank", blocks},
+                   {"tokens", tokens}};
+  }
+  if (print) {
+    std::cout << "tensor parallel: " << split.size << " ranks, each with "
+              << split.q_heads_per_rank << " query / " << split.kv_heads_per_rank
+              << " kv head(s) per layer:";
+    for (int r = 0; r < split.size; ++r) {
+      const std::vector<int> h = split.kv_heads_of(r);
+      std::cout << (r ? "," : "") << " rank " << r << " kv "
+                << (h.size() == 1 ? std::to_string(h[0])
+                                  : std::to_string(h.front()) + "-" + std::to_string(h.back()));
+    }
+    std::cout << "\n  per rank: " << per_rank << " KV bytes/token (the whole model: "
+              << plan.bytes_per_token() << ")\n";
+    for (const std::string& n : split.notes) std::cout << "  note: " << n << "\n";
+    if (!st.flags.kv_cache_memory.empty())
+      std::cout << "  memory: " << st.flags.kv_cache_memory << " per GPU -> " << blocks
+                << " blocks per rank -> " << tokens
+                << " tokens for the group (block tables are the same on every rank)\n";
+  }
+  return j;
+}
 
 // One plan (the target's or the drafter's): its table, backends and memory, printed, or as JSON.
 nlohmann::json show_plan(const PlanState& st, const KvPlan& plan, bool print) {
@@ -51,8 +106,12 @@ nlohmann::json show_plan(const PlanState& st, const KvPlan& plan, bool print) {
     out["layers"][i]["attention_backend"] = {{"name", choices[i].backend->name()},
                                            {"passed_over", passed}};
   }
+  const WeightScheme ws = describe_weights(plan.model);
+  out["weights"] = {{"stored", ws.stored}, {"fp8", ws.fp8}, {"cpu", ws.cpu}, {"cuda", ws.cuda}};
   if (!print) return out;
   std::cout << format_kv_plan(plan);
+  std::cout << "weights: " << ws.stored << "; runs as " << ws.cpu << " on the CPU, " << ws.cuda
+            << " on CUDA\n";
   // Backends, grouped: "cpu_reference: layers 0-4 (cpu_avx512: head_dim 8 not in {64, 128,
   // 256})".
   std::cout << "attention backends (" << st.device << "):\n";
@@ -94,15 +153,23 @@ Action add_plan_command(CLI::App& app) {
                   "force one attention backend for every layer (see kvq backends)");
   sub->add_option("--device", st->device, "device the layers run on: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  sub->add_option("--tensor-parallel-size", st->tensor_parallel_size,
+                  "(also -tp) show the split of the heads and the KV cache over N GPUs: per-rank "
+                  "KV bytes/token, and the group's capacity for a per-GPU --kv-cache-memory")
+      ->check(CLI::Range(1, 64));
   return [st]() {
     const ModelConfig config = st->flags.model_config();
     const KvPlan target = make_kv_plan(config, st->flags.options());
+    // A size the heads do not split over fails before anything is printed.
+    if (st->tensor_parallel_size != 1) (void)split_heads(config, st->tensor_parallel_size);
     const std::optional<SpeculativeConfig> spec = st->flags.speculative();
     // The drafter is planned by the same planner from the same flags (drafter_plan_options).
     std::optional<KvPlan> drafter;
     if (spec && spec->method != SpecMethod::kNgram) drafter = st->flags.drafter_plan(*spec);
     if (drafter && !st->json) std::cout << "target:\n";
     nlohmann::json j = show_plan(*st, target, !st->json);
+    if (st->tensor_parallel_size != 1)
+      j["tensor_parallel"] = show_tensor_parallel(*st, target, !st->json);
     if (spec) {
       nlohmann::json s = {{"method", to_string(spec->method)},
                           {"num_speculative_tokens", spec->num_speculative_tokens},

@@ -80,6 +80,9 @@ std::vector<std::string> normalize_args(int argc, char** argv) {
     std::string a = argv[i];
     if (a == "-ctk" || a == "-ctv" || a.rfind("-ctk=", 0) == 0 || a.rfind("-ctv=", 0) == 0)
       a = "-" + a;
+    // vLLM's -tp is --tensor-parallel-size.
+    if (a == "-tp") a = "--tensor-parallel-size";
+    if (a.rfind("-tp=", 0) == 0) a = "--tensor-parallel-size=" + a.substr(4);
     out.push_back(std::move(a));
   }
   return out;

@@ -63,6 +63,17 @@ struct ArchitectureConfig {
 // field it needs that is missing or malformed (naming config.json and the field).
 ArchitectureConfig parse_architecture(const ModelConfig& config);
 
+// How a checkpoint's weights are stored and how each device runs them, as `kvq plan` shows
+// it. `stored`: "bfloat16 (config.json torch_dtype)", or the FP8 scheme it declares
+// (compressed-tensors float-quantized, ModelOpt FP8) with its scale granularity and activation
+// scales; `cpu` / `cuda`: what each device holds at run time. InputError (one line) for a
+// scheme kvq refuses.
+struct WeightScheme {
+  bool fp8 = false;
+  std::string stored, cpu, cuda;
+};
+WeightScheme describe_weights(const ModelConfig& config);
+
 // One forward step over a batch of sequences. Their new tokens' cache slots are already
 // reserved (PagedKvCache::append); the model writes K/V there, then attends.
 class Model;

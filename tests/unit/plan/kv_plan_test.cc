@@ -4,9 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 
 #include "kvq/core/error.h"
+#include "kvq/plan/tensor_parallel.h"
 #include "support/fixtures.h"
 
 namespace kvq {
@@ -319,6 +321,92 @@ TEST(KvPlan, TotalsAndRatioToBf16) {
   EXPECT_DOUBLE_EQ(j["totals"]["ratio_to_bf16"].get<double>(), 0.5);
   EXPECT_EQ(j["layers"][3]["k"]["provenance"], "user_flag");
   EXPECT_EQ(j["layers"][3]["k"]["scale"]["source"], "default_one");
+}
+
+// Tensor parallelism: for fresh random head counts, every size split_heads accepts gives each
+// query head to exactly one rank, the rank holds the kv head of each of its query heads, and
+// each kv head is on exactly `kv_head_replicas` ranks; sizes it refuses name the flag and the
+// sizes that work.
+TEST(TensorParallel, HeadSplitsKeepGqaGroupsWhole) {
+  std::mt19937 rng(std::random_device{}());
+  for (int trial = 0; trial < 40; ++trial) {
+    const int nkv = 1 << std::uniform_int_distribution<int>(0, 4)(rng);
+    const int nq = nkv * (1 << std::uniform_int_distribution<int>(0, 3)(rng));
+    const KvPlan p = make_kv_plan(
+        load_model_config(make_model_dir(llama_config(2, nq, nkv, 64), {})), opts(std::nullopt));
+    const std::vector<int> ok = tensor_parallel_sizes(p.model, 32);
+    SCOPED_TRACE(std::to_string(nq) + " q / " + std::to_string(nkv) + " kv heads");
+    for (int n = 1; n <= 32; ++n) {
+      const bool valid = std::find(ok.begin(), ok.end(), n) != ok.end();
+      EXPECT_EQ(valid, nq % n == 0 && (nkv % n == 0 || n % nkv == 0)) << n;
+      if (!valid) {
+        try {
+          (void)split_heads(p.model, n);
+          ADD_FAILURE() << "size " << n << " was accepted";
+        } catch (const InputError& e) {
+          const std::string m = e.what();
+          EXPECT_NE(m.find("--tensor-parallel-size " + std::to_string(n)), std::string::npos) << m;
+          EXPECT_NE(m.find("accepted: 1"), std::string::npos) << m;
+        }
+        continue;
+      }
+      const TensorParallelSplit s = split_heads(p.model, n);
+      std::vector<int> q_owner(static_cast<size_t>(nq), 0), kv_holders(static_cast<size_t>(nkv), 0);
+      for (int r = 0; r < n; ++r) {
+        const std::vector<int> kv = s.kv_heads_of(r);
+        ASSERT_EQ(static_cast<int>(kv.size()), s.kv_heads_per_rank);
+        for (int h : kv) ++kv_holders[static_cast<size_t>(h)];
+        for (int q = s.first_q_head(r); q < s.first_q_head(r) + s.q_heads_per_rank; ++q) {
+          ++q_owner[static_cast<size_t>(q)];
+          const int group_kv = q / (nq / nkv);
+          EXPECT_NE(std::find(kv.begin(), kv.end(), group_kv), kv.end())
+              << "rank " << r << " holds query head " << q << " but not its kv head " << group_kv;
+        }
+        // The rank's own plan: its head counts, and a valid spec per layer.
+        const KvPlan rp = slice_kv_plan(p, s, r);
+        for (const LayerKvSpec& l : rp.layers) {
+          EXPECT_EQ(l.num_q_heads, nq / n);
+          EXPECT_EQ(l.num_kv_heads, s.kv_heads_per_rank);
+          EXPECT_TRUE(l.validation_errors().empty());
+        }
+        EXPECT_EQ(rp.bytes_per_token() * static_cast<size_t>(nkv),
+                  p.bytes_per_token() * static_cast<size_t>(s.kv_heads_per_rank));
+      }
+      for (int c : q_owner) EXPECT_EQ(c, 1);
+      for (int c : kv_holders) EXPECT_EQ(c, s.kv_head_replicas);
+      EXPECT_EQ(s.kv_head_replicas, nkv < n ? n / nkv : 1);
+      EXPECT_EQ(s.notes.empty(), nkv >= n);
+    }
+  }
+}
+
+// Per-head k/v scales (compressed-tensors attn_head) go with their heads; the dtypes and
+// provenance of every layer are the whole plan's.
+TEST(TensorParallel, PerHeadScalesAreSlicedWithTheHeads) {
+  std::vector<float> ks, vs;
+  const int nkv = 4;
+  const auto tensors = scale_tensors(2, ks, vs, /*per=*/nkv);
+  const KvPlan p = plan_for(with_fp8_scheme(llama_config(2, 8, nkv, 64), "attn_head"),
+                            opts(std::nullopt), tensors);
+  for (const int n : {2, 4, 8}) {
+    const TensorParallelSplit s = split_heads(p.model, n);
+    for (int r = 0; r < n; ++r) {
+      const KvPlan rp = slice_kv_plan(p, s, r);
+      const std::vector<int> heads = s.kv_heads_of(r);
+      for (const LayerKvSpec& l : rp.layers) {
+        const size_t li = static_cast<size_t>(l.layer);
+        EXPECT_EQ(l.k_dtype, p.layers[li].k_dtype);
+        EXPECT_EQ(rp.decisions[li].k.provenance, Provenance::kCheckpointScheme);
+        ASSERT_EQ(l.k_scale.values.size(), heads.size());
+        for (size_t i = 0; i < heads.size(); ++i) {
+          EXPECT_EQ(l.k_scale.for_head(static_cast<int>(i)),
+                    ks[li * nkv + static_cast<size_t>(heads[i])]);
+          EXPECT_EQ(l.v_scale.for_head(static_cast<int>(i)),
+                    vs[li * nkv + static_cast<size_t>(heads[i])]);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
