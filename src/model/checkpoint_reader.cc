@@ -1,5 +1,6 @@
 #include "model/checkpoint_reader.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -161,6 +162,40 @@ void CheckpointReader::read(std::string_view name, float* dst) {
       std::fflush(stderr);
     }
   }
+}
+
+std::vector<float> CheckpointReader::weight_row_scales(std::string_view name) {
+  auto [file, t] = find_or_throw(name);
+  if (t->dtype != TensorDtype::kF8E4M3) return {};
+  KVQ_CHECK(quant_.quantizes(t->name), "weight_row_scales() of a tensor expect() did not accept");
+  auto [sfile, s] = find_or_throw(scale_name_of(t->name));
+  std::vector<float> scale(static_cast<size_t>(s->numel()));
+  convert(sfile, s, scale.data());
+  const size_t rows = t->shape.empty() ? 1 : static_cast<size_t>(t->shape[0]);
+  if (scale.size() == 1) scale.assign(rows, scale[0]);
+  KVQ_CHECK(scale.size() == rows, "weight_row_scales: expect() checked the scale's shape");
+  return scale;
+}
+
+float CheckpointReader::input_scale(std::string_view name) {
+  if (!quant_.fp8 || !quant_.static_activations) return 0.0f;
+  const std::string_view suffix = "weight";
+  if (name.size() < suffix.size() || name.substr(name.size() - suffix.size()) != suffix)
+    return 0.0f;
+  const std::string iname =
+      std::string(name.substr(0, name.size() - suffix.size())) + "input_scale";
+  auto [file, t] = files_.find(iname);
+  if (t == nullptr) return 0.0f;
+  if (!is_float(t->dtype) || t->numel() != 1)
+    throw InputError(file->path() + ": activation scale '" + iname + "' has dtype " +
+                     std::string(to_string(t->dtype)) + " and shape " + shape_text(t->shape) +
+                     "; expected one F32/F16/BF16 value");
+  float v = 0.0f;
+  convert(file, t, &v);
+  if (!(v > 0.0f) || !std::isfinite(v))
+    throw InputError(file->path() + ": activation scale '" + iname + "' is " +
+                     std::to_string(v) + "; expected a positive finite value");
+  return v;
 }
 
 void CheckpointReader::finish() {

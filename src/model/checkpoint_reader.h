@@ -30,6 +30,12 @@ class CheckpointReader {
   void expect(std::string_view name, const std::vector<int64_t>& shape);
   // Converts a tensor expect() accepted into `dst` (numel floats).
   void read(std::string_view name, float* dst);
+  // For an F8_E4M3 weight that expect() accepted: its dequantization scale per output row (a
+  // per-tensor scale repeated `rows` times); empty for a float weight.
+  std::vector<float> weight_row_scales(std::string_view name);
+  // Its static activation scale (the module's `input_scale`, one value), when the checkpoint
+  // declares static activations and has the tensor; 0 otherwise.
+  float input_scale(std::string_view name);
   // Ends the progress line (if one was shown).
   void finish();
   // The checkpoint's declared weight quantization.

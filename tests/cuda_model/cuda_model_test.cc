@@ -19,6 +19,7 @@
 #include "kvq/core/error.h"
 #include "kvq/model/cuda_model.h"
 #include "support/source_dir.h"
+#include "unit/model/fp8_checkpoint_fixture.h"
 #include "unit/model/model_test_util.h"
 
 namespace kvq::test {
@@ -544,6 +545,137 @@ TEST(CudaModel, SyntheticLlama3WidthModelGivesFiniteLogits) {
                false);
   }
   EXPECT_GT(gpu->memory().weights, size_t{2} << 30);
+}
+
+#define SKIP_WITHOUT_FP8()                                     \
+  SKIP_WITHOUT_GPU();                                          \
+  if (!cuda_fp8_gemm_available()) GTEST_SKIP() << "no FP8 GEMMs on this GPU"
+
+// --dtype fp8 on the default (bf16) model: its projections quantized per output row at load,
+// inputs per token. Against the CPU's exact weights: looser than bf16 (two e4m3 roundings per
+// product) but the same model -- a wrong scale or layout would put the logits off by O(1).
+TEST(CudaModelFp8, ConvertedAtLoadAgreesWithTheCpu) {
+  SKIP_WITHOUT_FP8();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const KvPlan plan = plan_with(kTiny, KvDtype::kBFloat16);
+  std::shared_ptr<const Model> cpu = Model::load(plan);
+  CudaModelOptions o = small_options();
+  o.weights = WeightPrecision::kFp8;
+  std::shared_ptr<const CudaModel> gpu = CudaModel::load(plan, o);
+  EXPECT_EQ(gpu->weight_precision(), WeightPrecision::kFp8);
+  o.weights = WeightPrecision::kBFloat16;
+  const size_t bf16_bytes = CudaModel::load(plan, o)->memory().weights;
+  // 4.7M projection weights at 1 byte, the 1M-entry embedding still bf16: ~0.6 of bf16's.
+  EXPECT_LT(gpu->memory().weights, bf16_bytes * 65 / 100);
+  int same = 0, total = 0;
+  const Diff d = compare_models(cpu, gpu, seed, 32, &same, &total);
+  std::printf(
+      "[ kvq-code-tiny FP8 weights (--dtype fp8) + bf16 KV vs CPU ] seed %u: top-1 %d/%d "
+      "(%.1f%%), max |diff| %.3g (rel %.3g), greedy 32x3 ids %d/%d, weights %zu vs %zu bytes\n",
+      seed, d.same_top1, d.rows, 100.0 * d.same_top1 / d.rows, d.max_abs, d.rel(), same, total,
+      gpu->memory().weights, bf16_bytes);
+  EXPECT_GE(d.same_top1, 0.75 * d.rows);
+  EXPECT_LE(d.rel(), 0.35);
+}
+
+// An FP8 checkpoint (both layouts, per tensor / per channel, dynamic / static activations,
+// lm_head ignored or not) runs in FP8 by default, with its own codes and scales: near the same
+// checkpoint dequantized exactly (float32 weights, the same device), and graph replays equal
+// eager steps bit for bit.
+class CudaModelFp8Checkpoint : public ::testing::TestWithParam<Fp8Case> {};
+
+TEST_P(CudaModelFp8Checkpoint, RunsInFp8NearTheDequantizedModel) {
+  SKIP_WITHOUT_FP8();
+  const Fp8Case c = GetParam();
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  TinySpec ts;
+  ts.layers = 2;
+  ts.family = "qwen3";
+  const TinyModel m = make_tiny_model(ts, rng);
+  std::string ref_dir;
+  const std::string dir = write_fp8(m, c, ref_dir, rng);
+  const KvPlan plan = plan_with(dir, KvDtype::kBFloat16);
+  CudaModelOptions o = small_options(false);
+  std::shared_ptr<const CudaModel> eager = CudaModel::load(plan, o);  // auto: FP8
+  EXPECT_EQ(eager->weight_precision(), WeightPrecision::kFp8);
+  o.cuda_graphs = true;
+  std::shared_ptr<const CudaModel> graphs = CudaModel::load(plan, o);
+  o.weights = WeightPrecision::kFloat32;
+  std::shared_ptr<const CudaModel> exact = CudaModel::load(plan, o);
+  EXPECT_LT(eager->memory().weights, exact->memory().weights / 2);
+  Driver a(eager, 32), g(graphs, 32), r(exact, 32);
+  const int V = eager->vocab_size();
+  const std::vector<SequenceId> ids{1, 2};
+  std::vector<std::vector<int32_t>> p{random_tokens(37, V, rng), random_tokens(12, V, rng)};
+  Diff d;
+  const auto la = a.step(ids, p, true);
+  ASSERT_EQ(la, g.step(ids, p, true));
+  accumulate(d, r.step(ids, p, true), la, V);
+  std::vector<std::vector<int32_t>> next;
+  // Decode steps fed the exact model's greedy tokens.
+  auto lr = r.step(ids, {{static_cast<int32_t>(argmax(la.data() + 36 * V, V))},
+                         {static_cast<int32_t>(argmax(la.data() + 48 * V, V))}},
+                   false);
+  for (int s = 0; s < 6; ++s) {
+    next = {{static_cast<int32_t>(argmax(lr.data(), V))},
+            {static_cast<int32_t>(argmax(lr.data() + V, V))}};
+    const auto xa = a.step(ids, next, false);
+    ASSERT_EQ(xa, g.step(ids, next, false)) << "graph replay, step " << s;
+    lr = r.step(ids, next, false);
+    accumulate(d, lr, xa, V);
+  }
+  std::printf("[ FP8 checkpoint %s %s %s%s ] seed %u: top-1 %d/%d, rel %.3g\n",
+              c.layout == Layout::kModelOpt ? "modelopt" : "compressed-tensors",
+              c.per_channel ? "channel" : "tensor", c.static_activations ? "static" : "dynamic",
+              c.ignore_lm_head ? " lm_head ignored" : "", seed, d.same_top1, d.rows, d.rel());
+  EXPECT_GE(d.same_top1, 0.75 * d.rows);
+  EXPECT_LE(d.rel(), 0.3);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, CudaModelFp8Checkpoint,
+    ::testing::Values(Fp8Case{Layout::kCompressedTensors, false, false, false},
+                      Fp8Case{Layout::kCompressedTensors, true, false, true},
+                      Fp8Case{Layout::kCompressedTensors, true, true, false},
+                      Fp8Case{Layout::kModelOpt, false, true, true}),
+    [](const auto& p) {
+      return std::string(p.param.layout == Layout::kModelOpt ? "ModelOpt" : "CompressedTensors") +
+             (p.param.per_channel ? "Channel" : "Tensor") +
+             (p.param.static_activations ? "Static" : "Dynamic") +
+             (p.param.ignore_lm_head ? "IgnoreLmHead" : "");
+    });
+
+// A synthetic 8B-wide model with --dtype fp8: finite logits, half the projection bytes.
+TEST(CudaModelFp8, SyntheticLlama3WidthModel) {
+  SKIP_WITHOUT_FP8();
+  KvPlanOptions po;
+  po.kv = DtypeFlag{KvDtype::kFp8E4M3, "--kv-cache-dtype fp8_e4m3"};
+  const KvPlan plan = make_kv_plan(llama3_8b_config(2), po);
+  CudaModelOptions o = small_options();
+  o.max_num_batched_tokens = 256;
+  o.weights = WeightPrecision::kFp8;
+  std::shared_ptr<const CudaModel> gpu = CudaModel::synthetic(plan, o, 7);
+  EXPECT_EQ(gpu->weight_precision(), WeightPrecision::kFp8);
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  Driver d(gpu, 64);
+  const int V = gpu->vocab_size();
+  auto l = d.step({1, 2}, {random_tokens(200, V, rng), random_tokens(33, V, rng)}, false);
+  for (int s = 0; s < 3; ++s) {
+    for (float x : l) ASSERT_TRUE(std::isfinite(x)) << "seed " << seed << " step " << s;
+    l = d.step({1, 2},
+               {{static_cast<int32_t>(argmax(l.data(), V))},
+                {static_cast<int32_t>(argmax(l.data() + V, V))}},
+               false);
+  }
+  // 2 layers x 218M projection weights at 1 byte (2834 MiB in bf16) + the 525M-entry
+  // embedding and LM head in bf16: 2418 MiB.
+  EXPECT_LT(gpu->memory().weights, size_t{2500} << 20);
+  EXPECT_GT(gpu->memory().weights, size_t{2350} << 20);
 }
 
 // Decode step time (forward_sample, host round trip included) of a synthetic 8B-wide model,

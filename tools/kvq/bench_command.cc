@@ -392,10 +392,12 @@ Action add_bench_command(CLI::App& app) {
 #ifdef KVQ_WITH_CUDA
     if (const auto* cm = dynamic_cast<const CudaModel*>(model.get())) {
       const CudaMemoryReport r = cm->memory();
-      weight_bytes = r.weights;
+      weight_bytes = r.weights_read_per_step;
       mem = {{"device_total", r.device_total},
              {"free_at_load", r.free_at_load},
              {"weights", r.weights},
+             {"weights_read_per_step", r.weights_read_per_step},
+             {"weight_dtype", to_string(cm->weight_precision())},
              {"activations", r.activations},
              {"kv_budget", r.kv_budget}};
     }
@@ -584,9 +586,10 @@ Action add_bench_command(CLI::App& app) {
                   static_cast<long long>(max_blocks * bt), L + M,
                   static_cast<long long>(largest_batch));
     if (!mem.is_null())
-      std::printf("memory: device %s, weights %s, activations %s, KV allocated %s of %s budget\n",
+      std::printf("memory: device %s, weights %s (%s), activations %s, KV allocated %s of %s budget\n",
                   gib(mem["device_total"].get<double>()).c_str(),
                   gib(mem["weights"].get<double>()).c_str(),
+                  mem["weight_dtype"].get<std::string>().c_str(),
                   gib(mem["activations"].get<double>()).c_str(),
                   gib(mem["kv_allocated"].get<double>()).c_str(),
                   gib(mem["kv_budget"].get<double>()).c_str());

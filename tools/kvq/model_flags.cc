@@ -23,10 +23,11 @@ void ModelFlags::add_to(CLI::App& app, bool with_synthetic) {
                  "--device cuda: share of the GPU's memory kvq may use, weights and KV cache "
                  "included (default 0.9)")
       ->check(CLI::Range(0.01f, 1.0f));
-  app.add_option("--dtype", weight_dtype,
-                 "--device cuda: weight precision: auto (float32 checkpoints stay float32, "
-                 "others bfloat16), bfloat16, float32")
-      ->check(CLI::IsMember({"auto", "bfloat16", "bf16", "float32", "fp32"}));
+  app.add_option("--dtype,--weight-dtype", weight_dtype,
+                 "--device cuda: weight precision: auto (FP8 checkpoints stay FP8, float32 "
+                 "ones float32, others bfloat16), bfloat16, float32, fp8 (the decoder "
+                 "projections quantized at load, a scale per output row, inputs per token)")
+      ->check(CLI::IsMember({"auto", "bfloat16", "bf16", "float32", "fp32", "fp8", "float8_e4m3"}));
   app.add_flag("--enforce-eager", enforce_eager, "--device cuda: no CUDA graphs for decode steps");
 
   app.add_option("--prefill-chunk", prefill_chunk, "tokens per prefill step (default 512)")

@@ -20,12 +20,19 @@
 
 namespace kvq {
 
-// Precision the weights are held in on the device. kAuto: float32 for a float32 checkpoint
-// (so the GPU path matches the CPU path), bfloat16 otherwise.
-enum class WeightPrecision : uint8_t { kAuto, kBFloat16, kFloat32 };
-// "auto", "bfloat16" / "bf16", "float32" / "fp32"; InputError naming `flag` otherwise.
+// Precision the weights are held in on the device. kAuto: FP8 for an FP8 checkpoint (on a GPU
+// with FP8 GEMMs), float32 for a float32 checkpoint (so the GPU path matches the CPU path),
+// bfloat16 otherwise. kFp8: the decoder projections in e4m3 with a scale per output row (an
+// FP8 checkpoint's own codes and scales; a bf16 one quantized at load), inputs quantized per
+// token (or with the checkpoint's static input scales); embeddings, the LM head, norms and
+// activations stay bf16 (model/cuda/linear.h).
+enum class WeightPrecision : uint8_t { kAuto, kBFloat16, kFloat32, kFp8 };
+// "auto", "bfloat16" / "bf16", "float32" / "fp32", "fp8"; InputError naming `flag` otherwise.
 WeightPrecision parse_weight_precision(std::string_view text, std::string_view flag);
 std::string_view to_string(WeightPrecision p);
+
+// Whether the current CUDA device runs FP8 (e4m3) GEMMs: compute capability 8.9 (Ada) or newer.
+bool cuda_fp8_gemm_available();
 
 struct CudaModelOptions {
   WeightPrecision weights = WeightPrecision::kAuto;
@@ -43,6 +50,7 @@ struct CudaMemoryReport {
   size_t device_total = 0;
   size_t free_at_load = 0;  // free before kvq allocated anything
   size_t weights = 0;
+  size_t weights_read_per_step = 0;  // `weights` less an embedding a step only gathers from
   size_t activations = 0;  // activation buffers, attention workspaces, logits, graphs
   size_t kv_budget = 0;    // utilization * total - everything above - other processes
 };

@@ -41,6 +41,7 @@
 #include "model/checkpoint_reader.h"
 #include "model/cuda/cublas_check.h"
 #include "model/cuda/gemm_tuner.h"
+#include "model/cuda/linear.h"
 #include "model/cuda/model_kernels.h"
 #include "model/kernels.h"
 #include "model/weight_layout.h"
@@ -121,40 +122,86 @@ class DeviceArena {
 
 // Weights on the device, shared by every plan of the model (with_plan).
 struct DeviceWeights {
+  using Linear = cuda_model::Linear;
   DeviceArena arena;
+  // GEMM inputs (activations) in bf16: bf16 and FP8 models; fp32 for a float32 model.
   bool bf16 = false;
-  const void* embed = nullptr;
-  const void* lm_head = nullptr;  // == embed when tied
+  const void* embed = nullptr;  // bf16 or fp32 like the activations
+  Linear lm_head;               // .w == embed when tied
   const float* final_norm = nullptr;
   // A DFlash drafter's own tensors; its embedding and LM head are the target's (`target`).
-  const void* fc = nullptr;
+  Linear fc;
   const float *hidden_norm = nullptr, *mask = nullptr;
   std::shared_ptr<const DeviceWeights> target;
   struct Layer {
     const float *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-    const void *qkv = nullptr, *o = nullptr, *gate_up = nullptr, *down = nullptr;
+    Linear qkv, o, gate_up, down;
     const float *qkv_bias = nullptr, *o_bias = nullptr, *gate_up_bias = nullptr,
                 *down_bias = nullptr;
   };
   std::vector<Layer> layers;
 
-  // Matrices are held in the weight precision; norms and biases in fp32.
+  bool any_fp8() const {
+    for (const Layer& l : layers)
+      for (const Linear* x : {&l.qkv, &l.o, &l.gate_up, &l.down})
+        if (x->dtype == Linear::Dtype::kFP8) return true;
+    return fc.dtype == Linear::Dtype::kFP8 || lm_head.dtype == Linear::Dtype::kFP8;
+  }
+
+  // Matrices are held in their Linear's precision (the embedding in the activations');
+  // norms and biases in fp32.
   static bool is_matrix(model::WeightKind k) {
     using K = model::WeightKind;
     return k == K::kEmbed || k == K::kLmHead || k == K::kQkv || k == K::kO || k == K::kGateUp ||
            k == K::kDown || k == K::kDflashFc;
   }
-  void* place(const model::WeightTensor& t) {
-    const size_t elem = is_matrix(t.kind) && bf16 ? 2 : 4;
+  // The decoder projections (what FP8 weights cover; the embedding, LM head and a drafter's
+  // fc stay in the activations' precision).
+  static bool is_projection(model::WeightKind k) {
+    using K = model::WeightKind;
+    return k == K::kQkv || k == K::kO || k == K::kGateUp || k == K::kDown;
+  }
+  Linear* linear_of(model::WeightKind kind, int layer) {
+    Layer* l = layer >= 0 ? &layers[static_cast<size_t>(layer)] : nullptr;
+    switch (kind) {
+      case model::WeightKind::kLmHead:
+        return &lm_head;
+      case model::WeightKind::kDflashFc:
+        return &fc;
+      case model::WeightKind::kQkv:
+        return &l->qkv;
+      case model::WeightKind::kO:
+        return &l->o;
+      case model::WeightKind::kGateUp:
+        return &l->gate_up;
+      case model::WeightKind::kDown:
+        return &l->down;
+      default:
+        return nullptr;
+    }
+  }
+  // Allocates tensor t (a matrix: `cols` inputs, in `dtype`) and records where it is.
+  void* place(const model::WeightTensor& t, int cols, Linear::Dtype dtype) {
+    const bool matrix = is_matrix(t.kind);
+    const size_t elem = !matrix ? 4
+                        : dtype == Linear::Dtype::kFP8 ? 1
+                        : dtype == Linear::Dtype::kBF16 ? 2
+                                                        : 4;
     void* p = arena.alloc(static_cast<size_t>(t.numel) * elem);
     Layer* l = t.layer >= 0 ? &layers[static_cast<size_t>(t.layer)] : nullptr;
     auto* f = static_cast<float*>(p);
+    if (Linear* lin = linear_of(t.kind, t.layer)) {
+      lin->dtype = dtype;
+      lin->k = cols;
+      lin->n = static_cast<int>(t.numel / cols);
+      lin->w = p;
+      if (dtype == Linear::Dtype::kFP8)
+        lin->scale = static_cast<float*>(arena.alloc(static_cast<size_t>(lin->n) * 4));
+      return p;
+    }
     switch (t.kind) {
       case model::WeightKind::kEmbed:
         embed = p;
-        break;
-      case model::WeightKind::kLmHead:
-        lm_head = p;
         break;
       case model::WeightKind::kFinalNorm:
         final_norm = f;
@@ -165,9 +212,6 @@ struct DeviceWeights {
       case model::WeightKind::kPostNorm:
         l->post_norm = f;
         break;
-      case model::WeightKind::kQkv:
-        l->qkv = p;
-        break;
       case model::WeightKind::kQkvBias:
         l->qkv_bias = f;
         break;
@@ -177,26 +221,14 @@ struct DeviceWeights {
       case model::WeightKind::kKNorm:
         l->k_norm = f;
         break;
-      case model::WeightKind::kO:
-        l->o = p;
-        break;
       case model::WeightKind::kOBias:
         l->o_bias = f;
-        break;
-      case model::WeightKind::kGateUp:
-        l->gate_up = p;
         break;
       case model::WeightKind::kGateUpBias:
         l->gate_up_bias = f;
         break;
-      case model::WeightKind::kDown:
-        l->down = p;
-        break;
       case model::WeightKind::kDownBias:
         l->down_bias = f;
-        break;
-      case model::WeightKind::kDflashFc:
-        fc = p;
         break;
       case model::WeightKind::kDflashHiddenNorm:
         hidden_norm = f;
@@ -204,51 +236,135 @@ struct DeviceWeights {
       case model::WeightKind::kDflashMask:
         mask = f;
         break;
+      default:
+        KVQ_CHECK(false, "DeviceWeights::place: a matrix without a Linear");
     }
     return p;
   }
-  void finish() {
+  void finish(int vocab, int hidden) {
     if (target) {
       embed = target->embed;
       lm_head = target->lm_head;
     }
-    if (!lm_head) lm_head = embed;
+    if (lm_head.empty())  // tied: the embedding, in the activations' precision
+      lm_head = Linear{bf16 ? Linear::Dtype::kBF16 : Linear::Dtype::kF32, vocab, hidden, embed,
+                       nullptr, nullptr};
   }
 };
 
+// Inputs of each matrix kind (the columns of its [n][k] weight).
+int matrix_cols(model::WeightKind kind, const KvPlan& plan, const ArchitectureConfig& arch) {
+  using K = model::WeightKind;
+  switch (kind) {
+    case K::kO:
+      return plan.model.num_q_heads * plan.model.head_dim;
+    case K::kDown:
+      return arch.intermediate_size;
+    case K::kDflashFc:
+      return static_cast<int>(arch.dflash->target_layer_ids.size()) *
+             arch.dflash->target_hidden_size;
+    default:
+      return arch.hidden_size;
+  }
+}
+
+// A projection cuBLASLt's FP8 kernels take: both dimensions multiples of 16.
+bool fp8_shape_ok(int n, int k) {
+  return n % 16 == 0 && k % 16 == 0;
+}
+
 // `target`: a DFlash drafter's target, whose embedding and LM head it shares (and whose
-// precision it takes).
+// activation precision it takes; its own matrices are bf16 when the target's are FP8).
 std::shared_ptr<DeviceWeights> load_checkpoint_weights(
     const KvPlan& plan, const ArchitectureConfig& arch, WeightPrecision requested,
     WeightPrecision& chosen, std::shared_ptr<const DeviceWeights> target = nullptr) {
+  using Dtype = cuda_model::Linear::Dtype;
   model::CheckpointReader reader(plan.model.dir);
   const model::WeightLayout layout =
       model::checkpoint_layout(plan.model, arch, reader.has("lm_head.weight"));
   model::expect_layout(reader, layout);
+  const bool ckpt_fp8 = reader.quantization().fp8;
   chosen = requested;
   if (chosen == WeightPrecision::kAuto)
-    chosen = model::layout_all_float32(reader, layout) ? WeightPrecision::kFloat32
-                                                       : WeightPrecision::kBFloat16;
+    chosen = ckpt_fp8 && cuda_fp8_gemm_available()       ? WeightPrecision::kFp8
+             : model::layout_all_float32(reader, layout) ? WeightPrecision::kFloat32
+                                                         : WeightPrecision::kBFloat16;
+  if (chosen == WeightPrecision::kFp8 && !cuda_fp8_gemm_available())
+    throw InputError(
+        "--dtype fp8: FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+        "accepted here: auto, bfloat16, float32");
   auto w = std::make_shared<DeviceWeights>();
-  w->bf16 = chosen == WeightPrecision::kBFloat16;
+  w->bf16 = chosen != WeightPrecision::kFloat32;
   if (target) {
     w->bf16 = target->bf16;
     chosen = target->bf16 ? WeightPrecision::kBFloat16 : WeightPrecision::kFloat32;
     w->target = std::move(target);
   }
+  const bool fp8 = chosen == WeightPrecision::kFp8;
+  const Dtype act = w->bf16 ? Dtype::kBF16 : Dtype::kF32;
   w->layers.resize(static_cast<size_t>(plan.model.num_layers));
   std::vector<std::vector<const model::WeightPiece*>> pieces(layout.tensors.size());
   for (const model::WeightPiece& pc : layout.pieces) pieces[pc.tensor].push_back(&pc);
-  // bf16 matrices go up as fp32 in bounded chunks and are rounded on the device.
+  // Matrices go up as fp32 in bounded chunks (whole rows) and are converted on the device.
   constexpr size_t kChunk = size_t{16} << 20;  // floats
   DeviceArena staging;
   float* chunk = w->bf16 ? static_cast<float*>(staging.alloc(kChunk * sizeof(float))) : nullptr;
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
     const model::WeightTensor& t = layout.tensors[i];
+    const bool matrix = DeviceWeights::is_matrix(t.kind);
+    const int cols = matrix ? matrix_cols(t.kind, plan, arch) : 1;
+    const int rows = static_cast<int>(t.numel / cols);
+    // An FP8 checkpoint's projections stay FP8 (with its scales) unless all of a fused
+    // matrix's pieces are ignored; --dtype fp8 quantizes every projection per output row.
+    int f8_pieces = 0;
+    for (const model::WeightPiece* pc : pieces[i])
+      f8_pieces += reader.dtype(pc->name) == TensorDtype::kF8E4M3 ? 1 : 0;
+    const bool given = f8_pieces == static_cast<int>(pieces[i].size()) && f8_pieces > 0;
+    Dtype dtype = act;
+    if (fp8 && DeviceWeights::is_projection(t.kind) && fp8_shape_ok(rows, cols) &&
+        (!ckpt_fp8 || f8_pieces > 0))
+      dtype = Dtype::kFP8;
     model::FloatArray host(static_cast<size_t>(t.numel));
     for (const model::WeightPiece* pc : pieces[i]) reader.read(pc->name, host.data() + pc->offset);
-    void* dst = w->place(t);
-    if (w->bf16 && DeviceWeights::is_matrix(t.kind)) {
+    void* dst = w->place(t, cols, dtype);
+    if (dtype == Dtype::kFP8) {
+      cuda_model::Linear& lin = *w->linear_of(t.kind, t.layer);
+      if (given) {
+        // The checkpoint's codes exactly: value / its scale rounds back to the stored code.
+        std::vector<float> scales(static_cast<size_t>(rows));
+        for (const model::WeightPiece* pc : pieces[i]) {
+          const std::vector<float> s = reader.weight_row_scales(pc->name);
+          std::copy(s.begin(), s.end(), scales.begin() + pc->offset / cols);
+        }
+        KVQ_CUDA_CHECK(cudaMemcpy(const_cast<float*>(lin.scale), scales.data(),
+                                  scales.size() * sizeof(float), cudaMemcpyHostToDevice));
+        // Static activation scales (one per fused matrix: the largest of its pieces').
+        float in_scale = 0.0f;
+        bool all = true;
+        for (const model::WeightPiece* pc : pieces[i]) {
+          const float v = reader.input_scale(pc->name);
+          all = all && v > 0.0f;
+          in_scale = std::max(in_scale, v);
+        }
+        if (all && in_scale > 0.0f) {
+          auto* d = static_cast<float*>(w->arena.alloc(sizeof(float)));
+          KVQ_CUDA_CHECK(cudaMemcpy(d, &in_scale, sizeof(float), cudaMemcpyHostToDevice));
+          lin.in_scale = d;
+        }
+      }
+      const int64_t rows_per = std::max<int64_t>(1, static_cast<int64_t>(kChunk) / cols);
+      for (int64_t r0 = 0; r0 < rows; r0 += rows_per) {
+        const int64_t nr = std::min<int64_t>(rows_per, rows - r0);
+        KVQ_CUDA_CHECK(cudaMemcpy(chunk, host.data() + r0 * cols,
+                                  static_cast<size_t>(nr * cols) * sizeof(float),
+                                  cudaMemcpyHostToDevice));
+        cuda_model::quantize_rows_fp8(
+            chunk, false, static_cast<int>(nr), cols, cols,
+            given ? cuda_model::Fp8Scale::kGiven : cuda_model::Fp8Scale::kDynamic, nullptr,
+            static_cast<uint8_t*>(dst) + r0 * cols, const_cast<float*>(lin.scale) + r0, nullptr);
+        KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+      }
+    } else if (w->bf16 && matrix) {
       for (size_t o = 0; o < host.size(); o += kChunk) {
         const size_t n = std::min(kChunk, host.size() - o);
         KVQ_CUDA_CHECK(
@@ -263,27 +379,45 @@ std::shared_ptr<DeviceWeights> load_checkpoint_weights(
     }
   }
   reader.finish();
-  w->finish();
+  w->finish(arch.vocab_size, arch.hidden_size);
   return w;
 }
 
+// Random weights; with `fp8` the decoder projections are quantized per output row (dynamic
+// activations), as --dtype fp8 converts a checkpoint.
 std::shared_ptr<DeviceWeights> synthetic_weights(const KvPlan& plan, const ArchitectureConfig& arch,
-                                                 uint64_t seed) {
+                                                 uint64_t seed, bool fp8) {
+  using Dtype = cuda_model::Linear::Dtype;
   const model::WeightLayout layout = model::checkpoint_layout(plan.model, arch, true);
   auto w = std::make_shared<DeviceWeights>();
   w->bf16 = true;
   w->layers.resize(static_cast<size_t>(plan.model.num_layers));
   const double H = arch.hidden_size, I = arch.intermediate_size;
   const double q = double(plan.model.num_q_heads) * plan.model.head_dim;
+  int64_t largest = 0;
+  for (const model::WeightTensor& t : layout.tensors)
+    if (DeviceWeights::is_projection(t.kind)) largest = std::max(largest, t.numel);
+  DeviceArena staging;
+  void* tmp = fp8 ? staging.alloc(static_cast<size_t>(largest) * 2) : nullptr;
   for (size_t i = 0; i < layout.tensors.size(); ++i) {
     const model::WeightTensor& t = layout.tensors[i];
-    void* p = w->place(t);
     using K = model::WeightKind;
-    if (DeviceWeights::is_matrix(t.kind)) {
+    const bool matrix = DeviceWeights::is_matrix(t.kind);
+    const int cols = matrix ? matrix_cols(t.kind, plan, arch) : 1;
+    const int rows = static_cast<int>(t.numel / cols);
+    const bool q8 = fp8 && DeviceWeights::is_projection(t.kind) && fp8_shape_ok(rows, cols);
+    void* p = w->place(t, cols, q8 ? Dtype::kFP8 : Dtype::kBF16);
+    if (matrix) {
       // Unit-variance inputs give unit-variance outputs: scale 1 / sqrt(fan_in).
       const double fan_in = t.kind == K::kO ? q : t.kind == K::kDown ? I : H;
-      cuda_model::fill_random_bf16(p, t.numel, seed * 1000003ull + i,
+      cuda_model::fill_random_bf16(q8 ? tmp : p, t.numel, seed * 1000003ull + i,
                                    static_cast<float>(1.0 / std::sqrt(fan_in)), nullptr);
+      if (q8)
+        cuda_model::quantize_rows_fp8(tmp, true, rows, cols, cols, cuda_model::Fp8Scale::kDynamic,
+                                      nullptr, static_cast<uint8_t*>(p),
+                                      const_cast<float*>(w->linear_of(t.kind, t.layer)->scale),
+                                      nullptr);
+      KVQ_CUDA_CHECK(cudaDeviceSynchronize());
     } else {
       const bool norm = t.kind == K::kFinalNorm || t.kind == K::kInputNorm ||
                         t.kind == K::kPostNorm || t.kind == K::kQNorm || t.kind == K::kKNorm;
@@ -291,7 +425,7 @@ std::shared_ptr<DeviceWeights> synthetic_weights(const KvPlan& plan, const Archi
     }
   }
   KVQ_CUDA_CHECK(cudaDeviceSynchronize());
-  w->finish();
+  w->finish(arch.vocab_size, arch.hidden_size);
   return w;
 }
 
@@ -403,8 +537,11 @@ class CudaDecoderModel final : public CudaModel {
   void attention(const Step& st, int layer, const LayerCacheView& view) const;
   // Final norm + lm_head for logit rows [first, first + n) into logits_ rows [0, n).
   void logits_rows(int first, int n) const;
-  void gemm(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
-            float beta) const;
+  // out[m][L.n] (row stride ldc) = in[m][L.k] (row stride lda, the activations' precision)
+  // times L's weight transposed (+ beta * out): the GEMM L's precision calls for
+  // (cuda_model::Linear).
+  void linear(const cuda_model::Linear& L, int m, const void* in, int lda, float* out, int ldc,
+              float beta) const;
   cuda::DecodePlan decode_plan(int group, int num_seqs, int context) const;
   // Times the GEMM algorithms of an m-row decode step once (bf16 weights, m <= kMaxTunedRows).
   void tune_gemms(int m) const;
@@ -443,6 +580,10 @@ class CudaDecoderModel final : public CudaModel {
   float *x_ = nullptr, *qkv_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
         *att_ = nullptr, *mlp_ = nullptr, *cs_ = nullptr, *logits_ = nullptr;
   void* h_ = nullptr;  // GEMM inputs (bf16 or fp32)
+  // FP8 projections: their quantized input rows and one scale per row (rows of up to
+  // max(H, I, q_dim, drafter features) values).
+  uint8_t* act8_ = nullptr;
+  float* act_scale_ = nullptr;
   double* inv_freq_ = nullptr;
   void* attn_ws_ = nullptr;
   void* sample_ws_ = nullptr;
@@ -695,6 +836,10 @@ void CudaDecoderModel::allocate_buffers() {
   cs_ = static_cast<float*>(buf_.alloc(T * d_ * 4));
   logits_ = static_cast<float*>(buf_.alloc(static_cast<size_t>(R_cap_) * vocab_ * 4));
   d_ids_ = static_cast<int32_t*>(buf_.alloc(T * 4));
+  if (w_->any_fp8()) {
+    act8_ = static_cast<uint8_t*>(buf_.alloc(T * static_cast<size_t>(std::max({H_, I_, q_dim_}))));
+    act_scale_ = static_cast<float*>(buf_.alloc(T * 4));
+  }
   if (arch_.dflash) {
     const size_t F = arch_.dflash->target_layer_ids.size() *
                      static_cast<size_t>(arch_.dflash->target_hidden_size);
@@ -786,6 +931,11 @@ CudaMemoryReport CudaDecoderModel::memory() const {
   r.device_total = total;
   r.free_at_load = free_at_load_;
   r.weights = w_->arena.bytes();
+  // A decode step reads every matrix but the embedding (a gather of a few rows), unless the
+  // LM head is the embedding.
+  r.weights_read_per_step = r.weights;
+  if (w_->embed != w_->lm_head.w && !w_->target)
+    r.weights_read_per_step -= static_cast<size_t>(vocab_) * H_ * (bf16_ ? 2 : 4);
   {
     std::lock_guard<std::mutex> lock(mu_);
     r.activations = buf_.bytes() + off_.total + static_cast<size_t>(T_cap_) * 4 + graph_bytes_ +
@@ -838,17 +988,33 @@ void CudaDecoderModel::copy_blocks(PagedKvCache& cache,
   KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void CudaDecoderModel::gemm(int m, int n, int k, const void* in, int lda, const void* w, float* out,
-                            int ldc, float beta) const {
-  if (m == 0 || n == 0) return;
-  if (tuner_ && tuner_->run(m, n, k, in, lda, w, out, ldc, beta)) return;
+void CudaDecoderModel::linear(const cuda_model::Linear& L, int m, const void* in, int lda,
+                              float* out, int ldc, float beta) const {
+  using Dtype = cuda_model::Linear::Dtype;
+  if (m == 0 || L.n == 0) return;
+  if (L.dtype == Dtype::kFP8) {
+    KVQ_CHECK(act8_ != nullptr && tuner_ != nullptr && bf16_,
+              "an FP8 projection in a model without FP8 buffers");
+    cuda_model::quantize_rows_fp8(
+        in, true, m, L.k, lda,
+        L.in_scale ? cuda_model::Fp8Scale::kStatic : cuda_model::Fp8Scale::kDynamic, L.in_scale,
+        act8_, act_scale_, stream_);
+    if (!tuner_->run(cuda_model::GemmInput::kFP8, m, L.n, L.k, act8_, act_scale_, L.k,
+                     cuda_model::GemmWeight{L.w, L.scale}, out, ldc, beta))
+      throw InternalError("cuBLASLt offers no FP8 GEMM for m " + std::to_string(m) + ", n " +
+                          std::to_string(L.n) + ", k " + std::to_string(L.k) +
+                          " on this GPU (run with --dtype bfloat16)");
+    return;
+  }
+  const bool bf16 = L.dtype == Dtype::kBF16;
+  if (bf16 && tuner_ && tuner_->run(m, L.n, L.k, in, lda, L.w, out, ldc, beta)) return;
   const float alpha = 1.0f;
-  const cudaDataType t = bf16_ ? CUDA_R_16BF : CUDA_R_32F;
+  const cudaDataType t = bf16 ? CUDA_R_16BF : CUDA_R_32F;
   // Row-major out[m][n] = in[m][k] * w[n][k]^T is column-major out^T = w^T-op * in^T.
   // fp32 weights: pedantic fp32 compute (no TF32), so the result matches the CPU path.
-  KVQ_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, w, t, k, in, t,
-                                lda, &beta, out, CUDA_R_32F, ldc,
-                                bf16_ ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_PEDANTIC,
+  KVQ_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, L.n, m, L.k, &alpha, L.w, t,
+                                L.k, in, t, lda, &beta, out, CUDA_R_32F, ldc,
+                                bf16 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_PEDANTIC,
                                 CUBLAS_GEMM_DEFAULT));
 }
 
@@ -1143,7 +1309,7 @@ void CudaDecoderModel::attention(const Step& st, int l, const LayerCacheView& vi
 void CudaDecoderModel::logits_rows(int first, int n) const {
   cuda_model::rms_norm_rows(x_, d_at<int32_t>(off_.logit_rows) + first, n, H_, w_->final_norm, eps_,
                             h_, bf16_, stream_);
-  gemm(n, vocab_, H_, h_, H_, w_->lm_head, logits_, vocab_, 0.0f);
+  linear(w_->lm_head, n, h_, H_, logits_, vocab_, 0.0f);
 }
 
 void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView>& views) const {
@@ -1166,7 +1332,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
     const LayerKvSpec& spec = plan_.layers[static_cast<size_t>(l)];
     cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.input_norm, eps_, h_, bf16_, stream_);
-    gemm(T, qkv_dim_, H_, h_, H_, w.qkv, qkv_, qkv_dim_, 0.0f);
+    linear(w.qkv, T, h_, H_, qkv_, qkv_dim_, 0.0f);
     cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, T, nq_, nkv_, d_, eps_, q_, k_,
                          v_, stream_);
     write_kv_cuda(spec, views[static_cast<size_t>(l)], d_at<int64_t>(off_.slots), T, k_, v_,
@@ -1177,12 +1343,12 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
       cuda_model::to_bf16(att_, static_cast<int64_t>(T) * q_dim_, h_, stream_);
       att_in = h_;
     }
-    gemm(T, H_, q_dim_, att_in, q_dim_, w.o, x_, H_, 1.0f);
+    linear(w.o, T, att_in, q_dim_, x_, H_, 1.0f);
     if (w.o_bias) cuda_model::add_bias_rows(x_, w.o_bias, T, H_, stream_);
     cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.post_norm, eps_, h_, bf16_, stream_);
-    gemm(T, 2 * I_, H_, h_, H_, w.gate_up, mlp_, 2 * I_, 0.0f);
+    linear(w.gate_up, T, h_, H_, mlp_, 2 * I_, 0.0f);
     cuda_model::silu_mul(mlp_, w.gate_up_bias, T, I_, h_, bf16_, stream_);
-    gemm(T, H_, I_, h_, I_, w.down, x_, H_, 1.0f);
+    linear(w.down, T, h_, I_, x_, H_, 1.0f);
     if (w.down_bias) cuda_model::add_bias_rows(x_, w.down_bias, T, H_, stream_);
     if (st.capture_set > 0) {
       // This layer's output rows into their column of the [T][layers][H] capture buffer.
@@ -1266,14 +1432,14 @@ void CudaDecoderModel::context_kv_rows(int n, const std::vector<LayerCacheView>&
   }
   // The context rows: hidden_norm(fc(features)), then each layer's k/v projections of them
   // (no input_layernorm), k_norm and RoPE, written in the layer's cache format.
-  gemm(n, H_, Fi, in, Fi, w_->fc, x_, H_, 0.0f);
+  linear(w_->fc, n, in, Fi, x_, H_, 0.0f);
   cuda_model::rms_norm_rows(x_, nullptr, n, H_, w_->hidden_norm, eps_, h_, bf16_, stream_);
   cuda_model::rope_table(d_positions, n, inv_freq_, d_ / 2, cs_, stream_);
   for (int l = 0; l < num_layers_; ++l) {
     const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
     // The whole q|k|v product (the q columns are not used): one GEMM shape shared with the
     // forward pass, at the cost of the q columns' flops.
-    gemm(n, qkv_dim_, H_, h_, H_, w.qkv, qkv_, qkv_dim_, 0.0f);
+    linear(w.qkv, n, h_, H_, qkv_, qkv_dim_, 0.0f);
     cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, n, nq_, nkv_, d_, eps_, q_, k_,
                          v_, stream_);
     write_kv_cuda(plan_.layers[static_cast<size_t>(l)], views[static_cast<size_t>(l)], d_slots, n,
@@ -1354,21 +1520,36 @@ void CudaDecoderModel::write_feature_kv_from_target(const Model& target,
 }
 
 void CudaDecoderModel::tune_gemms(int m) const {
+  using Dtype = cuda_model::Linear::Dtype;
   if (!tuner_ || m > kMaxTunedRows || !tuned_rows_.insert(m).second) return;
-  std::vector<const void*> qkv, o, gate_up, down;
-  for (const DeviceWeights::Layer& w : w_->layers) {
-    qkv.push_back(w.qkv);
-    o.push_back(w.o);
-    gate_up.push_back(w.gate_up);
-    down.push_back(w.down);
+  // Each projection kind over every layer, per precision (an FP8 checkpoint's ignore list can
+  // leave some layers' projections in bf16).
+  auto tune = [&](auto member, float* out) {
+    std::vector<const void*> bf16;
+    std::vector<cuda_model::GemmWeight> fp8;
+    const cuda_model::Linear* shape = nullptr;
+    for (const DeviceWeights::Layer& w : w_->layers) {
+      const cuda_model::Linear& L = w.*member;
+      shape = &L;
+      if (L.dtype == Dtype::kBF16) bf16.push_back(L.w);
+      if (L.dtype == Dtype::kFP8) fp8.push_back({L.w, L.scale});
+    }
+    if (shape == nullptr) return;
+    // Nothing is live between steps: the scratch operands are the step's own buffers.
+    if (!bf16.empty()) tuner_->tune(m, shape->n, shape->k, h_, shape->k, bf16, out, shape->n);
+    if (!fp8.empty())
+      tuner_->tune(cuda_model::GemmInput::kFP8, m, shape->n, shape->k, act8_, act_scale_,
+                   shape->k, fp8, out, shape->n);
+  };
+  tune(&DeviceWeights::Layer::qkv, qkv_);
+  tune(&DeviceWeights::Layer::o, x_);
+  tune(&DeviceWeights::Layer::gate_up, mlp_);
+  tune(&DeviceWeights::Layer::down, x_);
+  const cuda_model::Linear& head = w_->lm_head;
+  if (head.dtype == Dtype::kBF16) {
+    const void* lm_head[1] = {head.w};
+    tuner_->tune(m, vocab_, H_, h_, H_, lm_head, logits_, vocab_);
   }
-  const void* lm_head[1] = {w_->lm_head};
-  // Nothing is live between steps: the scratch operands are the step's own buffers.
-  tuner_->tune(m, qkv_dim_, H_, h_, H_, qkv, qkv_, qkv_dim_);
-  tuner_->tune(m, H_, q_dim_, h_, q_dim_, o, x_, H_);
-  tuner_->tune(m, 2 * I_, H_, h_, H_, gate_up, mlp_, 2 * I_);
-  tuner_->tune(m, H_, I_, h_, I_, down, x_, H_);
-  tuner_->tune(m, vocab_, H_, h_, H_, lm_head, logits_, vocab_);
 }
 
 void CudaDecoderModel::run_step(const Step& st, PagedKvCache& cache) const {
@@ -1533,6 +1714,15 @@ size_t init_device(size_t& total) {
 
 }  // namespace
 
+bool cuda_fp8_gemm_available() {
+  if (cuda_device_count() == 0) return false;
+  int dev = 0, major = 0, minor = 0;
+  KVQ_CUDA_CHECK(cudaGetDevice(&dev));
+  KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  return major * 10 + minor >= 89;
+}
+
 std::unique_ptr<CudaModel> CudaModel::load(const KvPlan& plan, const CudaModelOptions& options) {
   size_t total = 0;
   const size_t free_at_load = init_device(total);
@@ -1571,13 +1761,21 @@ std::unique_ptr<CudaModel> CudaModel::synthetic(const KvPlan& plan, const CudaMo
   size_t total = 0;
   const size_t free_at_load = init_device(total);
   if (options.weights == WeightPrecision::kFloat32)
-    throw InputError("synthetic models hold bfloat16 weights; float32 was asked for");
+    throw InputError(
+        "synthetic models hold bfloat16 (or, with --dtype fp8, FP8) weights; float32 was asked "
+        "for");
+  const bool fp8 = options.weights == WeightPrecision::kFp8;
+  if (fp8 && !cuda_fp8_gemm_available())
+    throw InputError(
+        "--dtype fp8: FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+        "accepted here: auto, bfloat16");
   const ArchitectureConfig arch = CudaDecoderModel::validate(plan, options);
   for (const LayerKvSpec& s : plan.layers)
     (void)select_attention_backend(s, Device::kCuda, options.forced_backend);
-  auto weights = synthetic_weights(plan, arch, seed);
-  return std::make_unique<CudaDecoderModel>(plan, options, std::move(weights),
-                                            WeightPrecision::kBFloat16, free_at_load);
+  auto weights = synthetic_weights(plan, arch, seed, fp8);
+  return std::make_unique<CudaDecoderModel>(
+      plan, options, std::move(weights), fp8 ? WeightPrecision::kFp8 : WeightPrecision::kBFloat16,
+      free_at_load);
 }
 
 }  // namespace kvq

@@ -10,8 +10,10 @@ WeightPrecision parse_weight_precision(std::string_view text, std::string_view f
   if (text == "auto") return WeightPrecision::kAuto;
   if (text == "bfloat16" || text == "bf16") return WeightPrecision::kBFloat16;
   if (text == "float32" || text == "fp32") return WeightPrecision::kFloat32;
+  if (text == "fp8" || text == "float8_e4m3") return WeightPrecision::kFp8;
   throw InputError(std::string(flag) + " '" + std::string(text) +
-                   "' is not a weight precision; accepted: auto, bfloat16 (bf16), float32 (fp32)");
+                   "' is not a weight precision; accepted: auto, bfloat16 (bf16), float32 (fp32), fp8 "
+                   "(float8_e4m3)");
 }
 
 std::string_view to_string(WeightPrecision p) {
@@ -22,6 +24,8 @@ std::string_view to_string(WeightPrecision p) {
       return "bfloat16";
     case WeightPrecision::kFloat32:
       return "float32";
+    case WeightPrecision::kFp8:
+      return "fp8";
   }
   return "?";
 }
