@@ -5,9 +5,10 @@
 // exclude_modules). Every other weight scheme (integer GPTQ/AWQ, NVFP4, block-scaled FP8, ...)
 // is refused with one line naming it and what kvq loads.
 //
-// The CPU and CUDA models read such weights through CheckpointReader, which dequantizes each
-// F8_E4M3 weight once at load (code x its `weight_scale`, exact in fp32); activation scales are
-// not applied (the projections run in the model's float precision).
+// The CPU model reads such weights through CheckpointReader, which dequantizes each F8_E4M3
+// weight once at load (code x its `weight_scale`, exact in fp32; activation scales not
+// applied). The CUDA model on Hopper keeps the codes and scales and runs FP8 GEMMs with the
+// static input scales where the checkpoint has them (model/cuda/linear.h).
 #pragma once
 
 #include <nlohmann/json_fwd.hpp>
@@ -22,7 +23,7 @@ struct WeightQuantization {
 
   bool fp8 = false;  // FP8 (e4m3) weights with `<name>_scale` tensors
   Scale scale = Scale::kTensor;
-  bool static_activations = false;  // input_scale tensors (recorded; not applied)
+  bool static_activations = false;  // input_scale tensors (applied by CUDA FP8 projections)
   std::vector<std::string> ignore;  // modules left unquantized: names or "re:" patterns
   std::string description;          // e.g. "compressed-tensors float-quantized, W8 channel"
 

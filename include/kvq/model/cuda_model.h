@@ -31,7 +31,8 @@ enum class WeightPrecision : uint8_t { kAuto, kBFloat16, kFloat32, kFp8 };
 WeightPrecision parse_weight_precision(std::string_view text, std::string_view flag);
 std::string_view to_string(WeightPrecision p);
 
-// Whether the current CUDA device runs FP8 (e4m3) GEMMs: compute capability 8.9 (Ada) or newer.
+// Whether the current CUDA device runs kvq's FP8 (e4m3) GEMMs: cuBLASLt with outer-vector
+// scales, on Hopper (compute capability 9.x) only.
 bool cuda_fp8_gemm_available();
 
 struct CudaModelOptions {

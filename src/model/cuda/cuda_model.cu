@@ -291,8 +291,8 @@ std::shared_ptr<DeviceWeights> load_checkpoint_weights(
                                                          : WeightPrecision::kBFloat16;
   if (chosen == WeightPrecision::kFp8 && !cuda_fp8_gemm_available())
     throw InputError(
-        "--dtype fp8: FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
-        "accepted here: auto, bfloat16, float32");
+        "--dtype fp8: kvq's FP8 GEMMs (cuBLASLt with a scale per row and per column) run on "
+        "Hopper (compute capability 9.x); accepted here: auto, bfloat16, float32");
   auto w = std::make_shared<DeviceWeights>();
   w->bf16 = chosen != WeightPrecision::kFloat32;
   if (target) {
@@ -1720,7 +1720,10 @@ bool cuda_fp8_gemm_available() {
   KVQ_CUDA_CHECK(cudaGetDevice(&dev));
   KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  return major * 10 + minor >= 89;
+  (void)minor;
+  // cuBLAS scales FP8 GEMMs per row and per column (outer vectors) on sm_90 only (Ada has FP8
+  // tensor cores but no such kernels; Blackwell's FP8 GEMMs take block scales).
+  return major == 9;
 }
 
 std::unique_ptr<CudaModel> CudaModel::load(const KvPlan& plan, const CudaModelOptions& options) {
@@ -1767,8 +1770,8 @@ std::unique_ptr<CudaModel> CudaModel::synthetic(const KvPlan& plan, const CudaMo
   const bool fp8 = options.weights == WeightPrecision::kFp8;
   if (fp8 && !cuda_fp8_gemm_available())
     throw InputError(
-        "--dtype fp8: FP8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
-        "accepted here: auto, bfloat16");
+        "--dtype fp8: kvq's FP8 GEMMs (cuBLASLt with a scale per row and per column) run on "
+        "Hopper (compute capability 9.x); accepted here: auto, bfloat16");
   const ArchitectureConfig arch = CudaDecoderModel::validate(plan, options);
   for (const LayerKvSpec& s : plan.layers)
     (void)select_attention_backend(s, Device::kCuda, options.forced_backend);

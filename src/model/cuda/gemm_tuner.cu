@@ -128,14 +128,17 @@ int GemmTuner::candidates(const Plan& plan, uint32_t align,
   return returned;
 }
 
+void GemmTuner::set_scale_pointers(const Plan& plan, const float* in_scale,
+                                   const float* w_scale) const {
+  set_attr(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof(w_scale));
+  set_attr(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &in_scale, sizeof(in_scale));
+}
+
 cublasStatus_t GemmTuner::launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo,
                                  const void* in, const float* in_scale, const GemmWeight& w,
                                  float* out, float beta) const {
-  if (plan.type == GemmInput::kFP8) {
-    // Host-side attributes of the descriptor: the call below reads them (also under capture).
-    set_attr(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w.scale, sizeof(w.scale));
-    set_attr(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &in_scale, sizeof(in_scale));
-  }
+  // Host-side attributes of the descriptor: the call below reads them (also under capture).
+  if (plan.type == GemmInput::kFP8) set_scale_pointers(plan, in_scale, w.scale);
   const float alpha = 1.0f;
   return cublasLtMatmul(lt_, plan.desc, &alpha, w.w, plan.a, in, plan.b, &beta, out, plan.c, out,
                         plan.c, &algo, workspace_, workspace_bytes_, stream_);
@@ -177,6 +180,9 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   uint32_t align = std::min(alignment_of(in), alignment_of(out));
   for (const GemmWeight& w : weights) align = std::min(align, alignment_of(w.w));
   cublasLtMatmulHeuristicResult_t found[16] = {};
+  // Vector scale modes need their pointers set before the heuristic query (cuBLASLt refuses
+  // the query otherwise, and picks kernels for the scales it was shown).
+  if (type == GemmInput::kFP8) set_scale_pointers(*plan, in_scale, weights.front().scale);
   const int returned = candidates(*plan, align, found);
 
   cudaEvent_t e0 = nullptr, e1 = nullptr;
@@ -239,6 +245,7 @@ bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const f
     // FP8 kernels need anyway), kept for the next call of the same shape.
     auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc);
     cublasLtMatmulHeuristicResult_t found[16] = {};
+    set_scale_pointers(*plan, in_scale, w.scale);
     const int returned = candidates(*plan, 16, found);
     int pick = -1;
     for (int i = 0; i < returned && pick < 0; ++i)

@@ -15,7 +15,7 @@
 // Operands are bf16, or FP8 e4m3 with fp32 scales applied by cuBLASLt's outer-vector scaling
 // (Hopper and newer): out[i][j] = in_scale[i] * w_scale[j] * sum_c in[i][c] * w[j][c], one
 // scale per token row of `in` and one per output row of `w` (a per-tensor scale is that
-// vector with one value). FP8 shapes nobody tuned (prefill chunks) take cuBLASLt's first
+// vector with one value). cuBLAS runs outer-vector scaling on sm_90 only. FP8 shapes nobody tuned (prefill chunks) take cuBLASLt's first
 // heuristic choice instead of the timed one; bf16 ones are refused (the model then calls
 // cublasGemmEx).
 #pragma once
@@ -75,6 +75,8 @@ class GemmTuner {
   const Plan* find(const Key& key) const;
   // cuBLASLt's heuristic candidates for a plan (at most 16), for pointers of `align` bytes.
   int candidates(const Plan& plan, uint32_t align, cublasLtMatmulHeuristicResult_t* found) const;
+  // FP8: the scale vectors of the next query or call, on the plan's descriptor.
+  void set_scale_pointers(const Plan& plan, const float* in_scale, const float* w_scale) const;
   cublasStatus_t launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const void* in,
                         const float* in_scale, const GemmWeight& w, float* out,
                         float beta) const;

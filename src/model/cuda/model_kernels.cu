@@ -185,8 +185,12 @@ __global__ void quantize_fp8_kernel(const void* x, bool bf16, int cols, int64_t 
   }
   if (mode != Fp8Scale::kGiven && threadIdx.x == 0) scale[r] = s;
   uint8_t* out = codes + static_cast<int64_t>(r) * cols;
+  // A zero (or negative, or NaN) given or static scale dequantizes everything to 0: codes 0,
+  // not the NaN codes x / 0 would give.
+  const bool dead = !(s > 0.0f);
   for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
-    out[c] = static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(load(x, base + c, bf16), s)));
+    out[c] = dead ? uint8_t{0}
+                  : static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(load(x, base + c, bf16), s)));
 }
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {

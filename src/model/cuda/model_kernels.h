@@ -54,6 +54,7 @@ void fill_f32(float* w, int64_t n, float value, cudaStream_t stream);
 //   kDynamic: max |x[r][:]| / 448 (1 for an all-zero row), written to scale[r];
 //   kStatic:  scale_in[0] for every row, written to scale[r];
 //   kGiven:   scale[r] as it is (read, not written).
+// A row whose given or static scale is not positive gets codes 0.
 enum class Fp8Scale : uint8_t { kDynamic, kStatic, kGiven };
 void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx, Fp8Scale mode,
                        const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream);
