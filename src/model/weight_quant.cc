@@ -247,7 +247,8 @@ WeightScheme describe_weights(const ModelConfig& config) {
   if (!q.fp8) {
     w.stored = dtype + " (config.json torch_dtype)";
     w.cpu = dtype == "bfloat16" ? "bfloat16" : "float32";
-    w.cuda = dtype == "float32" ? "float32 (--dtype auto)" : "bfloat16 (--dtype auto)";
+    w.cuda = dtype == "float32" ? "float32 (--dtype auto)"
+                                : "bfloat16 (--dtype auto; --dtype fp8 quantizes the projections)";
     return w;
   }
   w.fp8 = true;
@@ -255,7 +256,8 @@ WeightScheme describe_weights(const ModelConfig& config) {
                                                : ", " + std::to_string(q.ignore.size()) +
                                                      " ignore pattern(s)");
   w.cpu = "float32, dequantized once at load (4 bytes per weight; activations not quantized)";
-  w.cuda = "bfloat16, dequantized once at load";
+  w.cuda = "FP8 on Hopper (the checkpoint's codes and scales, inputs quantized per token or "
+           "with its static input scales; --dtype bfloat16 dequantizes), bfloat16 elsewhere";
   return w;
 }
 
