@@ -58,7 +58,7 @@ bool cpu_has_avx512f() {
 
 const char* linear_kernel() {
   static const char* k = [] {
-    const char* e = std::getenv("KVQ_LINEAR_ISA");
+    const char* e = std::getenv("KVQ_CPU_ISA");
     const std::string want = e != nullptr ? e : "";
     if (want != "avx2" && want != "portable" && cpu_has_avx512f()) return "avx512";
     if (want != "portable" && cpu_has_avx2_fma()) return "avx2";

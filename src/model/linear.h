@@ -61,7 +61,8 @@ void bf16_gemv_avx512(int m, int n, int k, const float* in, int lda, const uint1
                       float* out, int ldc, float beta, float* scratch = nullptr);
 bool cpu_has_avx512f();
 // The bf16 kernel Linear runs: "avx512", "avx2" or "portable" (fp32 slices + sgemm).
-// KVQ_LINEAR_ISA=avx2 or portable picks a narrower one (for A/B measurements).
+// KVQ_CPU_ISA=avx2 or portable picks a narrower one (for A/B measurements; the attention
+// backend cpu_avx512 reads it too).
 const char* linear_kernel();
 inline size_t bf16_gemv_scratch(int k) {
   return 4 * static_cast<size_t>(k > 8 ? k : 8);
