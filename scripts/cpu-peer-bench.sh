@@ -17,6 +17,7 @@ PEERS=${PEERS:-../shared/peers}
 THREADS=${THREADS:-$(nproc)}
 PY=${PY:-/usr/bin/python3}
 mkdir -p "$W"
+bash scripts/install-deps.sh python3-numpy > /dev/null || exit 1  # the GGUF writer needs numpy
 if [ ! -x "$W/b/bin/llama-batched-bench" ]; then
   rm -rf "$W/src" && mkdir -p "$W/src" && tar -xJf "$PEERS/llama.cpp.tar.xz" -C "$W/src" || exit 1
   cmake -S "$W/src" -B "$W/b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF -DGGML_NATIVE=ON \

@@ -4,8 +4,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 
 #include "kvq/core/error.h"
 
@@ -49,6 +51,22 @@ bool cpu_has_avx2_fma() {
   return has;
 }
 
+bool cpu_has_avx512f() {
+  static const bool has = __builtin_cpu_supports("avx512f") && cpu_has_avx2_fma();
+  return has;
+}
+
+const char* linear_kernel() {
+  static const char* k = [] {
+    const char* e = std::getenv("KVQ_CPU_ISA");
+    const std::string want = e != nullptr ? e : "";
+    if (want != "avx2" && want != "portable" && cpu_has_avx512f()) return "avx512";
+    if (want != "portable" && cpu_has_avx2_fma()) return "avx2";
+    return "portable";
+  }();
+  return k;
+}
+
 Linear::Linear(FloatArray values, int rows, int cols, Storage storage)
     : storage_(storage), rows_(rows), cols_(cols) {
   const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(cols);
@@ -90,11 +108,24 @@ void Linear::apply(int m, const float* in, int lda, float* out, int ldc, float b
     return;
   }
   const uint16_t* w = bf16_.data() + static_cast<size_t>(r0) * k;
-  const bool avx2 = cpu_has_avx2_fma();
+  const std::string_view isa = linear_kernel();
+  const bool avx512 = isa == "avx512", avx2 = isa == "avx2";
   auto run = [&](int j0, int j1) {
     if (j1 <= j0) return;
-    if (avx2) {
-      bf16_gemv_avx2(m, j1 - j0, k, in, lda, w + static_cast<size_t>(j0) * k, out + j0, ldc, beta);
+    if (avx2 || avx512) {
+      // The widened W panel of batches of 3+ rows: per thread, kept between calls.
+      thread_local FloatArray panel;
+      float* scratch = nullptr;
+      if (m >= 3) {
+        if (panel.size() < bf16_gemv_scratch(k)) panel = FloatArray(bf16_gemv_scratch(k));
+        scratch = panel.data();
+      }
+      if (avx512)
+        bf16_gemv_avx512(m, j1 - j0, k, in, lda, w + static_cast<size_t>(j0) * k, out + j0, ldc,
+                         beta, scratch);
+      else
+        bf16_gemv_avx2(m, j1 - j0, k, in, lda, w + static_cast<size_t>(j0) * k, out + j0, ldc,
+                       beta, scratch);
     } else {
       bf16_sgemm_slices(m, j0, j1, k, in, lda, w, out, ldc, beta);
     }

@@ -50,8 +50,22 @@ class Linear {
 bool cpu_has_avx2_fma();
 
 // The bf16 kernel: out[i][j] = in[i] . w[j] + beta * out[i][j], i < m, j < n, w bf16
-// [n][k]. Only call when cpu_has_avx2_fma().
+// [n][k]. Only call when cpu_has_avx2_fma(). `scratch` (32-byte aligned, bf16_gemv_scratch(k)
+// floats, or null) holds 4 rows of W widened to fp32 for batches of 3 or more rows; the
+// result is the same with or without it.
 void bf16_gemv_avx2(int m, int n, int k, const float* in, int lda, const uint16_t* w, float* out,
-                    int ldc, float beta);
+                    int ldc, float beta, float* scratch = nullptr);
+// The same with 16 lanes; only call when cpu_has_avx512f(). Its last bits differ from the
+// AVX2 kernel's, so Linear picks one kernel per process (linear_kernel()).
+void bf16_gemv_avx512(int m, int n, int k, const float* in, int lda, const uint16_t* w,
+                      float* out, int ldc, float beta, float* scratch = nullptr);
+bool cpu_has_avx512f();
+// The bf16 kernel Linear runs: "avx512", "avx2" or "portable" (fp32 slices + sgemm).
+// KVQ_CPU_ISA=avx2 or portable picks a narrower one (for A/B measurements; the attention
+// backend cpu_avx512 reads it too).
+const char* linear_kernel();
+inline size_t bf16_gemv_scratch(int k) {
+  return 4 * static_cast<size_t>(k > 8 ? k : 8);
+}
 
 }  // namespace kvq::model

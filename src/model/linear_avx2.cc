@@ -5,7 +5,12 @@
 //
 // Each pass takes 4 rows of W and up to 2 input rows: 8 fp32 accumulators, the 4 W vectors
 // widened from bf16 by a 16-bit shift, one input vector; the 4 x 2 sums leave through one
-// horizontal-add tree per input row.
+// horizontal-add tree per input row. With 3 or more input rows the 4 W rows are widened once
+// into an fp32 panel (`scratch`, L1/L2-resident) and passes of 3 input rows read it: 12
+// accumulators, the widening paid once per W row instead of once per pair of input rows.
+// Every output element is the same sequence of operations either way (8-lane partial sums
+// fused-multiply-added in k order, the same horizontal tree, the same tail), so a row's
+// result does not depend on the batch it is in.
 #include <immintrin.h>
 
 #include <cstddef>
@@ -77,14 +82,57 @@ void block(int nr, int k, const float* in, int lda, const uint16_t* w, float* ou
   }
 }
 
+// The same as block<MB> for MB input rows against 4 fp32 panel rows p[j][k] (row j of W
+// widened; missing rows are copies of row 0 and are not stored).
+template <int MB>
+void block_panel(int nr, int k, const float* in, int lda, const float* p, const uint16_t* w,
+                 float* out, int ldc, float beta) {
+  const int k8 = k & ~7;
+  const size_t kp = static_cast<size_t>(k8 > 0 ? k8 : 8);
+  const float* r[4];
+  for (int j = 0; j < 4; ++j) r[j] = p + static_cast<size_t>(j < nr ? j : 0) * kp;
+  __m256 acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int c = 0; c < k8; c += 8) {
+    __m256 x[MB];
+    for (int i = 0; i < MB; ++i) x[i] = _mm256_loadu_ps(in + static_cast<size_t>(i) * lda + c);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 wv = _mm256_load_ps(r[j] + c);
+      for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(wv, x[i], acc[i][j]);
+    }
+  }
+  const uint16_t* wr[4];
+  for (int j = 0; j < 4; ++j) wr[j] = w + static_cast<size_t>(j < nr ? j : 0) * k;
+  for (int i = 0; i < MB; ++i) {
+    alignas(16) float s[4];
+    _mm_store_ps(s, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    const float* x = in + static_cast<size_t>(i) * lda;
+    for (int c = k8; c < k; ++c)
+      for (int j = 0; j < 4; ++j) s[j] += widen1(wr[j][c]) * x[c];
+    float* o = out + static_cast<size_t>(i) * ldc;
+    for (int j = 0; j < nr; ++j) o[j] = beta == 0.0f ? s[j] : s[j] + beta * o[j];
+  }
+}
+
 }  // namespace
 
 void bf16_gemv_avx2(int m, int n, int k, const float* in, int lda, const uint16_t* w, float* out,
-                    int ldc, float beta) {
+                    int ldc, float beta, float* scratch) {
+  const int k8 = k & ~7;
+  const size_t kp = static_cast<size_t>(k8 > 0 ? k8 : 8);  // panel row stride (32-byte rows)
   for (int j = 0; j < n; j += 4) {
     const int nr = n - j < 4 ? n - j : 4;
     const uint16_t* wj = w + static_cast<size_t>(j) * k;
     int i = 0;
+    if (m >= 3 && scratch != nullptr) {
+      for (int r = 0; r < nr; ++r)
+        for (int c = 0; c < k8; c += 8)
+          _mm256_store_ps(scratch + r * kp + c, widen8(wj + static_cast<size_t>(r) * k + c));
+      for (; i + 3 <= m; i += 3)
+        block_panel<3>(nr, k, in + static_cast<size_t>(i) * lda,
+                       lda, scratch, wj, out + static_cast<size_t>(i) * ldc + j, ldc, beta);
+    }
     for (; i + 2 <= m; i += 2)
       block<2>(nr, k, in + static_cast<size_t>(i) * lda, lda, wj,
                out + static_cast<size_t>(i) * ldc + j, ldc, beta);

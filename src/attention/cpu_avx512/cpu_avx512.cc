@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <span>
 #include <string>
@@ -53,9 +54,16 @@ bool cpu_has_avx2() {
 }
 
 Isa best_isa() {
-  if (cpu_has_avx512()) return Isa::kAvx512;
-  if (cpu_has_avx2()) return Isa::kAvx2;
-  return Isa::kPortable;
+  // KVQ_CPU_ISA=avx2 or portable: a narrower kernel than the CPU allows (A/B measurements; an
+  // AVX-512 machine standing in for an AVX2-only one). The model's products read it too.
+  static const Isa isa = [] {
+    const char* e = std::getenv("KVQ_CPU_ISA");
+    const std::string want = e != nullptr ? e : "";
+    if (want != "avx2" && want != "portable" && cpu_has_avx512()) return Isa::kAvx512;
+    if (want != "portable" && cpu_has_avx2()) return Isa::kAvx2;
+    return Isa::kPortable;
+  }();
+  return isa;
 }
 
 const char* isa_name(Isa isa) {

@@ -104,7 +104,8 @@ TEST(Linear, Avx2KernelMatchesFloat64) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (const Shape& s : {Shape{1, 7, 19}, Shape{4, 9, 64}, Shape{7, 5, 33}}) {
+  for (const Shape& s : {Shape{1, 7, 19}, Shape{4, 9, 64}, Shape{7, 5, 33}, Shape{9, 13, 200},
+                         Shape{3, 4, 5}, Shape{11, 17, 768}}) {
     std::vector<uint16_t> w(static_cast<size_t>(s.n) * s.k);
     std::vector<float> wf(w.size()), in(static_cast<size_t>(s.m) * s.k);
     for (size_t i = 0; i < w.size(); ++i) {
@@ -115,7 +116,64 @@ TEST(Linear, Avx2KernelMatchesFloat64) {
     }
     for (float& x : in) x = nd(rng);
     std::vector<float> out(static_cast<size_t>(s.m) * s.n, std::numeric_limits<float>::quiet_NaN());
-    model::bf16_gemv_avx2(s.m, s.n, s.k, in.data(), s.k, w.data(), out.data(), s.n, 0.0f);
+    FloatArray panel(model::bf16_gemv_scratch(s.k));
+    model::bf16_gemv_avx2(s.m, s.n, s.k, in.data(), s.k, w.data(), out.data(), s.n, 0.0f,
+                          panel.data());
+    // Without the panel, and one row at a time: the same bits (a row's result does not
+    // depend on its batch).
+    std::vector<float> plain(out.size()), solo(out.size());
+    model::bf16_gemv_avx2(s.m, s.n, s.k, in.data(), s.k, w.data(), plain.data(), s.n, 0.0f);
+    for (int i = 0; i < s.m; ++i)
+      model::bf16_gemv_avx2(1, s.n, s.k, in.data() + static_cast<size_t>(i) * s.k, s.k, w.data(),
+                            solo.data() + static_cast<size_t>(i) * s.n, s.n, 0.0f);
+    ASSERT_EQ(plain, out);
+    ASSERT_EQ(solo, out);
+    for (int i = 0; i < s.m; ++i)
+      for (int j = 0; j < s.n; ++j) {
+        double ref = 0.0, mag = 0.0;
+        for (int c = 0; c < s.k; ++c) {
+          const double p = static_cast<double>(in[static_cast<size_t>(i) * s.k + c]) *
+                           wf[static_cast<size_t>(j) * s.k + c];
+          ref += p;
+          mag += std::abs(p);
+        }
+        ASSERT_NEAR(out[static_cast<size_t>(i) * s.n + j], ref, 2e-6 * mag);
+      }
+  }
+}
+
+// The AVX-512 kernel directly (Linear::apply picks it for bf16 on AVX-512 machines).
+TEST(Linear, Avx512KernelMatchesFloat64) {
+  if (!model::cpu_has_avx512f()) GTEST_SKIP() << "this CPU has no AVX-512F";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (const Shape& s : {Shape{1, 7, 19}, Shape{4, 9, 64}, Shape{7, 5, 33}, Shape{9, 13, 200},
+                         Shape{3, 4, 5}, Shape{11, 17, 768}, Shape{4, 6, 16},
+                         Shape{6, 5, 47}}) {
+    std::vector<uint16_t> w(static_cast<size_t>(s.n) * s.k);
+    std::vector<float> wf(w.size()), in(static_cast<size_t>(s.m) * s.k);
+    for (size_t i = 0; i < w.size(); ++i) {
+      wf[i] = round_bf16(nd(rng));
+      uint32_t u;
+      std::memcpy(&u, &wf[i], 4);
+      w[i] = static_cast<uint16_t>(u >> 16);
+    }
+    for (float& x : in) x = nd(rng);
+    std::vector<float> out(static_cast<size_t>(s.m) * s.n, std::numeric_limits<float>::quiet_NaN());
+    FloatArray panel(model::bf16_gemv_scratch(s.k));
+    model::bf16_gemv_avx512(s.m, s.n, s.k, in.data(), s.k, w.data(), out.data(), s.n, 0.0f,
+                          panel.data());
+    // Without the panel, and one row at a time: the same bits (a row's result does not
+    // depend on its batch).
+    std::vector<float> plain(out.size()), solo(out.size());
+    model::bf16_gemv_avx512(s.m, s.n, s.k, in.data(), s.k, w.data(), plain.data(), s.n, 0.0f);
+    for (int i = 0; i < s.m; ++i)
+      model::bf16_gemv_avx512(1, s.n, s.k, in.data() + static_cast<size_t>(i) * s.k, s.k, w.data(),
+                            solo.data() + static_cast<size_t>(i) * s.n, s.n, 0.0f);
+    ASSERT_EQ(plain, out);
+    ASSERT_EQ(solo, out);
     for (int i = 0; i < s.m; ++i)
       for (int j = 0; j < s.n; ++j) {
         double ref = 0.0, mag = 0.0;
