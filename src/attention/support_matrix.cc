@@ -22,11 +22,13 @@ std::string notes(const AttentionBackend& b) {
     case cpu_attn::Isa::kAvx512:
       return "AVX-512 kernels active on this CPU";
     case cpu_attn::Isa::kAvx2:
-      return "this CPU lacks AVX-512: AVX2/FMA kernels active";
+      return cpu_attn::cpu_has_avx512() ? "AVX2/FMA kernels active (KVQ_CPU_ISA=avx2)"
+                                        : "this CPU lacks AVX-512: AVX2/FMA kernels active";
     case cpu_attn::Isa::kPortable:
       break;
   }
-  return "this CPU lacks AVX2 and AVX-512: runs the portable fallback";
+  return cpu_attn::cpu_has_avx2() ? "the portable fallback runs (KVQ_CPU_ISA=portable)"
+                                  : "this CPU lacks AVX2 and AVX-512: runs the portable fallback";
 }
 
 }  // namespace

@@ -49,6 +49,23 @@ __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+// The outputs of a pass: each accumulator's 8 lanes through the same horizontal tree, the
+// k tail (columns k8..k of bf16 W rows r[j]) in order, then beta. Shared by both passes, so an
+// output is the same sequence of operations whichever pass computed it.
+template <int MB>
+void finish_rows(const __m256 (&acc)[MB][4], int nr, int k8, int k, const float* in, int lda,
+                 const uint16_t* const (&r)[4], float* out, int ldc, float beta) {
+  for (int i = 0; i < MB; ++i) {
+    alignas(16) float s[4];
+    _mm_store_ps(s, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    const float* x = in + static_cast<size_t>(i) * lda;
+    for (int c = k8; c < k; ++c)
+      for (int j = 0; j < 4; ++j) s[j] += widen1(r[j][c]) * x[c];
+    float* o = out + static_cast<size_t>(i) * ldc;
+    for (int j = 0; j < nr; ++j) o[j] = beta == 0.0f ? s[j] : s[j] + beta * o[j];
+  }
+}
+
 // out[i][0..nr) for input rows i < MB (MB 1 or 2) against W rows w[0..nr), nr <= 4 (missing
 // rows read row 0 again and are not stored).
 template <int MB>
@@ -71,15 +88,7 @@ void block(int nr, int k, const float* in, int lda, const uint16_t* w, float* ou
       acc[i][3] = _mm256_fmadd_ps(w3, x, acc[i][3]);
     }
   }
-  for (int i = 0; i < MB; ++i) {
-    alignas(16) float s[4];
-    _mm_store_ps(s, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-    const float* x = in + static_cast<size_t>(i) * lda;
-    for (int c = k8; c < k; ++c)
-      for (int j = 0; j < 4; ++j) s[j] += widen1(r[j][c]) * x[c];
-    float* o = out + static_cast<size_t>(i) * ldc;
-    for (int j = 0; j < nr; ++j) o[j] = beta == 0.0f ? s[j] : s[j] + beta * o[j];
-  }
+  finish_rows<MB>(acc, nr, k8, k, in, lda, r, out, ldc, beta);
 }
 
 // The same as block<MB> for MB input rows against 4 fp32 panel rows p[j][k] (row j of W
@@ -104,15 +113,7 @@ void block_panel(int nr, int k, const float* in, int lda, const float* p, const 
   }
   const uint16_t* wr[4];
   for (int j = 0; j < 4; ++j) wr[j] = w + static_cast<size_t>(j < nr ? j : 0) * k;
-  for (int i = 0; i < MB; ++i) {
-    alignas(16) float s[4];
-    _mm_store_ps(s, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-    const float* x = in + static_cast<size_t>(i) * lda;
-    for (int c = k8; c < k; ++c)
-      for (int j = 0; j < 4; ++j) s[j] += widen1(wr[j][c]) * x[c];
-    float* o = out + static_cast<size_t>(i) * ldc;
-    for (int j = 0; j < nr; ++j) o[j] = beta == 0.0f ? s[j] : s[j] + beta * o[j];
-  }
+  finish_rows<MB>(acc, nr, k8, k, in, lda, wr, out, ldc, beta);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <vector>
@@ -97,15 +98,17 @@ TEST(Linear, MatchesFloat64ForEveryPathAndShape) {
     }
 }
 
-// The AVX2 kernel directly (Linear::apply picks it for bf16 on AVX2 machines).
-TEST(Linear, Avx2KernelMatchesFloat64) {
-  if (!model::cpu_has_avx2_fma()) GTEST_SKIP() << "this CPU has no AVX2/FMA";
+// One bf16 kernel directly (Linear::apply picks it on CPUs that have its instructions): with
+// the panel, without it and one row at a time the same bits (a row's result does not depend on
+// its batch), and every output within fp32 accumulation of the float64 product.
+using Kernel = void (*)(int, int, int, const float*, int, const uint16_t*, float*, int, float,
+                        float*);
+void check_kernel(Kernel kernel, std::initializer_list<Shape> shapes) {
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (const Shape& s : {Shape{1, 7, 19}, Shape{4, 9, 64}, Shape{7, 5, 33}, Shape{9, 13, 200},
-                         Shape{3, 4, 5}, Shape{11, 17, 768}}) {
+  for (const Shape& s : shapes) {
     std::vector<uint16_t> w(static_cast<size_t>(s.n) * s.k);
     std::vector<float> wf(w.size()), in(static_cast<size_t>(s.m) * s.k);
     for (size_t i = 0; i < w.size(); ++i) {
@@ -117,15 +120,14 @@ TEST(Linear, Avx2KernelMatchesFloat64) {
     for (float& x : in) x = nd(rng);
     std::vector<float> out(static_cast<size_t>(s.m) * s.n, std::numeric_limits<float>::quiet_NaN());
     FloatArray panel(model::bf16_gemv_scratch(s.k));
-    model::bf16_gemv_avx2(s.m, s.n, s.k, in.data(), s.k, w.data(), out.data(), s.n, 0.0f,
-                          panel.data());
+    kernel(s.m, s.n, s.k, in.data(), s.k, w.data(), out.data(), s.n, 0.0f, panel.data());
     // Without the panel, and one row at a time: the same bits (a row's result does not
     // depend on its batch).
     std::vector<float> plain(out.size()), solo(out.size());
-    model::bf16_gemv_avx2(s.m, s.n, s.k, in.data(), s.k, w.data(), plain.data(), s.n, 0.0f);
+    kernel(s.m, s.n, s.k, in.data(), s.k, w.data(), plain.data(), s.n, 0.0f, nullptr);
     for (int i = 0; i < s.m; ++i)
-      model::bf16_gemv_avx2(1, s.n, s.k, in.data() + static_cast<size_t>(i) * s.k, s.k, w.data(),
-                            solo.data() + static_cast<size_t>(i) * s.n, s.n, 0.0f);
+      kernel(1, s.n, s.k, in.data() + static_cast<size_t>(i) * s.k, s.k, w.data(),
+             solo.data() + static_cast<size_t>(i) * s.n, s.n, 0.0f, nullptr);
     ASSERT_EQ(plain, out);
     ASSERT_EQ(solo, out);
     for (int i = 0; i < s.m; ++i)
@@ -142,50 +144,17 @@ TEST(Linear, Avx2KernelMatchesFloat64) {
   }
 }
 
-// The AVX-512 kernel directly (Linear::apply picks it for bf16 on AVX-512 machines).
+TEST(Linear, Avx2KernelMatchesFloat64) {
+  if (!model::cpu_has_avx2_fma()) GTEST_SKIP() << "this CPU has no AVX2/FMA";
+  check_kernel(model::bf16_gemv_avx2, {Shape{1, 7, 19}, Shape{4, 9, 64}, Shape{7, 5, 33},
+                                       Shape{9, 13, 200}, Shape{3, 4, 5}, Shape{11, 17, 768}});
+}
+
 TEST(Linear, Avx512KernelMatchesFloat64) {
   if (!model::cpu_has_avx512f()) GTEST_SKIP() << "this CPU has no AVX-512F";
-  const uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (const Shape& s : {Shape{1, 7, 19}, Shape{4, 9, 64}, Shape{7, 5, 33}, Shape{9, 13, 200},
-                         Shape{3, 4, 5}, Shape{11, 17, 768}, Shape{4, 6, 16},
-                         Shape{6, 5, 47}}) {
-    std::vector<uint16_t> w(static_cast<size_t>(s.n) * s.k);
-    std::vector<float> wf(w.size()), in(static_cast<size_t>(s.m) * s.k);
-    for (size_t i = 0; i < w.size(); ++i) {
-      wf[i] = round_bf16(nd(rng));
-      uint32_t u;
-      std::memcpy(&u, &wf[i], 4);
-      w[i] = static_cast<uint16_t>(u >> 16);
-    }
-    for (float& x : in) x = nd(rng);
-    std::vector<float> out(static_cast<size_t>(s.m) * s.n, std::numeric_limits<float>::quiet_NaN());
-    FloatArray panel(model::bf16_gemv_scratch(s.k));
-    model::bf16_gemv_avx512(s.m, s.n, s.k, in.data(), s.k, w.data(), out.data(), s.n, 0.0f,
-                          panel.data());
-    // Without the panel, and one row at a time: the same bits (a row's result does not
-    // depend on its batch).
-    std::vector<float> plain(out.size()), solo(out.size());
-    model::bf16_gemv_avx512(s.m, s.n, s.k, in.data(), s.k, w.data(), plain.data(), s.n, 0.0f);
-    for (int i = 0; i < s.m; ++i)
-      model::bf16_gemv_avx512(1, s.n, s.k, in.data() + static_cast<size_t>(i) * s.k, s.k, w.data(),
-                            solo.data() + static_cast<size_t>(i) * s.n, s.n, 0.0f);
-    ASSERT_EQ(plain, out);
-    ASSERT_EQ(solo, out);
-    for (int i = 0; i < s.m; ++i)
-      for (int j = 0; j < s.n; ++j) {
-        double ref = 0.0, mag = 0.0;
-        for (int c = 0; c < s.k; ++c) {
-          const double p = static_cast<double>(in[static_cast<size_t>(i) * s.k + c]) *
-                           wf[static_cast<size_t>(j) * s.k + c];
-          ref += p;
-          mag += std::abs(p);
-        }
-        ASSERT_NEAR(out[static_cast<size_t>(i) * s.n + j], ref, 2e-6 * mag);
-      }
-  }
+  check_kernel(model::bf16_gemv_avx512,
+               {Shape{1, 7, 19}, Shape{4, 9, 64}, Shape{7, 5, 33}, Shape{9, 13, 200},
+                Shape{3, 4, 5}, Shape{11, 17, 768}, Shape{4, 6, 16}, Shape{6, 5, 47}});
 }
 
 }  // namespace
