@@ -135,11 +135,13 @@ bool device_has_fp8() {
 
 // The FP8 path of the CUDA model's Linear: rows quantized on the device (bit-equal to the
 // reference codec, dynamic / static / given scales), then cuBLASLt's e4m3 GEMM with one scale
-// per token row and one per output row, tuned and untuned, beta 0 and 1, against fp64 sums of
-// the decoded codes times both scales.
+// per token row and one per output row -- applied by cuBLASLt (outer vectors) or by kvq's
+// kernel after a unit-scale GEMM, or whichever tune() finds faster --, tuned and untuned, beta
+// 0 and 1, against fp64 sums of the decoded codes times both scales.
 TEST(GemmTuner, Fp8RowsAndOuterVectorScales) {
   KVQ_REQUIRE_GPU();
-  if (!device_has_fp8()) GTEST_SKIP() << "cuBLASLt's outer-vector FP8 GEMMs run on Hopper (sm_90) only";
+  if (!device_has_fp8())
+    GTEST_SKIP() << "cuBLASLt's outer-vector FP8 GEMMs run on Hopper (sm_90) only";
   const unsigned seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
@@ -149,103 +151,113 @@ TEST(GemmTuner, Fp8RowsAndOuterVectorScales) {
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   constexpr size_t kWs = 32u << 20;
   DeviceBuffer<std::byte> ws(kWs);
-  cuda_model::GemmTuner tuner(stream, ws.get(), kWs);
   using cuda_model::Fp8Scale;
+  using cuda_model::Fp8Scaling;
+  for (const Fp8Scaling scaling :
+       {Fp8Scaling::kOuterVector, Fp8Scaling::kEpilogue, Fp8Scaling::kAuto}) {
+    SCOPED_TRACE("scaling " + std::to_string(static_cast<int>(scaling)));
+    cuda_model::GemmTuner tuner(stream, ws.get(), kWs);
+    tuner.set_fp8_scaling(scaling);
 
-  struct Shape {
-    int m, n, k, layers;
-    bool tuned;
-  };
-  for (const Shape s : {Shape{1, 384, 256, 3, true}, Shape{16, 1024, 512, 2, true},
-                        Shape{64, 768, 1536, 2, true}, Shape{300, 512, 256, 1, false}}) {
-    SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
-                 std::to_string(s.k));
-    // Inputs as the model has them: bf16 rows of different magnitudes (a zero row too).
-    std::vector<uint16_t> in(static_cast<size_t>(s.m) * s.k);
-    std::vector<float> in_f(in.size());
-    for (int i = 0; i < s.m; ++i) {
-      const float g = i == s.m / 2 && s.m > 1 ? 0.0f : std::exp(mag(rng));
-      for (int c = 0; c < s.k; ++c) {
-        const size_t o = static_cast<size_t>(i) * s.k + c;
-        in[o] = to_bf16(g * nd(rng));
-        in_f[o] = static_cast<float>(from_bf16(in[o]));
+    struct Shape {
+      int m, n, k, layers;
+      bool tuned;
+    };
+    for (const Shape s : {Shape{1, 384, 256, 3, true}, Shape{16, 1024, 512, 2, true},
+                          Shape{64, 768, 1536, 2, true}, Shape{300, 512, 256, 1, false}}) {
+      SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
+                   std::to_string(s.k));
+      // Inputs as the model has them: bf16 rows of different magnitudes (a zero row too).
+      std::vector<uint16_t> in(static_cast<size_t>(s.m) * s.k);
+      std::vector<float> in_f(in.size());
+      for (int i = 0; i < s.m; ++i) {
+        const float g = i == s.m / 2 && s.m > 1 ? 0.0f : std::exp(mag(rng));
+        for (int c = 0; c < s.k; ++c) {
+          const size_t o = static_cast<size_t>(i) * s.k + c;
+          in[o] = to_bf16(g * nd(rng));
+          in_f[o] = static_cast<float>(from_bf16(in[o]));
+        }
       }
-    }
-    DeviceBuffer<uint16_t> din(in);
-    DeviceBuffer<uint8_t> dcodes(in.size());
-    DeviceBuffer<float> dscale(static_cast<size_t>(s.m));
-    cuda_model::quantize_rows_fp8(din.get(), true, s.m, s.k, s.k, Fp8Scale::kDynamic, nullptr,
-                                  dcodes.get(), dscale.get(), stream);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    std::vector<uint8_t> in_codes;
-    std::vector<float> in_scale;
-    quantize_host(in_f, s.m, s.k, in_codes, in_scale, false);
-    ASSERT_EQ(dscale.download(), in_scale) << "dynamic row scales";
-    ASSERT_EQ(dcodes.download(), in_codes) << "dynamic codes";
-
-    // Weights: fp32 rows quantized per row on the device (dynamic: what --weight-dtype fp8 and
-    // the synthetic models do).
-    std::vector<std::vector<uint8_t>> wc(static_cast<size_t>(s.layers));
-    std::vector<std::vector<float>> wsc(static_cast<size_t>(s.layers));
-    std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> dw;
-    std::vector<std::unique_ptr<DeviceBuffer<float>>> dws;
-    std::vector<cuda_model::GemmWeight> wp;
-    for (int l = 0; l < s.layers; ++l) {
-      std::vector<float> w(static_cast<size_t>(s.n) * s.k);
-      for (int j = 0; j < s.n; ++j) {
-        const float g = std::exp(mag(rng)) / std::sqrt(static_cast<float>(s.k));
-        for (int c = 0; c < s.k; ++c) w[static_cast<size_t>(j) * s.k + c] = g * nd(rng);
-      }
-      DeviceBuffer<float> wf(w);
-      dw.push_back(std::make_unique<DeviceBuffer<uint8_t>>(w.size()));
-      dws.push_back(std::make_unique<DeviceBuffer<float>>(static_cast<size_t>(s.n)));
-      cuda_model::quantize_rows_fp8(wf.get(), false, s.n, s.k, s.k, Fp8Scale::kDynamic, nullptr,
-                                    dw.back()->get(), dws.back()->get(), stream);
+      DeviceBuffer<uint16_t> din(in);
+      DeviceBuffer<uint8_t> dcodes(in.size());
+      DeviceBuffer<float> dscale(static_cast<size_t>(s.m));
+      cuda_model::quantize_rows_fp8(din.get(), true, s.m, s.k, s.k, Fp8Scale::kDynamic, nullptr,
+                                    dcodes.get(), dscale.get(), stream);
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      quantize_host(w, s.n, s.k, wc[static_cast<size_t>(l)], wsc[static_cast<size_t>(l)], false);
-      ASSERT_EQ(dws.back()->download(), wsc[static_cast<size_t>(l)]) << "weight scales";
-      ASSERT_EQ(dw.back()->download(), wc[static_cast<size_t>(l)]) << "weight codes";
-      wp.push_back({dw.back()->get(), dws.back()->get()});
-    }
-    DeviceBuffer<float> dout(static_cast<size_t>(s.m) * s.n);
-    if (s.tuned) {
-      EXPECT_GT(tuner.tune(cuda_model::GemmInput::kFP8, s.m, s.n, s.k, dcodes.get(), dscale.get(),
-                           s.k, wp, dout.get(), s.n),
-                0.0);
-    }
-    std::vector<float> base(static_cast<size_t>(s.m) * s.n);
-    for (auto& v : base) v = nd(rng);
-    for (int l = 0; l < s.layers; ++l)
-      for (const float beta : {0.0f, 1.0f}) {
-        dout.upload(base);
-        ASSERT_TRUE(tuner.run(cuda_model::GemmInput::kFP8, s.m, s.n, s.k, dcodes.get(),
-                              dscale.get(), s.k, wp[static_cast<size_t>(l)], dout.get(), s.n,
-                              beta));
+      std::vector<uint8_t> in_codes;
+      std::vector<float> in_scale;
+      quantize_host(in_f, s.m, s.k, in_codes, in_scale, false);
+      ASSERT_EQ(dscale.download(), in_scale) << "dynamic row scales";
+      ASSERT_EQ(dcodes.download(), in_codes) << "dynamic codes";
+
+      // Weights: fp32 rows quantized per row on the device (dynamic: what --weight-dtype fp8 and
+      // the synthetic models do).
+      std::vector<std::vector<uint8_t>> wc(static_cast<size_t>(s.layers));
+      std::vector<std::vector<float>> wsc(static_cast<size_t>(s.layers));
+      std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> dw;
+      std::vector<std::unique_ptr<DeviceBuffer<float>>> dws;
+      std::vector<cuda_model::GemmWeight> wp;
+      for (int l = 0; l < s.layers; ++l) {
+        std::vector<float> w(static_cast<size_t>(s.n) * s.k);
+        for (int j = 0; j < s.n; ++j) {
+          const float g = std::exp(mag(rng)) / std::sqrt(static_cast<float>(s.k));
+          for (int c = 0; c < s.k; ++c) w[static_cast<size_t>(j) * s.k + c] = g * nd(rng);
+        }
+        DeviceBuffer<float> wf(w);
+        dw.push_back(std::make_unique<DeviceBuffer<uint8_t>>(w.size()));
+        dws.push_back(std::make_unique<DeviceBuffer<float>>(static_cast<size_t>(s.n)));
+        cuda_model::quantize_rows_fp8(wf.get(), false, s.n, s.k, s.k, Fp8Scale::kDynamic, nullptr,
+                                      dw.back()->get(), dws.back()->get(), stream);
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-        const std::vector<float> got = dout.download();
-        const auto& cw = wc[static_cast<size_t>(l)];
-        const auto& sw = wsc[static_cast<size_t>(l)];
-        for (int i = 0; i < s.m; ++i)
-          for (int j = 0; j < s.n; ++j) {
-            double sum = 0.0, mag_sum = 0.0;
-            for (int t = 0; t < s.k; ++t) {
-              const double p =
-                  static_cast<double>(quant::fp8_e4m3_decode(in_codes[static_cast<size_t>(i) * s.k + t])) *
-                  quant::fp8_e4m3_decode(cw[static_cast<size_t>(j) * s.k + t]);
-              sum += p;
-              mag_sum += std::abs(p);
-            }
-            const double sc = static_cast<double>(in_scale[static_cast<size_t>(i)]) *
-                              sw[static_cast<size_t>(j)];
-            const size_t o = static_cast<size_t>(i) * s.n + j;
-            const double want = sum * sc + beta * base[o];
-            // Exact products; the tensor cores' accumulation is not plain fp32 (partial sums
-            // are promoted every few k steps), so allow 2^-12 of the magnitude.
-            const double tol = (mag_sum * sc) / 4096.0 + 1e-6 * std::abs(base[o]) + 1e-6;
-            ASSERT_NEAR(got[o], want, tol)
-                << "layer " << l << " beta " << beta << " row " << i << " col " << j;
-          }
+        quantize_host(w, s.n, s.k, wc[static_cast<size_t>(l)], wsc[static_cast<size_t>(l)], false);
+        ASSERT_EQ(dws.back()->download(), wsc[static_cast<size_t>(l)]) << "weight scales";
+        ASSERT_EQ(dw.back()->download(), wc[static_cast<size_t>(l)]) << "weight codes";
+        wp.push_back({dw.back()->get(), dws.back()->get()});
       }
+      DeviceBuffer<float> dout(static_cast<size_t>(s.m) * s.n);
+      if (s.tuned) {
+        EXPECT_GT(tuner.tune(cuda_model::GemmInput::kFP8, s.m, s.n, s.k, dcodes.get(), dscale.get(),
+                             s.k, wp, dout.get(), s.n),
+                  0.0);
+      }
+      if (s.tuned && scaling != Fp8Scaling::kAuto) {
+        EXPECT_EQ(tuner.fp8_epilogue(s.m, s.n, s.k, s.k, s.n), scaling == Fp8Scaling::kEpilogue);
+      }
+      std::vector<float> base(static_cast<size_t>(s.m) * s.n);
+      for (auto& v : base) v = nd(rng);
+      DeviceBuffer<float> scratch(static_cast<size_t>(s.m) * s.n);
+      for (int l = 0; l < s.layers; ++l)
+        for (const float beta : {0.0f, 1.0f}) {
+          dout.upload(base);
+          ASSERT_TRUE(tuner.run(cuda_model::GemmInput::kFP8, s.m, s.n, s.k, dcodes.get(),
+                                dscale.get(), s.k, wp[static_cast<size_t>(l)], dout.get(), s.n,
+                                beta, scratch.get(), scratch.size()));
+          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+          const std::vector<float> got = dout.download();
+          const auto& cw = wc[static_cast<size_t>(l)];
+          const auto& sw = wsc[static_cast<size_t>(l)];
+          for (int i = 0; i < s.m; ++i)
+            for (int j = 0; j < s.n; ++j) {
+              double sum = 0.0, mag_sum = 0.0;
+              for (int t = 0; t < s.k; ++t) {
+                const double p = static_cast<double>(quant::fp8_e4m3_decode(
+                                     in_codes[static_cast<size_t>(i) * s.k + t])) *
+                                 quant::fp8_e4m3_decode(cw[static_cast<size_t>(j) * s.k + t]);
+                sum += p;
+                mag_sum += std::abs(p);
+              }
+              const double sc = static_cast<double>(in_scale[static_cast<size_t>(i)]) *
+                                sw[static_cast<size_t>(j)];
+              const size_t o = static_cast<size_t>(i) * s.n + j;
+              const double want = sum * sc + beta * base[o];
+              // Exact products; the tensor cores' accumulation is not plain fp32 (partial sums
+              // are promoted every few k steps), so allow 2^-12 of the magnitude.
+              const double tol = (mag_sum * sc) / 4096.0 + 1e-6 * std::abs(base[o]) + 1e-6;
+              ASSERT_NEAR(got[o], want, tol)
+                  << "layer " << l << " beta " << beta << " row " << i << " col " << j;
+            }
+        }
+    }
   }
   // Static and given scales: every row with the one scale, then the rows' own.
   {
@@ -273,6 +285,39 @@ TEST(GemmTuner, Fp8RowsAndOuterVectorScales) {
     quantize_host(x, rows, cols, want, g2, true);
     EXPECT_EQ(dc.download(), want) << "given scale codes";
     EXPECT_EQ(dgiven.download(), given) << "given scales are not written";
+  }
+  // bf16 rows through both kernels: 16-byte chunks (cols 96 in rows of stride 104, dynamic and
+  // static) and the element-wise one (cols 100, not a multiple of 8).
+  for (const int cols : {96, 100}) {
+    SCOPED_TRACE("bf16 cols " + std::to_string(cols));
+    const int rows = 7, ld = cols + 8;
+    std::vector<uint16_t> xb(static_cast<size_t>(rows) * ld);
+    std::vector<float> xf(static_cast<size_t>(rows) * cols);
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < ld; ++c) {
+        const uint16_t b = to_bf16(std::exp(mag(rng)) * nd(rng));
+        xb[static_cast<size_t>(r) * ld + c] = b;
+        if (c < cols) xf[static_cast<size_t>(r) * cols + c] = static_cast<float>(from_bf16(b));
+      }
+    DeviceBuffer<uint16_t> dx(xb);
+    DeviceBuffer<uint8_t> dc(xf.size());
+    DeviceBuffer<float> dsc(static_cast<size_t>(rows));
+    cuda_model::quantize_rows_fp8(dx.get(), true, rows, cols, ld, Fp8Scale::kDynamic, nullptr,
+                                  dc.get(), dsc.get(), stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::vector<uint8_t> want;
+    std::vector<float> sc;
+    quantize_host(xf, rows, cols, want, sc, false);
+    EXPECT_EQ(dsc.download(), sc) << "dynamic scales";
+    EXPECT_EQ(dc.download(), want) << "dynamic codes";
+    const std::vector<float> one{0.05f};
+    DeviceBuffer<float> dstatic(one);
+    cuda_model::quantize_rows_fp8(dx.get(), true, rows, cols, ld, Fp8Scale::kStatic, dstatic.get(),
+                                  dc.get(), dsc.get(), stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::vector<float> sc1(static_cast<size_t>(rows), one[0]);
+    quantize_host(xf, rows, cols, want, sc1, true);
+    EXPECT_EQ(dc.download(), want) << "static codes";
   }
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }

@@ -584,6 +584,10 @@ class CudaDecoderModel final : public CudaModel {
   // max(H, I, q_dim, drafter features) values).
   uint8_t* act8_ = nullptr;
   float* act_scale_ = nullptr;
+  // FP8 products scaled by kvq's kernel that accumulate into the residual (beta 1) land here
+  // first: T x H floats (gemm_tuner.h, Fp8Scaling).
+  float* fp8_raw_ = nullptr;
+  size_t fp8_raw_floats_ = 0;
   double* inv_freq_ = nullptr;
   void* attn_ws_ = nullptr;
   void* sample_ws_ = nullptr;
@@ -839,6 +843,8 @@ void CudaDecoderModel::allocate_buffers() {
   if (w_->any_fp8()) {
     act8_ = static_cast<uint8_t*>(buf_.alloc(T * static_cast<size_t>(std::max({H_, I_, q_dim_}))));
     act_scale_ = static_cast<float*>(buf_.alloc(T * 4));
+    fp8_raw_floats_ = T * static_cast<size_t>(H_);
+    fp8_raw_ = static_cast<float*>(buf_.alloc(fp8_raw_floats_ * 4));
   }
   if (arch_.dflash) {
     const size_t F = arch_.dflash->target_layer_ids.size() *
@@ -1000,7 +1006,8 @@ void CudaDecoderModel::linear(const cuda_model::Linear& L, int m, const void* in
         L.in_scale ? cuda_model::Fp8Scale::kStatic : cuda_model::Fp8Scale::kDynamic, L.in_scale,
         act8_, act_scale_, stream_);
     if (!tuner_->run(cuda_model::GemmInput::kFP8, m, L.n, L.k, act8_, act_scale_, L.k,
-                     cuda_model::GemmWeight{L.w, L.scale}, out, ldc, beta))
+                     cuda_model::GemmWeight{L.w, L.scale}, out, ldc, beta, fp8_raw_,
+                     fp8_raw_floats_))
       throw InternalError("cuBLASLt offers no FP8 GEMM for m " + std::to_string(m) + ", n " +
                           std::to_string(L.n) + ", k " + std::to_string(L.k) +
                           " on this GPU (run with --dtype bfloat16)");

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -11,6 +13,7 @@
 #include "cache/cuda/cuda_check.h"
 #include "kvq/core/error.h"
 #include "model/cuda/cublas_check.h"
+#include "model/cuda/model_kernels.h"
 
 namespace kvq::cuda_model {
 
@@ -27,9 +30,11 @@ uint32_t alignment_of(const void* p) {
 struct Choice {
   cublasLtMatmulAlgo_t algo;
   uint32_t alignment;  // every pointer must be at least this aligned
+  bool epilogue;       // FP8: unit-scale GEMM + kvq's scaling kernel
 };
 
-// The process-wide choices, keyed by (device, type, m, n, k, lda, ldc).
+// The process-wide choices, keyed by (device, type and FP8 scaling restriction, m, n, k, lda,
+// ldc).
 using GlobalKey = std::tuple<int, int, int, int, int, int, int>;
 std::mutex g_mu;
 std::map<GlobalKey, Choice>& choices() {
@@ -55,17 +60,21 @@ struct GemmTuner::Plan {
   cublasLtMatmulAlgo_t algo{};
   uint32_t alignment = 256;
   GemmInput type = GemmInput::kBF16;
-  bool timed = false;  // tune() chose the algorithm (else cuBLASLt's heuristic did)
+  bool epilogue = false;  // FP8: unit scales in cuBLASLt, kvq's kernel applies them
+  bool timed = false;     // tune() chose the algorithm (else cuBLASLt's heuristic did)
+  int m = 0, n = 0, ldc = 0;
 
-  Plan(GemmInput type_, int m, int n, int k, int lda, int ldc) : type(type_) {
+  Plan(GemmInput type_, int m_, int n_, int k, int lda, int ldc_, bool epilogue_ = false)
+      : type(type_), epilogue(epilogue_), m(m_), n(n_), ldc(ldc_) {
     KVQ_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
     set_attr(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
     set_attr(desc, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt));
     const cudaDataType in_type = type == GemmInput::kFP8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
-    if (type == GemmInput::kFP8) {
+    if (type == GemmInput::kFP8 && !epilogue) {
       // One fp32 scale per row of op(A) (the weight's output rows) and per column of op(B)
-      // (the input's token rows); the pointers are set per call.
+      // (the input's token rows); the pointers are set per call. With `epilogue` no scale is
+      // set: cuBLASLt takes 1.
       const int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
       set_attr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer, sizeof(outer));
       set_attr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer, sizeof(outer));
@@ -90,6 +99,10 @@ struct GemmTuner::Plan {
 
 GemmTuner::GemmTuner(cudaStream_t stream, void* workspace, size_t workspace_bytes)
     : stream_(stream), workspace_(workspace), workspace_bytes_(workspace_bytes) {
+  if (const char* e = std::getenv("KVQ_FP8_SCALING")) {
+    if (std::strcmp(e, "outer_vector") == 0) fp8_scaling_ = Fp8Scaling::kOuterVector;
+    if (std::strcmp(e, "epilogue") == 0) fp8_scaling_ = Fp8Scaling::kEpilogue;
+  }
   KVQ_CUBLAS_CHECK(cublasLtCreate(&lt_));
 }
 
@@ -117,8 +130,8 @@ int GemmTuner::candidates(const Plan& plan, uint32_t align,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
     for (const cublasLtMatmulPreferenceAttributes_t attr : attrs)
       KVQ_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
-    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
-        lt_, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, 16, found, &returned);
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_, plan.desc, plan.a, plan.b, plan.c,
+                                                             plan.c, pref, 16, found, &returned);
     if (st != CUBLAS_STATUS_SUCCESS) returned = 0;
   } catch (...) {
     (void)cublasLtMatmulPreferenceDestroy(pref);
@@ -134,14 +147,28 @@ void GemmTuner::set_scale_pointers(const Plan& plan, const float* in_scale,
   set_attr(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &in_scale, sizeof(in_scale));
 }
 
-cublasStatus_t GemmTuner::launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo,
-                                 const void* in, const float* in_scale, const GemmWeight& w,
-                                 float* out, float beta) const {
+cublasStatus_t GemmTuner::launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const void* in,
+                                 const float* in_scale, const GemmWeight& w, float* out,
+                                 float beta) const {
   // Host-side attributes of the descriptor: the call below reads them (also under capture).
-  if (plan.type == GemmInput::kFP8) set_scale_pointers(plan, in_scale, w.scale);
+  if (plan.type == GemmInput::kFP8 && !plan.epilogue) set_scale_pointers(plan, in_scale, w.scale);
   const float alpha = 1.0f;
   return cublasLtMatmul(lt_, plan.desc, &alpha, w.w, plan.a, in, plan.b, &beta, out, plan.c, out,
                         plan.c, &algo, workspace_, workspace_bytes_, stream_);
+}
+
+cublasStatus_t GemmTuner::launch_epilogue(const Plan& plan, const cublasLtMatmulAlgo_t& algo,
+                                          const void* in, const float* in_scale,
+                                          const GemmWeight& w, float* raw, float* out,
+                                          float beta) const {
+  // The unit-scale product into `raw` (out itself when beta is 0), laid out like out.
+  const float alpha = 1.0f, zero = 0.0f;
+  const cublasStatus_t st =
+      cublasLtMatmul(lt_, plan.desc, &alpha, w.w, plan.a, in, plan.b, &zero, raw, plan.c, raw,
+                     plan.c, &algo, workspace_, workspace_bytes_, stream_);
+  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  fp8_scale_product(raw, plan.m, plan.n, plan.ldc, in_scale, w.scale, beta, out, stream_);
+  return CUBLAS_STATUS_SUCCESS;
 }
 
 double GemmTuner::tune(int m, int n, int k, const void* in, int lda,
@@ -159,13 +186,14 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   const Key key{ti, m, n, k, lda, ldc};
   if (const Plan* p = find(key); p != nullptr && p->timed) return 0.0;
   const int dev = current_device();
-  const GlobalKey gkey{dev, ti, m, n, k, lda, ldc};
-  auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc);
-  plan->timed = true;
+  const bool fp8 = type == GemmInput::kFP8;
+  const GlobalKey gkey{dev, ti * 4 + (fp8 ? static_cast<int>(fp8_scaling_) : 0), m, n, k, lda, ldc};
   {
     std::lock_guard<std::mutex> lock(g_mu);
     const auto it = choices().find(gkey);
     if (it != choices().end()) {
+      auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc, it->second.epilogue);
+      plan->timed = true;
       plan->algo = it->second.algo;
       plan->alignment = it->second.alignment;
       plans_[key] = std::move(plan);
@@ -179,48 +207,78 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
 
   uint32_t align = std::min(alignment_of(in), alignment_of(out));
   for (const GemmWeight& w : weights) align = std::min(align, alignment_of(w.w));
-  cublasLtMatmulHeuristicResult_t found[16] = {};
-  // Vector scale modes need their pointers set before the heuristic query (cuBLASLt refuses
-  // the query otherwise, and picks kernels for the scales it was shown).
-  if (type == GemmInput::kFP8) set_scale_pointers(*plan, in_scale, weights.front().scale);
-  const int returned = candidates(*plan, align, found);
+  std::vector<bool> scalings;  // epilogue or not, each timed
+  if (!fp8 || fp8_scaling_ != Fp8Scaling::kEpilogue) scalings.push_back(false);
+  if (fp8 && fp8_scaling_ != Fp8Scaling::kOuterVector) scalings.push_back(true);
 
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   KVQ_CUDA_CHECK(cudaEventCreate(&e0));
   KVQ_CUDA_CHECK(cudaEventCreate(&e1));
-  auto sweep = [&](const cublasLtMatmulAlgo_t& algo) {
-    for (const GemmWeight& w : weights)
-      if (launch(*plan, algo, in, in_scale, w, out, 0.0f) != CUBLAS_STATUS_SUCCESS) return false;
-    return true;
-  };
-  constexpr int kSweeps = 3;
   double best_us = std::numeric_limits<double>::infinity();
-  int best = -1;
-  for (int i = 0; i < returned; ++i) {
-    if (found[static_cast<size_t>(i)].state != CUBLAS_STATUS_SUCCESS) continue;
-    const cublasLtMatmulAlgo_t& algo = found[static_cast<size_t>(i)].algo;
-    if (!sweep(algo)) continue;  // warm-up; an algorithm that fails to launch is skipped
-    KVQ_CUDA_CHECK(cudaEventRecord(e0, stream_));
-    bool ok = true;
-    for (int s = 0; s < kSweeps && ok; ++s) ok = sweep(algo);
-    KVQ_CUDA_CHECK(cudaEventRecord(e1, stream_));
-    KVQ_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0.0f;
-    KVQ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    const double us = 1e3 * ms / (kSweeps * static_cast<double>(weights.size()));
-    if (ok && us < best_us) best_us = us, best = i;
+  std::unique_ptr<Plan> best_plan;
+  try {
+    for (const bool epilogue : scalings) {
+      auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc, epilogue);
+      plan->timed = true;
+      plan->alignment = align;
+      cublasLtMatmulHeuristicResult_t found[16] = {};
+      // Vector scale modes need their pointers set before the heuristic query (cuBLASLt
+      // refuses the query otherwise, and picks kernels for the scales it was shown).
+      if (fp8 && !epilogue) set_scale_pointers(*plan, in_scale, weights.front().scale);
+      const int returned = candidates(*plan, align, found);
+      // One sweep runs the shape over every layer's weight (each read from HBM, as in a step);
+      // the epilogue variant includes its scaling kernel.
+      auto sweep = [&](const cublasLtMatmulAlgo_t& algo) {
+        for (const GemmWeight& w : weights) {
+          const cublasStatus_t st =
+              epilogue ? launch_epilogue(*plan, algo, in, in_scale, w, out, out, 0.0f)
+                       : launch(*plan, algo, in, in_scale, w, out, 0.0f);
+          if (st != CUBLAS_STATUS_SUCCESS) return false;
+        }
+        return true;
+      };
+      constexpr int kSweeps = 3;
+      for (int i = 0; i < returned; ++i) {
+        if (found[static_cast<size_t>(i)].state != CUBLAS_STATUS_SUCCESS) continue;
+        const cublasLtMatmulAlgo_t& algo = found[static_cast<size_t>(i)].algo;
+        if (!sweep(algo)) continue;  // warm-up; an algorithm that fails to launch is skipped
+        KVQ_CUDA_CHECK(cudaEventRecord(e0, stream_));
+        bool ok = true;
+        for (int s = 0; s < kSweeps && ok; ++s) ok = sweep(algo);
+        KVQ_CUDA_CHECK(cudaEventRecord(e1, stream_));
+        KVQ_CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms = 0.0f;
+        KVQ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        const double us = 1e3 * ms / (kSweeps * static_cast<double>(weights.size()));
+        if (ok && us < best_us) {
+          best_us = us;
+          plan->algo = algo;
+          best_plan = std::move(plan);
+          plan = std::make_unique<Plan>(type, m, n, k, lda, ldc, epilogue);
+          plan->timed = true;
+          plan->alignment = align;
+        }
+      }
+    }
+  } catch (...) {
+    (void)cudaEventDestroy(e0);
+    (void)cudaEventDestroy(e1);
+    throw;
   }
   (void)cudaEventDestroy(e0);
   (void)cudaEventDestroy(e1);
-  if (best < 0) return 0.0;  // nothing ran: run() keeps returning false for this shape
-  plan->algo = found[static_cast<size_t>(best)].algo;
-  plan->alignment = align;
+  if (!best_plan) return 0.0;  // nothing ran: run() keeps returning false for this shape
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    choices().emplace(gkey, Choice{plan->algo, align});
+    choices().emplace(gkey, Choice{best_plan->algo, align, best_plan->epilogue});
   }
-  plans_[key] = std::move(plan);
+  plans_[key] = std::move(best_plan);
   return best_us;
+}
+
+bool GemmTuner::fp8_epilogue(int m, int n, int k, int lda, int ldc) const {
+  const Plan* p = find(Key{static_cast<int>(GemmInput::kFP8), m, n, k, lda, ldc});
+  return p != nullptr && p->epilogue;
 }
 
 bool GemmTuner::run(int m, int n, int k, const void* in, int lda, const void* w, float* out,
@@ -235,17 +293,22 @@ bool GemmTuner::run(int m, int n, int k, const void* in, int lda, const void* w,
 }
 
 bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const float* in_scale,
-                    int lda, const GemmWeight& w, float* out, int ldc, float beta) {
-  if (type == GemmInput::kBF16) return std::as_const(*this).run(m, n, k, in, lda, w.w, out, ldc, beta);
+                    int lda, const GemmWeight& w, float* out, int ldc, float beta, float* scratch,
+                    size_t scratch_floats) {
+  if (type == GemmInput::kBF16)
+    return std::as_const(*this).run(m, n, k, in, lda, w.w, out, ldc, beta);
   KVQ_CHECK(in_scale != nullptr && w.scale != nullptr, "GemmTuner::run: FP8 without scales");
   const Key key{static_cast<int>(type), m, n, k, lda, ldc};
   const Plan* p = find(key);
   if (p == nullptr) {
     // An untuned FP8 shape: cuBLASLt's first choice for 16-byte aligned operands (what the
-    // FP8 kernels need anyway), kept for the next call of the same shape.
-    auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc);
+    // FP8 kernels need anyway), kept for the next call of the same shape. Outer-vector
+    // scaling unless restricted to the epilogue: these are prefill shapes, where cuBLASLt's
+    // large tiles suit and a separate scaling pass would cost a read and write of the output.
+    const bool epilogue = fp8_scaling_ == Fp8Scaling::kEpilogue;
+    auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc, epilogue);
     cublasLtMatmulHeuristicResult_t found[16] = {};
-    set_scale_pointers(*plan, in_scale, w.scale);
+    if (!epilogue) set_scale_pointers(*plan, in_scale, w.scale);
     const int returned = candidates(*plan, 16, found);
     int pick = -1;
     for (int i = 0; i < returned && pick < 0; ++i)
@@ -259,7 +322,19 @@ bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const f
   if (alignment_of(in) < p->alignment || alignment_of(w.w) < p->alignment ||
       alignment_of(out) < p->alignment)
     return false;
-  KVQ_CUBLAS_CHECK(launch(*p, p->algo, in, in_scale, w, out, beta));
+  if (!p->epilogue) {
+    KVQ_CUBLAS_CHECK(launch(*p, p->algo, in, in_scale, w, out, beta));
+    return true;
+  }
+  float* raw = out;
+  if (beta != 0.0f) {
+    KVQ_CHECK(
+        scratch != nullptr && scratch_floats >= static_cast<size_t>(m) * static_cast<size_t>(ldc),
+        "GemmTuner::run: an FP8 GEMM with beta != 0 needs m * ldc floats of scratch");
+    if (alignment_of(scratch) < p->alignment) return false;
+    raw = scratch;
+  }
+  KVQ_CUBLAS_CHECK(launch_epilogue(*p, p->algo, in, in_scale, w, raw, out, beta));
   return true;
 }
 

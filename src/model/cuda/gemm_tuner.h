@@ -12,12 +12,17 @@
 // Layout: out[m][n] (fp32, row stride ldc) = in[m][k] (row stride lda) * w[n][k]^T
 // (+ beta * out), i.e. column-major out^T = w^T-op * in^T.
 //
-// Operands are bf16, or FP8 e4m3 with fp32 scales applied by cuBLASLt's outer-vector scaling
-// (Hopper and newer): out[i][j] = in_scale[i] * w_scale[j] * sum_c in[i][c] * w[j][c], one
-// scale per token row of `in` and one per output row of `w` (a per-tensor scale is that
-// vector with one value). cuBLAS runs outer-vector scaling on sm_90 only. FP8 shapes nobody tuned (prefill chunks) take cuBLASLt's first
-// heuristic choice instead of the timed one; bf16 ones are refused (the model then calls
-// cublasGemmEx).
+// Operands are bf16, or FP8 e4m3 with fp32 scales: out[i][j] = in_scale[i] * w_scale[j] *
+// sum_c in[i][c] * w[j][c], one scale per token row of `in` and one per output row of `w` (a
+// per-tensor scale is that vector with one value). Two ways to apply the scales
+// (Fp8Scaling): cuBLASLt's outer-vector scaling in the GEMM's epilogue, or a GEMM with unit
+// scales followed by kvq's scaling kernel (fp8_scale_product). On an H100 cuBLASLt offers one
+// 128x128-tile kernel for outer-vector scaling, which reads a decode step's weights at
+// 1.0-1.5 TB/s, and 7-8 candidates (split-K, small tiles) for unit scales, 1.8-2.7 TB/s
+// (bench/cuda_gemm_bench.cu, docs/notes/fp8-gemm.md); tune() times both and keeps the faster.
+// Outer-vector scaling runs on sm_90 only in cuBLAS. FP8 shapes nobody tuned (prefill chunks)
+// take cuBLASLt's first outer-vector choice instead of a timed one; bf16 ones are refused (the
+// model then calls cublasGemmEx).
 #pragma once
 
 #include <cublasLt.h>
@@ -33,6 +38,9 @@
 namespace kvq::cuda_model {
 
 enum class GemmInput : uint8_t { kBF16, kFP8 };
+
+// How an FP8 GEMM applies its row and column scales: kAuto times both for tuned shapes.
+enum class Fp8Scaling : uint8_t { kAuto, kOuterVector, kEpilogue };
 
 // One layer's weight: [n][k] values and, for FP8, its n dequantization scales (device).
 struct GemmWeight {
@@ -65,9 +73,19 @@ class GemmTuner {
   bool run(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
            float beta) const;
   // The same for any input type. FP8 shapes that were not tuned run cuBLASLt's heuristic
-  // choice (false only when it has none for the shape, or a pointer is under-aligned).
+  // choice (false only when it has none for the shape, or a pointer is under-aligned). An FP8
+  // GEMM scaled by kvq's kernel with beta != 0 writes the product to `scratch` first (at least
+  // m * ldc floats; checked).
   bool run(GemmInput type, int m, int n, int k, const void* in, const float* in_scale, int lda,
-           const GemmWeight& w, float* out, int ldc, float beta);
+           const GemmWeight& w, float* out, int ldc, float beta, float* scratch = nullptr,
+           size_t scratch_floats = 0);
+
+  // Restricts the FP8 scaling of later tune() / untuned run() calls (tests, A/B runs); kAuto
+  // (the default) lets tune() time both. KVQ_FP8_SCALING=outer_vector|epilogue sets it at
+  // construction.
+  void set_fp8_scaling(Fp8Scaling s) { fp8_scaling_ = s; }
+  // For FP8 (m, n, k, lda, ldc) after tune(): whether kvq's kernel applies the scales.
+  bool fp8_epilogue(int m, int n, int k, int lda, int ldc) const;
 
  private:
   struct Plan;
@@ -78,13 +96,17 @@ class GemmTuner {
   // FP8: the scale vectors of the next query or call, on the plan's descriptor.
   void set_scale_pointers(const Plan& plan, const float* in_scale, const float* w_scale) const;
   cublasStatus_t launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const void* in,
-                        const float* in_scale, const GemmWeight& w, float* out,
-                        float beta) const;
+                        const float* in_scale, const GemmWeight& w, float* out, float beta) const;
+  // The GEMM with unit scales into `raw` (laid out like out), then kvq's scaling kernel.
+  cublasStatus_t launch_epilogue(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const void* in,
+                                 const float* in_scale, const GemmWeight& w, float* raw, float* out,
+                                 float beta) const;
 
   cudaStream_t stream_;
   void* workspace_;
   size_t workspace_bytes_;
   cublasLtHandle_t lt_ = nullptr;
+  Fp8Scaling fp8_scaling_ = Fp8Scaling::kAuto;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

@@ -13,8 +13,10 @@
 //   kFP8:  e4m3 weights with one fp32 dequantization scale per output row (a per-tensor
 //          checkpoint scale is that row vector with one value); the bf16 input rows are
 //          quantized to e4m3 before the GEMM (quantize_rows_fp8) with a scale per token row
-//          (dynamic: the row's max / 448) or the checkpoint's static `input_scale`; cuBLASLt
-//          applies both scale vectors (outer-vector scaling) and accumulates in fp32.
+//          (dynamic: the row's max / 448) or the checkpoint's static `input_scale`; the GEMM
+//          accumulates in fp32 and both scale vectors are applied by cuBLASLt (outer-vector
+//          scaling) or by kvq's kernel after a unit-scale GEMM, whichever the tuner timed
+//          faster for the shape (gemm_tuner.h).
 // Outputs are always fp32 (the residual stream), written or accumulated (beta 1).
 #pragma once
 

@@ -189,8 +189,78 @@ __global__ void quantize_fp8_kernel(const void* x, bool bf16, int cols, int64_t 
   // not the NaN codes x / 0 would give.
   const bool dead = !(s > 0.0f);
   for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
-    out[c] = dead ? uint8_t{0}
-                  : static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(load(x, base + c, bf16), s)));
+    out[c] = dead
+                 ? uint8_t{0}
+                 : static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(load(x, base + c, bf16), s)));
+}
+
+// The same for bf16 rows whose columns come in 16-byte chunks (cols and ldx multiples of 8,
+// x 16-byte aligned): each thread loads whole chunks, all of its loads in flight at once, so a
+// decode step's one-row call costs one memory round trip per pass instead of one per element
+// (the scalar kernel took ~12 us for a 4096-wide row on an H100). Same codes and scales as
+// quantize_fp8_kernel: the same max, the same division and the same encoder per element.
+__global__ void quantize_fp8_bf16x8_kernel(const __nv_bfloat16* x, int cols, int64_t ldx,
+                                           Fp8Scale mode, const float* scale_in, uint8_t* codes,
+                                           float* scale) {
+  __shared__ float scratch[32];
+  const int r = static_cast<int>(blockIdx.x);
+  const uint4* row = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(r) * ldx);
+  const int chunks = cols / 8;
+  float s = 1.0f;
+  if (mode == Fp8Scale::kDynamic) {
+    float amax = 0.0f;
+#pragma unroll 4
+    for (int c = static_cast<int>(threadIdx.x); c < chunks; c += blockDim.x) {
+      const uint4 v = row[c];
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __bfloat1622float2(h[e]);
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+    if (lane == 0) scratch[warp] = amax;
+    __syncthreads();
+    amax = 0.0f;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) amax = fmaxf(amax, scratch[w]);
+    s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+  } else {
+    s = mode == Fp8Scale::kStatic ? scale_in[0] : scale[r];
+  }
+  if (mode != Fp8Scale::kGiven && threadIdx.x == 0) scale[r] = s;
+  const bool dead = !(s > 0.0f);
+  uint2* out = reinterpret_cast<uint2*>(codes + static_cast<int64_t>(r) * cols);
+#pragma unroll 4
+  for (int c = static_cast<int>(threadIdx.x); c < chunks; c += blockDim.x) {
+    const uint4 v = row[c];
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(h[e]);
+      const uint32_t lo = dead ? 0u : kvq::cuda::enc_e4m3(__fdiv_rn(f.x, s));
+      const uint32_t hi = dead ? 0u : kvq::cuda::enc_e4m3(__fdiv_rn(f.y, s));
+      packed[e >> 1] |= (lo | (hi << 8)) << (16 * (e & 1));
+    }
+    out[c] = make_uint2(packed[0], packed[1]);
+  }
+}
+
+__global__ void fp8_scale_product_kernel(const float* raw, int m, int n, int ld,
+                                         const float* row_scale, const float* col_scale, float beta,
+                                         float* out) {
+  const int64_t total = static_cast<int64_t>(m) * n;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / n;
+    const int c = static_cast<int>(i - r * n);
+    const int64_t o = r * ld + c;
+    const float v = raw[o] * row_scale[r] * col_scale[c];
+    out[o] = beta == 0.0f ? v : v + beta * out[o];
+  }
 }
 
 __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
@@ -324,8 +394,24 @@ void fill_f32(float* w, int64_t n, float value, cudaStream_t stream) {
 void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx, Fp8Scale mode,
                        const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
-  quantize_fp8_kernel<<<rows, cols >= 2048 ? 512 : 128, 0, stream>>>(x, bf16, cols, ldx, mode,
-                                                                     scale_in, codes, scale);
+  const int threads = cols >= 2048 ? 512 : 128;
+  if (bf16 && cols % 8 == 0 && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(codes) % 8 == 0) {
+    quantize_fp8_bf16x8_kernel<<<rows, threads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(x), cols, ldx, mode, scale_in, codes, scale);
+  } else {
+    quantize_fp8_kernel<<<rows, threads, 0, stream>>>(x, bf16, cols, ldx, mode, scale_in, codes,
+                                                      scale);
+  }
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void fp8_scale_product(const float* raw, int m, int n, int ld, const float* row_scale,
+                       const float* col_scale, float beta, float* out, cudaStream_t stream) {
+  const int64_t total = static_cast<int64_t>(m) * n;
+  if (total == 0) return;
+  fp8_scale_product_kernel<<<grid_for(total), kThreads, 0, stream>>>(raw, m, n, ld, row_scale,
+                                                                     col_scale, beta, out);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

@@ -59,6 +59,12 @@ enum class Fp8Scale : uint8_t { kDynamic, kStatic, kGiven };
 void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx, Fp8Scale mode,
                        const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream);
 
+// The scales of an FP8 GEMM run with unit scales (gemm_tuner.h, Fp8Scaling::kEpilogue):
+// out[i][j] = raw[i][j] * row_scale[i] * col_scale[j] (+ beta * out[i][j]), row stride ld for
+// both; raw may be out (beta 0).
+void fp8_scale_product(const float* raw, int m, int n, int ld, const float* row_scale,
+                       const float* col_scale, float beta, float* out, cudaStream_t stream);
+
 // out[r] = argmax of logits row r (lowest id on ties).
 void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream);
 
