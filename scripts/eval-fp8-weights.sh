@@ -17,13 +17,21 @@ trap 'rm -rf "$tmp"' EXIT
 CALIB=${CALIB:-}
 if [ -z "$CALIB" ]; then
   CALIB=$tmp/calib.txt
-  find /usr/lib/python3* -maxdepth 1 -name '*.py' | sort | xargs cat 2>/dev/null | head -c 262144 > "$CALIB"
+  python3 - "$CALIB" <<'PY'
+import glob, sys, sysconfig
+text = ""
+for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py")):
+    text += open(f, encoding="utf-8", errors="replace").read()
+    if len(text) >= 262144:
+        break
+open(sys.argv[1], "w", encoding="utf-8").write(text[:262144])
+PY
 fi
-$KVQ quantize --model "$MODEL" --out "$tmp/w8" --weights fp8 > /dev/null
+$KVQ quantize --model "$MODEL" --out "$tmp/w8" --weights fp8 > /dev/null 2>&1
 $KVQ quantize --model "$MODEL" --out "$tmp/w8kv8" --weights fp8 --kv-cache-dtype fp8 \
-  --calibration-text "$CALIB" --calibration-tokens 8192 > /dev/null
+  --calibration-text "$CALIB" --calibration-tokens 8192 > /dev/null 2>&1
 $KVQ quantize --model "$MODEL" --out "$tmp/kv8" --weights none --kv-cache-dtype fp8 \
-  --calibration-text "$CALIB" --calibration-tokens 8192 > /dev/null
+  --calibration-text "$CALIB" --calibration-tokens 8192 > /dev/null 2>&1
 run() {  # label model kv-dtype
   $KVQ eval --model "$2" --text "$TEXT" --max-tokens "$MAX" --kv-cache-dtype "$3" \
     --reference-model "$MODEL" --reference-kv-cache-dtype bfloat16 --json 2>/dev/null |
