@@ -41,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The load benchmark's code prompts, SSE reader and /metrics scraper.
 from serve_load import PROMPTS, metric_sum, scrape, sse_chunks  # noqa: E402
 
+SPECIAL = re.compile(r"<\|[^|<>]*\|>")  # how kvq-code-tiny's special tokens are spelled
+
 
 class Server:
     def __init__(self, args, log_path):
@@ -182,7 +184,9 @@ def main():
             at = 0
             for t in lp["content"]:
                 out.append((at, t["token"], [(a["token"], a["logprob"]) for a in t["top_logprobs"]]))
-                at += len(t["token"])
+                # A special token (an end-of-text generated under ignore_eos) is not in the text.
+                if not SPECIAL.fullmatch(t["token"]):
+                    at += len(t["token"])
         else:
             for at, tok, top in zip(lp["text_offset"], lp["tokens"], lp["top_logprobs"]):
                 out.append((at, tok, sorted(top.items(), key=lambda kv: -kv[1])))

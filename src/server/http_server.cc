@@ -482,6 +482,14 @@ struct HttpServer::Impl {
       return engine.tokenizer().decode(one, /*skip_special_tokens=*/false);
     };
   }
+  // The token as the returned text has it (special tokens are skipped there): what text_offset
+  // advances by.
+  TokenText token_in_text() const {
+    return [this](int32_t id) {
+      const int32_t one[1] = {id};
+      return engine.tokenizer().decode(one, /*skip_special_tokens=*/true);
+    };
+  }
 
   void log_request(Exchange& ex, const char* outcome) {
     if (!opt.log_requests) return;
@@ -588,7 +596,8 @@ struct HttpServer::Impl {
                                       "", "", "server_error"));
     }
     res.set_content(dump(make_response(ex->meta, outs, usage_of(*ex),
-                                       ex->request.logprobs.has_value(), token_text())),
+                                       ex->request.logprobs.has_value(), token_text(),
+                                       token_in_text())),
                     std::string(kJson));
     log_request(*ex, "200");
   }
@@ -633,7 +642,8 @@ struct HttpServer::Impl {
                 if (o.text.empty() && o.logprobs.empty() && !finishing) continue;
                 nlohmann::json lp = nullptr;
                 if (g.logprobs)
-                  lp = logprobs_json(g.endpoint, o.logprobs, token_text(), &c.text_offset);
+                  lp = logprobs_json(g.endpoint, o.logprobs, token_text(), &c.text_offset,
+                                     token_in_text());
                 out += sse_data(make_stream_chunk(ex->meta, static_cast<int>(i), o.text, false,
                                                   finishing ? c.out.finish_reason : "", lp,
                                                   g.include_usage));

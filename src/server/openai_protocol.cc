@@ -313,7 +313,8 @@ nlohmann::json usage_json(const Usage& u) {
 }
 
 nlohmann::json logprobs_json(Endpoint endpoint, const std::vector<TokenLogprob>& logprobs,
-                             const TokenText& token_text, int64_t* text_offset) {
+                             const TokenText& token_text, int64_t* text_offset,
+                             const TokenText& in_text) {
   if (endpoint == Endpoint::kCompletions) {
     nlohmann::json tokens = nlohmann::json::array(), values = nlohmann::json::array(),
                    offsets = nlohmann::json::array(), tops = nlohmann::json::array();
@@ -321,7 +322,7 @@ nlohmann::json logprobs_json(Endpoint endpoint, const std::vector<TokenLogprob>&
     for (const auto& lp : logprobs) {
       std::string t = token_text(lp.id);
       offsets.push_back(*text_offset);
-      *text_offset += static_cast<int64_t>(t.size());
+      *text_offset += static_cast<int64_t>(in_text ? in_text(lp.id).size() : t.size());
       tokens.push_back(std::move(t));
       values.push_back(lp.logprob);
       // OpenAI's legacy shape: {token text: logprob}; two ids spelled alike keep the likelier.
@@ -363,14 +364,15 @@ const char* object_name(Endpoint e, bool chunk) {
 }  // namespace
 
 nlohmann::json make_response(const ResponseMeta& meta, const std::vector<ChoiceOutput>& choices,
-                             const Usage& usage, bool with_logprobs, const TokenText& token_text) {
+                             const Usage& usage, bool with_logprobs, const TokenText& token_text,
+                             const TokenText& in_text) {
   nlohmann::json out_choices = nlohmann::json::array();
   for (size_t i = 0; i < choices.size(); ++i) {
     const auto& c = choices[i];
     nlohmann::json lp = nullptr;
     if (with_logprobs) {
       int64_t offset = 0;
-      lp = logprobs_json(meta.endpoint, c.logprobs, token_text, &offset);
+      lp = logprobs_json(meta.endpoint, c.logprobs, token_text, &offset, in_text);
     }
     nlohmann::json choice = {{"index", i}};
     if (meta.endpoint == Endpoint::kCompletions)

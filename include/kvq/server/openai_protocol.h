@@ -98,13 +98,18 @@ using TokenText = std::function<std::string(int32_t id)>;
 // {tokens, token_logprobs, top_logprobs, text_offset} with offsets counted from `text_offset`
 // (advanced past these tokens) and top_logprobs null when no alternatives were asked, else one
 // {token text: logprob} object per token; or chat's {content: [{token, logprob, bytes,
-// top_logprobs: [{token, logprob, bytes}]}]}.
+// top_logprobs: [{token, logprob, bytes}]}]}. `in_text` spells a token as the returned text has
+// it (empty for a special token the text skips, such as an end-of-text token generated with
+// ignore_eos), so that text_offset indexes the text; without it the offsets advance by
+// token_text's bytes.
 nlohmann::json logprobs_json(Endpoint endpoint, const std::vector<TokenLogprob>& logprobs,
-                             const TokenText& token_text, int64_t* text_offset);
+                             const TokenText& token_text, int64_t* text_offset,
+                             const TokenText& in_text = {});
 
 // The non-streaming response body.
 nlohmann::json make_response(const ResponseMeta& meta, const std::vector<ChoiceOutput>& choices,
-                             const Usage& usage, bool with_logprobs, const TokenText& token_text);
+                             const Usage& usage, bool with_logprobs, const TokenText& token_text,
+                             const TokenText& in_text = {});
 
 // One streamed chunk for one choice. `first` (chat): the delta carries the assistant role.
 // finish_reason empty: not finished yet (null). logprobs: null when absent.

@@ -367,6 +367,47 @@ TEST(OpenAiProtocol, ResponseShapes) {
   }
 }
 
+// text_offset indexes the returned text: a special token the text skips (an end-of-text token
+// generated under ignore_eos) takes no room in it, whatever its spelling in `tokens`.
+TEST(OpenAiProtocol, TextOffsetsSkipTokensTheTextSkips) {
+  std::random_device rd;
+  const unsigned seed = rd();
+  std::mt19937 rng(seed);
+  const int32_t kSpecial = 0;
+  auto token_text = [](int32_t id) {
+    return id == kSpecial ? std::string("<|endoftext|>") : "w" + std::to_string(id);
+  };
+  auto in_text = [&](int32_t id) { return id == kSpecial ? std::string() : token_text(id); };
+  ChoiceOutput c;
+  c.finish_reason = "length";
+  for (int i = 0; i < 12; ++i) {
+    const int32_t id = rng() % 3 == 0 ? kSpecial : static_cast<int32_t>(1 + rng() % 500);
+    c.token_ids.push_back(id);
+    c.logprobs.push_back({id, -1.0f});
+    c.text += in_text(id);
+  }
+  const json r = make_response(ResponseMeta{Endpoint::kCompletions, "id", 1, "m"}, {c}, Usage{},
+                               true, token_text, in_text);
+  const json& lp = r["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), c.token_ids.size());
+  for (size_t t = 0; t < c.token_ids.size(); ++t) {
+    SCOPED_TRACE("seed " + std::to_string(seed) + " token " + std::to_string(t));
+    EXPECT_EQ(lp["tokens"][t], token_text(c.token_ids[t]));
+    const size_t at = lp["text_offset"][t].get<size_t>();
+    // The token's text starts at its offset in the returned text.
+    ASSERT_LE(at, c.text.size());
+    EXPECT_EQ(c.text.compare(at, in_text(c.token_ids[t]).size(), in_text(c.token_ids[t])), 0);
+  }
+  // Streamed: the offset carries over from chunk to chunk the same way.
+  int64_t offset = 0;
+  std::vector<TokenLogprob> first(c.logprobs.begin(), c.logprobs.begin() + 5),
+      rest(c.logprobs.begin() + 5, c.logprobs.end());
+  (void)logprobs_json(Endpoint::kCompletions, first, token_text, &offset, in_text);
+  const json l2 = logprobs_json(Endpoint::kCompletions, rest, token_text, &offset, in_text);
+  EXPECT_EQ(l2["text_offset"][0], lp["text_offset"][5]);
+  EXPECT_EQ(offset, static_cast<int64_t>(c.text.size()));
+}
+
 TEST(OpenAiProtocol, SseFraming) {
   json j = {{"a", "line1\nline2"}};
   const std::string s = sse_data(j);
