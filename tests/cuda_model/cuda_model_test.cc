@@ -582,8 +582,8 @@ TEST(CudaModelFp8, ConvertedAtLoadAgreesWithTheCpu) {
 
 // An FP8 checkpoint (both layouts, per tensor / per channel, dynamic / static activations,
 // lm_head ignored or not) runs in FP8 by default, with its own codes and scales: near the same
-// checkpoint dequantized exactly (float32 weights, the same device), and graph replays equal
-// eager steps bit for bit.
+// checkpoint dequantized exactly (float32 weights, the same device), and graph replays and the
+// unfused FP8 kernels equal eager fused steps bit for bit.
 class CudaModelFp8Checkpoint : public ::testing::TestWithParam<Fp8Case> {};
 
 TEST_P(CudaModelFp8Checkpoint, RunsInFp8NearTheDequantizedModel) {
@@ -607,13 +607,19 @@ TEST_P(CudaModelFp8Checkpoint, RunsInFp8NearTheDequantizedModel) {
   o.weights = WeightPrecision::kFloat32;
   std::shared_ptr<const CudaModel> exact = CudaModel::load(plan, o);
   EXPECT_LT(eager->memory().weights, exact->memory().weights / 2);
-  Driver a(eager, 32), g(graphs, 32), r(exact, 32);
+  // The same model with each FP8 input quantized by its own kernel and each product scaled
+  // by its own kernel (KVQ_FP8_FUSE=0) computes the same bits as the fused kernels.
+  ASSERT_EQ(::setenv("KVQ_FP8_FUSE", "0", 1), 0);
+  std::shared_ptr<const CudaModel> unfused = CudaModel::load(plan, small_options(false));
+  ASSERT_EQ(::unsetenv("KVQ_FP8_FUSE"), 0);
+  Driver a(eager, 32), g(graphs, 32), r(exact, 32), u(unfused, 32);
   const int V = eager->vocab_size();
   const std::vector<SequenceId> ids{1, 2};
   std::vector<std::vector<int32_t>> p{random_tokens(37, V, rng), random_tokens(12, V, rng)};
   Diff d;
   const auto la = a.step(ids, p, true);
   ASSERT_EQ(la, g.step(ids, p, true));
+  ASSERT_EQ(la, u.step(ids, p, true)) << "fused FP8 producers / consumers, prefill";
   accumulate(d, r.step(ids, p, true), la, V);
   std::vector<std::vector<int32_t>> next;
   // Decode steps fed the exact model's greedy tokens.
@@ -625,6 +631,7 @@ TEST_P(CudaModelFp8Checkpoint, RunsInFp8NearTheDequantizedModel) {
             {static_cast<int32_t>(argmax(lr.data() + V, V))}};
     const auto xa = a.step(ids, next, false);
     ASSERT_EQ(xa, g.step(ids, next, false)) << "graph replay, step " << s;
+    ASSERT_EQ(xa, u.step(ids, next, false)) << "fused FP8 producers / consumers, step " << s;
     lr = r.step(ids, next, false);
     accumulate(d, lr, xa, V);
   }

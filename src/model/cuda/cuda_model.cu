@@ -183,8 +183,8 @@ struct DeviceWeights {
   // Allocates tensor t (a matrix: `cols` inputs, in `dtype`) and records where it is.
   void* place(const model::WeightTensor& t, int cols, Linear::Dtype dtype) {
     const bool matrix = is_matrix(t.kind);
-    const size_t elem = !matrix ? 4
-                        : dtype == Linear::Dtype::kFP8 ? 1
+    const size_t elem = !matrix                         ? 4
+                        : dtype == Linear::Dtype::kFP8  ? 1
                         : dtype == Linear::Dtype::kBF16 ? 2
                                                         : 4;
     void* p = arena.alloc(static_cast<size_t>(t.numel) * elem);
@@ -247,8 +247,12 @@ struct DeviceWeights {
       lm_head = target->lm_head;
     }
     if (lm_head.empty())  // tied: the embedding, in the activations' precision
-      lm_head = Linear{bf16 ? Linear::Dtype::kBF16 : Linear::Dtype::kF32, vocab, hidden, embed,
-                       nullptr, nullptr};
+      lm_head = Linear{bf16 ? Linear::Dtype::kBF16 : Linear::Dtype::kF32,
+                       vocab,
+                       hidden,
+                       embed,
+                       nullptr,
+                       nullptr};
   }
 };
 
@@ -540,8 +544,33 @@ class CudaDecoderModel final : public CudaModel {
   // out[m][L.n] (row stride ldc) = in[m][L.k] (row stride lda, the activations' precision)
   // times L's weight transposed (+ beta * out): the GEMM L's precision calls for
   // (cuda_model::Linear).
+  // FP8 projections take two options: `quantized` (the producer of the input already wrote its
+  // codes and scales to act8_ / act_scale_: rms_norm_rows_fp8 and kin) and `defer_scales`
+  // (beta 0: the consumer applies the row and column scales; the returned pointers say which,
+  // both null when linear() applied them).
+  struct LinearOpts {
+    bool quantized = false;
+    bool defer_scales = false;
+  };
+  struct Deferred {
+    const float* row_scale = nullptr;
+    const float* col_scale = nullptr;
+  };
+  Deferred linear(const cuda_model::Linear& L, int m, const void* in, int lda, float* out, int ldc,
+                  float beta, LinearOpts opts) const;
   void linear(const cuda_model::Linear& L, int m, const void* in, int lda, float* out, int ldc,
-              float beta) const;
+              float beta) const {
+    (void)linear(L, m, in, lda, out, ldc, beta, LinearOpts{});
+  }
+  // Whether the forward pass fuses an FP8 projection's input quantization into the kernel
+  // that produces the input (and its scales into the consumer): KVQ_FP8_FUSE=0 turns it off
+  // (A/B; the results are the same bits).
+  bool fuse_fp8(const cuda_model::Linear& L) const {
+    return fp8_fuse_ && L.dtype == cuda_model::Linear::Dtype::kFP8;
+  }
+  static cuda_model::Fp8Scale fp8_mode(const cuda_model::Linear& L) {
+    return L.in_scale ? cuda_model::Fp8Scale::kStatic : cuda_model::Fp8Scale::kDynamic;
+  }
   cuda::DecodePlan decode_plan(int group, int num_seqs, int context) const;
   // Times the GEMM algorithms of an m-row decode step once (bf16 weights, m <= kMaxTunedRows).
   void tune_gemms(int m) const;
@@ -588,6 +617,7 @@ class CudaDecoderModel final : public CudaModel {
   // first: T x H floats (gemm_tuner.h, Fp8Scaling).
   float* fp8_raw_ = nullptr;
   size_t fp8_raw_floats_ = 0;
+  bool fp8_fuse_ = true;
   double* inv_freq_ = nullptr;
   void* attn_ws_ = nullptr;
   void* sample_ws_ = nullptr;
@@ -788,6 +818,8 @@ void CudaDecoderModel::allocate_buffers() {
   void* gemm_ws = buf_.alloc(kCublasWorkspace);
   KVQ_CUBLAS_CHECK(cublasSetWorkspace(cublas_, gemm_ws, kCublasWorkspace));
   if (bf16_) tuner_ = std::make_unique<cuda_model::GemmTuner>(stream_, gemm_ws, kCublasWorkspace);
+  if (const char* e = std::getenv("KVQ_FP8_FUSE"); e != nullptr && std::string(e) == "0")
+    fp8_fuse_ = false;
 
   S_cap_ = options_.max_num_seqs;
   T_cap_ = std::max(options_.max_num_batched_tokens, options_.max_num_seqs);
@@ -994,35 +1026,38 @@ void CudaDecoderModel::copy_blocks(PagedKvCache& cache,
   KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void CudaDecoderModel::linear(const cuda_model::Linear& L, int m, const void* in, int lda,
-                              float* out, int ldc, float beta) const {
+CudaDecoderModel::Deferred CudaDecoderModel::linear(const cuda_model::Linear& L, int m,
+                                                    const void* in, int lda, float* out, int ldc,
+                                                    float beta, LinearOpts opts) const {
   using Dtype = cuda_model::Linear::Dtype;
-  if (m == 0 || L.n == 0) return;
+  if (m == 0 || L.n == 0) return {};
   if (L.dtype == Dtype::kFP8) {
     KVQ_CHECK(act8_ != nullptr && tuner_ != nullptr && bf16_,
               "an FP8 projection in a model without FP8 buffers");
-    cuda_model::quantize_rows_fp8(
-        in, true, m, L.k, lda,
-        L.in_scale ? cuda_model::Fp8Scale::kStatic : cuda_model::Fp8Scale::kDynamic, L.in_scale,
-        act8_, act_scale_, stream_);
+    if (!opts.quantized)
+      cuda_model::quantize_rows_fp8(in, true, m, L.k, lda, fp8_mode(L), L.in_scale, act8_,
+                                    act_scale_, stream_);
+    bool unscaled = false;
     if (!tuner_->run(cuda_model::GemmInput::kFP8, m, L.n, L.k, act8_, act_scale_, L.k,
                      cuda_model::GemmWeight{L.w, L.scale}, out, ldc, beta, fp8_raw_,
-                     fp8_raw_floats_))
+                     fp8_raw_floats_, opts.defer_scales && beta == 0.0f ? &unscaled : nullptr))
       throw InternalError("cuBLASLt offers no FP8 GEMM for m " + std::to_string(m) + ", n " +
                           std::to_string(L.n) + ", k " + std::to_string(L.k) +
                           " on this GPU (run with --dtype bfloat16)");
-    return;
+    return unscaled ? Deferred{act_scale_, L.scale} : Deferred{};
   }
+  KVQ_CHECK(!opts.quantized, "linear: a pre-quantized input for a projection that is not FP8");
   const bool bf16 = L.dtype == Dtype::kBF16;
-  if (bf16 && tuner_ && tuner_->run(m, L.n, L.k, in, lda, L.w, out, ldc, beta)) return;
+  if (bf16 && tuner_ && tuner_->run(m, L.n, L.k, in, lda, L.w, out, ldc, beta)) return {};
   const float alpha = 1.0f;
   const cudaDataType t = bf16 ? CUDA_R_16BF : CUDA_R_32F;
   // Row-major out[m][n] = in[m][k] * w[n][k]^T is column-major out^T = w^T-op * in^T.
   // fp32 weights: pedantic fp32 compute (no TF32), so the result matches the CPU path.
-  KVQ_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, L.n, m, L.k, &alpha, L.w, t,
-                                L.k, in, t, lda, &beta, out, CUDA_R_32F, ldc,
+  KVQ_CUBLAS_CHECK(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, L.n, m, L.k, &alpha, L.w, t, L.k,
+                                in, t, lda, &beta, out, CUDA_R_32F, ldc,
                                 bf16 ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_PEDANTIC,
                                 CUBLAS_GEMM_DEFAULT));
+  return {};
 }
 
 CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCache& cache,
@@ -1338,23 +1373,41 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
   for (int l = 0; l < num_layers_; ++l) {
     const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
     const LayerKvSpec& spec = plan_.layers[static_cast<size_t>(l)];
-    cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.input_norm, eps_, h_, bf16_, stream_);
-    linear(w.qkv, T, h_, H_, qkv_, qkv_dim_, 0.0f);
+    // An FP8 projection's input is quantized by the kernel that produces it and its product's
+    // scales applied by the kernel that consumes it, where fuse_fp8() (the same bits).
+    if (fuse_fp8(w.qkv))
+      cuda_model::rms_norm_rows_fp8(x_, T, H_, w.input_norm, eps_, fp8_mode(w.qkv), w.qkv.in_scale,
+                                    act8_, act_scale_, stream_);
+    else
+      cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.input_norm, eps_, h_, bf16_, stream_);
+    const Deferred dq =
+        linear(w.qkv, T, h_, H_, qkv_, qkv_dim_, 0.0f, {fuse_fp8(w.qkv), fuse_fp8(w.qkv)});
     cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, T, nq_, nkv_, d_, eps_, q_, k_,
-                         v_, stream_);
+                         v_, stream_, dq.row_scale, dq.col_scale);
     write_kv_cuda(spec, views[static_cast<size_t>(l)], d_at<int64_t>(off_.slots), T, k_, v_,
                   stream_);
     attention(st, l, views[static_cast<size_t>(l)]);
     const void* att_in = att_;
-    if (bf16_) {
+    if (fuse_fp8(w.o)) {
+      cuda_model::quantize_rows_fp8_rounded(att_, T, q_dim_, q_dim_, fp8_mode(w.o), w.o.in_scale,
+                                            act8_, act_scale_, stream_);
+    } else if (bf16_) {
       cuda_model::to_bf16(att_, static_cast<int64_t>(T) * q_dim_, h_, stream_);
       att_in = h_;
     }
-    linear(w.o, T, att_in, q_dim_, x_, H_, 1.0f);
+    linear(w.o, T, att_in, q_dim_, x_, H_, 1.0f, {fuse_fp8(w.o), false});
     if (w.o_bias) cuda_model::add_bias_rows(x_, w.o_bias, T, H_, stream_);
-    cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.post_norm, eps_, h_, bf16_, stream_);
-    linear(w.gate_up, T, h_, H_, mlp_, 2 * I_, 0.0f);
-    cuda_model::silu_mul(mlp_, w.gate_up_bias, T, I_, h_, bf16_, stream_);
+    if (fuse_fp8(w.gate_up))
+      cuda_model::rms_norm_rows_fp8(x_, T, H_, w.post_norm, eps_, fp8_mode(w.gate_up),
+                                    w.gate_up.in_scale, act8_, act_scale_, stream_);
+    else
+      cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.post_norm, eps_, h_, bf16_, stream_);
+    const Deferred dg = linear(w.gate_up, T, h_, H_, mlp_, 2 * I_, 0.0f,
+                               {fuse_fp8(w.gate_up), fuse_fp8(w.gate_up)});
+    // SiLU-mul stays a wide kernel (one block per row of 14336 would be latency-bound at a few
+    // rows); the down projection's input is quantized by linear() from its bf16 output.
+    cuda_model::silu_mul(mlp_, w.gate_up_bias, T, I_, h_, bf16_, stream_, dg.row_scale,
+                         dg.col_scale);
     linear(w.down, T, h_, I_, x_, H_, 1.0f);
     if (w.down_bias) cuda_model::add_bias_rows(x_, w.down_bias, T, H_, stream_);
     if (st.capture_set > 0) {
@@ -1545,8 +1598,8 @@ void CudaDecoderModel::tune_gemms(int m) const {
     // Nothing is live between steps: the scratch operands are the step's own buffers.
     if (!bf16.empty()) tuner_->tune(m, shape->n, shape->k, h_, shape->k, bf16, out, shape->n);
     if (!fp8.empty())
-      tuner_->tune(cuda_model::GemmInput::kFP8, m, shape->n, shape->k, act8_, act_scale_,
-                   shape->k, fp8, out, shape->n);
+      tuner_->tune(cuda_model::GemmInput::kFP8, m, shape->n, shape->k, act8_, act_scale_, shape->k,
+                   fp8, out, shape->n);
   };
   tune(&DeviceWeights::Layer::qkv, qkv_);
   tune(&DeviceWeights::Layer::o, x_);

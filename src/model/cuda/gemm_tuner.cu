@@ -159,14 +159,14 @@ cublasStatus_t GemmTuner::launch(const Plan& plan, const cublasLtMatmulAlgo_t& a
 
 cublasStatus_t GemmTuner::launch_epilogue(const Plan& plan, const cublasLtMatmulAlgo_t& algo,
                                           const void* in, const float* in_scale,
-                                          const GemmWeight& w, float* raw, float* out,
-                                          float beta) const {
+                                          const GemmWeight& w, float* raw, float* out, float beta,
+                                          bool scale) const {
   // The unit-scale product into `raw` (out itself when beta is 0), laid out like out.
   const float alpha = 1.0f, zero = 0.0f;
   const cublasStatus_t st =
       cublasLtMatmul(lt_, plan.desc, &alpha, w.w, plan.a, in, plan.b, &zero, raw, plan.c, raw,
                      plan.c, &algo, workspace_, workspace_bytes_, stream_);
-  if (st != CUBLAS_STATUS_SUCCESS) return st;
+  if (st != CUBLAS_STATUS_SUCCESS || !scale) return st;
   fp8_scale_product(raw, plan.m, plan.n, plan.ldc, in_scale, w.scale, beta, out, stream_);
   return CUBLAS_STATUS_SUCCESS;
 }
@@ -294,7 +294,8 @@ bool GemmTuner::run(int m, int n, int k, const void* in, int lda, const void* w,
 
 bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const float* in_scale,
                     int lda, const GemmWeight& w, float* out, int ldc, float beta, float* scratch,
-                    size_t scratch_floats) {
+                    size_t scratch_floats, bool* left_unscaled) {
+  if (left_unscaled) *left_unscaled = false;
   if (type == GemmInput::kBF16)
     return std::as_const(*this).run(m, n, k, in, lda, w.w, out, ldc, beta);
   KVQ_CHECK(in_scale != nullptr && w.scale != nullptr, "GemmTuner::run: FP8 without scales");
@@ -324,6 +325,11 @@ bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const f
     return false;
   if (!p->epilogue) {
     KVQ_CUBLAS_CHECK(launch(*p, p->algo, in, in_scale, w, out, beta));
+    return true;
+  }
+  if (left_unscaled != nullptr && beta == 0.0f) {
+    KVQ_CUBLAS_CHECK(launch_epilogue(*p, p->algo, in, in_scale, w, out, out, 0.0f, false));
+    *left_unscaled = true;
     return true;
   }
   float* raw = out;

@@ -76,9 +76,12 @@ class GemmTuner {
   // choice (false only when it has none for the shape, or a pointer is under-aligned). An FP8
   // GEMM scaled by kvq's kernel with beta != 0 writes the product to `scratch` first (at least
   // m * ldc floats; checked).
+  // `left_unscaled` (nullable): where the caller applies the scales itself (in the kernel that
+  // consumes the product), an FP8 call with beta 0 whose plan scales with kvq's kernel skips
+  // that kernel and sets *left_unscaled; out then holds the unit-scale product.
   bool run(GemmInput type, int m, int n, int k, const void* in, const float* in_scale, int lda,
            const GemmWeight& w, float* out, int ldc, float beta, float* scratch = nullptr,
-           size_t scratch_floats = 0);
+           size_t scratch_floats = 0, bool* left_unscaled = nullptr);
 
   // Restricts the FP8 scaling of later tune() / untuned run() calls (tests, A/B runs); kAuto
   // (the default) lets tune() time both. KVQ_FP8_SCALING=outer_vector|epilogue sets it at
@@ -100,7 +103,7 @@ class GemmTuner {
   // The GEMM with unit scales into `raw` (laid out like out), then kvq's scaling kernel.
   cublasStatus_t launch_epilogue(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const void* in,
                                  const float* in_scale, const GemmWeight& w, float* raw, float* out,
-                                 float beta) const;
+                                 float beta, bool scale = true) const;
 
   cudaStream_t stream_;
   void* workspace_;

@@ -83,9 +83,15 @@ __global__ void rope_table_kernel(const int32_t* positions, int T, const double*
 }
 
 // One warp per (token, head) of q, k or v.
-__global__ void qkv_post_kernel(const float* qkv, const float* bias, const float* q_norm,
-                                const float* k_norm, const float* cs, int T, int nq, int nkv, int d,
-                                float eps, float* q, float* k, float* v) {
+// An FP8 product's value with its row and column scales, as fp8_scale_product computes it.
+__device__ __forceinline__ float scaled(float raw, float row_scale, float col_scale) {
+  return __fmul_rn(__fmul_rn(raw, row_scale), col_scale);
+}
+
+__global__ void qkv_post_kernel(const float* qkv, const float* row_scale, const float* col_scale,
+                                const float* bias, const float* q_norm, const float* k_norm,
+                                const float* cs, int T, int nq, int nkv, int d, float eps, float* q,
+                                float* k, float* v) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int heads = nq + 2 * nkv;
   const int64_t item = blockIdx.x * int64_t{blockDim.x >> 5} + (threadIdx.x >> 5);
@@ -93,11 +99,15 @@ __global__ void qkv_post_kernel(const float* qkv, const float* bias, const float
   const int64_t t = item / heads;
   const int hh = static_cast<int>(item - t * heads);
   const int qkv_dim = heads * d;
-  const float* src = qkv + t * qkv_dim + static_cast<int64_t>(hh) * d;
+  const float* raw = qkv + t * qkv_dim + static_cast<int64_t>(hh) * d;
   const float* b = bias ? bias + static_cast<int64_t>(hh) * d : nullptr;
+  // Deferred FP8 scales (gemm_tuner.h): the product's values are raw x row x column scale.
+  const float rs = row_scale ? row_scale[t] : 1.0f;
+  const float* csc = col_scale ? col_scale + static_cast<int64_t>(hh) * d : nullptr;
+  auto src = [&](int i) { return csc ? scaled(raw[i], rs, csc[i]) : raw[i]; };
   if (hh >= nq + nkv) {  // v: bias only
     float* dst = v + (t * nkv + (hh - nq - nkv)) * d;
-    for (int i = lane; i < d; i += 32) dst[i] = b ? __fadd_rn(src[i], b[i]) : src[i];
+    for (int i = lane; i < d; i += 32) dst[i] = b ? __fadd_rn(src(i), b[i]) : src(i);
     return;
   }
   const bool is_q = hh < nq;
@@ -107,7 +117,7 @@ __global__ void qkv_post_kernel(const float* qkv, const float* bias, const float
   if (nw) {
     double ss = 0.0;
     for (int i = lane; i < d; i += 32) {
-      const float x = b ? __fadd_rn(src[i], b[i]) : src[i];
+      const float x = b ? __fadd_rn(src(i), b[i]) : src(i);
       ss += static_cast<double>(x) * x;
     }
 #pragma unroll
@@ -117,8 +127,8 @@ __global__ void qkv_post_kernel(const float* qkv, const float* bias, const float
   const int half = d / 2;
   const float* c = cs + t * d;
   for (int i = lane; i < half; i += 32) {
-    float a = b ? __fadd_rn(src[i], b[i]) : src[i];
-    float bb = b ? __fadd_rn(src[i + half], b[i + half]) : src[i + half];
+    float a = b ? __fadd_rn(src(i), b[i]) : src(i);
+    float bb = b ? __fadd_rn(src(i + half), b[i + half]) : src(i + half);
     if (nw) {
       a = __fmul_rn(__fmul_rn(a, inv), nw[i]);
       bb = __fmul_rn(__fmul_rn(bb, inv), nw[i + half]);
@@ -135,15 +145,26 @@ __global__ void add_bias_kernel(float* x, const float* bias, int64_t total, int 
     x[i] += bias[i % n];
 }
 
-__global__ void silu_mul_kernel(const float* gu, const float* bias, int64_t total, int I, void* out,
-                                bool bf16) {
+// silu(gate + bg) * (up + bu) of row t, column j of gu [T][2I] (deferred FP8 scales applied
+// first when row_scale is set).
+__device__ __forceinline__ float silu_mul_at(const float* gu, float rs, const float* col_scale,
+                                             const float* bias, int64_t t, int j, int I) {
+  float g = gu[t * 2 * I + j], u = gu[t * 2 * I + I + j];
+  if (col_scale) g = scaled(g, rs, col_scale[j]), u = scaled(u, rs, col_scale[I + j]);
+  if (bias) g += bias[j], u += bias[I + j];
+  return g / (1.0f + expf(-g)) * u;
+}
+
+__global__ void silu_mul_kernel(const float* gu, const float* row_scale, const float* col_scale,
+                                const float* bias, int64_t total, int I, void* out, bool bf16) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / I;
     const int j = static_cast<int>(i - t * I);
-    float g = gu[t * 2 * I + j], u = gu[t * 2 * I + I + j];
-    if (bias) g += bias[j], u += bias[I + j];
-    store(out, i, g / (1.0f + expf(-g)) * u, bf16);
+    store(out, i,
+          silu_mul_at(gu, row_scale ? row_scale[t] : 1.0f, row_scale ? col_scale : nullptr, bias, t,
+                      j, I),
+          bf16);
   }
 }
 
@@ -249,6 +270,62 @@ __global__ void quantize_fp8_bf16x8_kernel(const __nv_bfloat16* x, int cols, int
   }
 }
 
+// One block quantizes row r of values val(c) (already rounded to bf16, as the unfused path
+// stores them before quantize_rows_fp8 reads them): the same max, division and encoder as
+// quantize_fp8_kernel, so the codes and scales are bit-equal to the two-kernel path.
+template <class Val>
+__device__ void quantize_row_fp8(const Val& val, int r, int cols, Fp8Scale mode,
+                                 const float* scale_in, uint8_t* codes, float* scale) {
+  __shared__ float mx[32];
+  float s = 1.0f;
+  if (mode == Fp8Scale::kDynamic) {
+    float amax = 0.0f;
+    for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
+      amax = fmaxf(amax, fabsf(val(c)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+    if (lane == 0) mx[warp] = amax;
+    __syncthreads();
+    amax = 0.0f;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) amax = fmaxf(amax, mx[w]);
+    s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+  } else {
+    s = mode == Fp8Scale::kStatic ? scale_in[0] : scale[r];
+  }
+  if (mode != Fp8Scale::kGiven && threadIdx.x == 0) scale[r] = s;
+  const bool dead = !(s > 0.0f);
+  uint8_t* out = codes + static_cast<int64_t>(r) * cols;
+  for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
+    out[c] = dead ? uint8_t{0} : static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(val(c), s)));
+}
+
+__device__ __forceinline__ float round_bf16(float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+__global__ void rms_norm_fp8_kernel(const float* x, int H, const float* w, float eps, Fp8Scale mode,
+                                    const float* scale_in, uint8_t* codes, float* scale) {
+  __shared__ double scratch[32];
+  const int r = static_cast<int>(blockIdx.x);
+  const float* row = x + static_cast<int64_t>(r) * H;
+  double ss = 0.0;
+  for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
+    ss += static_cast<double>(row[i]) * row[i];
+  ss = block_sum(ss, scratch);
+  const float inv = static_cast<float>(1.0 / sqrt(ss / H + static_cast<double>(eps)));
+  quantize_row_fp8([&](int i) { return round_bf16(__fmul_rn(__fmul_rn(row[i], inv), w[i])); }, r, H,
+                   mode, scale_in, codes, scale);
+}
+
+__global__ void quantize_fp8_rounded_kernel(const float* x, int cols, int64_t ldx, Fp8Scale mode,
+                                            const float* scale_in, uint8_t* codes, float* scale) {
+  const int r = static_cast<int>(blockIdx.x);
+  const float* row = x + static_cast<int64_t>(r) * ldx;
+  quantize_row_fp8([&](int c) { return round_bf16(row[c]); }, r, cols, mode, scale_in, codes,
+                   scale);
+}
+
 __global__ void fp8_scale_product_kernel(const float* raw, int m, int n, int ld,
                                          const float* row_scale, const float* col_scale, float beta,
                                          float* out) {
@@ -258,7 +335,7 @@ __global__ void fp8_scale_product_kernel(const float* raw, int m, int n, int ld,
     const int64_t r = i / n;
     const int c = static_cast<int>(i - r * n);
     const int64_t o = r * ld + c;
-    const float v = raw[o] * row_scale[r] * col_scale[c];
+    const float v = scaled(raw[o], row_scale[r], col_scale[c]);
     out[o] = beta == 0.0f ? v : v + beta * out[o];
   }
 }
@@ -341,11 +418,11 @@ void rope_table(const int32_t* positions, int T, const double* inv_freq, int hal
 
 void qkv_post(const float* qkv, const float* bias, const float* q_norm, const float* k_norm,
               const float* cs, int T, int nq, int nkv, int d, float eps, float* q, float* k,
-              float* v, cudaStream_t stream) {
+              float* v, cudaStream_t stream, const float* row_scale, const float* col_scale) {
   if (T == 0) return;
   const int64_t warps = int64_t{T} * (nq + 2 * nkv);
   qkv_post_kernel<<<static_cast<unsigned>((warps + 3) / 4), 128, 0, stream>>>(
-      qkv, bias, q_norm, k_norm, cs, T, nq, nkv, d, eps, q, k, v);
+      qkv, row_scale, col_scale, bias, q_norm, k_norm, cs, T, nq, nkv, d, eps, q, k, v);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -357,10 +434,28 @@ void add_bias_rows(float* x, const float* bias, int T, int n, cudaStream_t strea
 }
 
 void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool bf16,
-              cudaStream_t stream) {
+              cudaStream_t stream, const float* row_scale, const float* col_scale) {
   const int64_t total = int64_t{T} * I;
   if (total == 0) return;
-  silu_mul_kernel<<<grid_for(total), kThreads, 0, stream>>>(gu, bias, total, I, out, bf16);
+  silu_mul_kernel<<<grid_for(total), kThreads, 0, stream>>>(gu, row_scale, col_scale, bias, total,
+                                                            I, out, bf16);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void rms_norm_rows_fp8(const float* x, int n, int H, const float* w, float eps, Fp8Scale mode,
+                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream) {
+  if (n == 0) return;
+  rms_norm_fp8_kernel<<<n, H >= 2048 ? 1024 : kThreads, 0, stream>>>(x, H, w, eps, mode, scale_in,
+                                                                     codes, scale);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_rows_fp8_rounded(const float* x, int rows, int cols, int64_t ldx, Fp8Scale mode,
+                               const float* scale_in, uint8_t* codes, float* scale,
+                               cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  quantize_fp8_rounded_kernel<<<rows, cols >= 2048 ? 1024 : kThreads, 0, stream>>>(
+      x, cols, ldx, mode, scale_in, codes, scale);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

@@ -25,17 +25,21 @@ void rope_table(const int32_t* positions, int T, const double* inv_freq, int hal
 
 // From the fused projections qkv [T][(nq + 2 nkv) d]: adds `bias` (nullable), RMSNorms each
 // q / k head (q_norm / k_norm nullable), applies RoPE from `cs`, and writes q [T][nq][d],
-// k [T][nkv][d], v [T][nkv][d].
+// k [T][nkv][d], v [T][nkv][d]. With row_scale (T) and col_scale ((nq + 2 nkv) d) set, qkv is
+// an FP8 product whose scales were deferred to here (fp8_scale_product's arithmetic).
 void qkv_post(const float* qkv, const float* bias, const float* q_norm, const float* k_norm,
               const float* cs, int T, int nq, int nkv, int d, float eps, float* q, float* k,
-              float* v, cudaStream_t stream);
+              float* v, cudaStream_t stream, const float* row_scale = nullptr,
+              const float* col_scale = nullptr);
 
 // x[t][:] += bias, T rows of n.
 void add_bias_rows(float* x, const float* bias, int T, int n, cudaStream_t stream);
 
-// out[t][i] = silu(gate + bg) * (up + bu) from gu [T][2I] (gate columns first); bias nullable.
+// out[t][i] = silu(gate + bg) * (up + bu) from gu [T][2I] (gate columns first); bias nullable;
+// row_scale (T) / col_scale (2I): deferred FP8 scales of gu, as in qkv_post.
 void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool bf16,
-              cudaStream_t stream);
+              cudaStream_t stream, const float* row_scale = nullptr,
+              const float* col_scale = nullptr);
 
 // out[i][:] = src[rows[i]][:] for i < n, rows of F floats.
 void gather_rows(const float* src, const int32_t* rows, int n, int F, float* out,
@@ -58,6 +62,17 @@ void fill_f32(float* w, int64_t n, float value, cudaStream_t stream);
 enum class Fp8Scale : uint8_t { kDynamic, kStatic, kGiven };
 void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx, Fp8Scale mode,
                        const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream);
+
+// The producers of an FP8 projection's input with the quantization fused in: each is the same
+// codes and scales, bit for bit, as its bf16-output kernel followed by quantize_rows_fp8 (one
+// block per row; docs/notes/fp8-gemm.md).
+//   rms_norm_rows_fp8:        rms_norm_rows (n rows of H, contiguous)
+//   quantize_rows_fp8_rounded: to_bf16 of fp32 rows (ldx apart)
+void rms_norm_rows_fp8(const float* x, int n, int H, const float* w, float eps, Fp8Scale mode,
+                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream);
+void quantize_rows_fp8_rounded(const float* x, int rows, int cols, int64_t ldx, Fp8Scale mode,
+                               const float* scale_in, uint8_t* codes, float* scale,
+                               cudaStream_t stream);
 
 // The scales of an FP8 GEMM run with unit scales (gemm_tuner.h, Fp8Scaling::kEpilogue):
 // out[i][j] = raw[i][j] * row_scale[i] * col_scale[j] (+ beta * out[i][j]), row stride ld for
