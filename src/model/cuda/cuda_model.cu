@@ -546,8 +546,9 @@ class CudaDecoderModel final : public CudaModel {
   // (cuda_model::Linear).
   // FP8 projections take two options: `quantized` (the producer of the input already wrote its
   // codes and scales to act8_ / act_scale_: rms_norm_rows_fp8 and kin) and `defer_scales`
-  // (beta 0: the consumer applies the row and column scales; the returned pointers say which,
-  // both null when linear() applied them).
+  // (the consumer applies the row and column scales; the returned pointers say which, both null
+  // when linear() applied them). With beta 1 (a residual add) a deferred product is left in
+  // `add` (fp8_raw_) and out untouched: the next add_rms_norm_rows / rms_norm_rows_fp8 adds it.
   struct LinearOpts {
     bool quantized = false;
     bool defer_scales = false;
@@ -555,6 +556,8 @@ class CudaDecoderModel final : public CudaModel {
   struct Deferred {
     const float* row_scale = nullptr;
     const float* col_scale = nullptr;
+    const float* add = nullptr;
+    cuda_model::ResidualAdd residual() const { return {add, row_scale, col_scale}; }
   };
   Deferred linear(const cuda_model::Linear& L, int m, const void* in, int lda, float* out, int ldc,
                   float beta, LinearOpts opts) const;
@@ -1040,11 +1043,13 @@ CudaDecoderModel::Deferred CudaDecoderModel::linear(const cuda_model::Linear& L,
     bool unscaled = false;
     if (!tuner_->run(cuda_model::GemmInput::kFP8, m, L.n, L.k, act8_, act_scale_, L.k,
                      cuda_model::GemmWeight{L.w, L.scale}, out, ldc, beta, fp8_raw_,
-                     fp8_raw_floats_, opts.defer_scales && beta == 0.0f ? &unscaled : nullptr))
+                     fp8_raw_floats_,
+                     opts.defer_scales && (beta == 0.0f || beta == 1.0f) ? &unscaled : nullptr))
       throw InternalError("cuBLASLt offers no FP8 GEMM for m " + std::to_string(m) + ", n " +
                           std::to_string(L.n) + ", k " + std::to_string(L.k) +
                           " on this GPU (run with --dtype bfloat16)");
-    return unscaled ? Deferred{act_scale_, L.scale} : Deferred{};
+    if (!unscaled) return {};
+    return Deferred{act_scale_, L.scale, beta != 0.0f ? fp8_raw_ : nullptr};
   }
   KVQ_CHECK(!opts.quantized, "linear: a pre-quantized input for a projection that is not FP8");
   const bool bf16 = L.dtype == Dtype::kBF16;
@@ -1370,16 +1375,23 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
   const int32_t* tokens = d_at<int32_t>(off_.tokens);
   cuda_model::embed_gather(w_->embed, bf16_, w_->mask, tokens, T, H_, x_, stream_);
   cuda_model::rope_table(d_at<int32_t>(off_.positions), T, inv_freq_, d_ / 2, cs_, stream_);
+  Deferred pending;  // the previous layer's down product, when its residual add was deferred
   for (int l = 0; l < num_layers_; ++l) {
     const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
     const LayerKvSpec& spec = plan_.layers[static_cast<size_t>(l)];
     // An FP8 projection's input is quantized by the kernel that produces it and its product's
     // scales applied by the kernel that consumes it, where fuse_fp8() (the same bits).
+    // The previous layer's down product joins the residual stream here when its add was
+    // deferred (pending.add).
     if (fuse_fp8(w.qkv))
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.input_norm, eps_, fp8_mode(w.qkv), w.qkv.in_scale,
-                                    act8_, act_scale_, stream_);
+                                    act8_, act_scale_, stream_, pending.residual());
+    else if (pending.add)
+      cuda_model::add_rms_norm_rows(x_, pending.residual(), T, H_, w.input_norm, eps_, h_, bf16_,
+                                    stream_);
     else
       cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.input_norm, eps_, h_, bf16_, stream_);
+    pending = {};
     const Deferred dq =
         linear(w.qkv, T, h_, H_, qkv_, qkv_dim_, 0.0f, {fuse_fp8(w.qkv), fuse_fp8(w.qkv)});
     cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, T, nq_, nkv_, d_, eps_, q_, k_,
@@ -1395,11 +1407,16 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
       cuda_model::to_bf16(att_, static_cast<int64_t>(T) * q_dim_, h_, stream_);
       att_in = h_;
     }
-    linear(w.o, T, att_in, q_dim_, x_, H_, 1.0f, {fuse_fp8(w.o), false});
+    // o's scaled product is added to the residual by the post-attention RMSNorm (no bias).
+    const Deferred dox =
+        linear(w.o, T, att_in, q_dim_, x_, H_, 1.0f, {fuse_fp8(w.o), fuse_fp8(w.o) && !w.o_bias});
     if (w.o_bias) cuda_model::add_bias_rows(x_, w.o_bias, T, H_, stream_);
     if (fuse_fp8(w.gate_up))
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.post_norm, eps_, fp8_mode(w.gate_up),
-                                    w.gate_up.in_scale, act8_, act_scale_, stream_);
+                                    w.gate_up.in_scale, act8_, act_scale_, stream_, dox.residual());
+    else if (dox.add)
+      cuda_model::add_rms_norm_rows(x_, dox.residual(), T, H_, w.post_norm, eps_, h_, bf16_,
+                                    stream_);
     else
       cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.post_norm, eps_, h_, bf16_, stream_);
     const Deferred dg = linear(w.gate_up, T, h_, H_, mlp_, 2 * I_, 0.0f,
@@ -1408,7 +1425,14 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     // rows); the down projection's input is quantized by linear() from its bf16 output.
     cuda_model::silu_mul(mlp_, w.gate_up_bias, T, I_, h_, bf16_, stream_, dg.row_scale,
                          dg.col_scale);
-    linear(w.down, T, h_, I_, x_, H_, 1.0f);
+    // down's scaled product is added by the next layer's input RMSNorm, unless this layer's
+    // output is read here (the last layer: the final norm; a captured layer) or has a bias.
+    bool captured = false;
+    if (st.capture_set > 0)
+      for (int32_t c : capture_sets_[static_cast<size_t>(st.capture_set) - 1])
+        captured = captured || c == l;
+    const bool fold_down = fuse_fp8(w.down) && !w.down_bias && l + 1 < num_layers_ && !captured;
+    pending = linear(w.down, T, h_, I_, x_, H_, 1.0f, {false, fold_down});
     if (w.down_bias) cuda_model::add_bias_rows(x_, w.down_bias, T, H_, stream_);
     if (st.capture_set > 0) {
       // This layer's output rows into their column of the [T][layers][H] capture buffer.

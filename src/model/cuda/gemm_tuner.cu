@@ -327,11 +327,6 @@ bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const f
     KVQ_CUBLAS_CHECK(launch(*p, p->algo, in, in_scale, w, out, beta));
     return true;
   }
-  if (left_unscaled != nullptr && beta == 0.0f) {
-    KVQ_CUBLAS_CHECK(launch_epilogue(*p, p->algo, in, in_scale, w, out, out, 0.0f, false));
-    *left_unscaled = true;
-    return true;
-  }
   float* raw = out;
   if (beta != 0.0f) {
     KVQ_CHECK(
@@ -339,6 +334,11 @@ bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const f
         "GemmTuner::run: an FP8 GEMM with beta != 0 needs m * ldc floats of scratch");
     if (alignment_of(scratch) < p->alignment) return false;
     raw = scratch;
+  }
+  if (left_unscaled != nullptr) {
+    KVQ_CUBLAS_CHECK(launch_epilogue(*p, p->algo, in, in_scale, w, raw, out, beta, false));
+    *left_unscaled = true;
+    return true;
   }
   KVQ_CUBLAS_CHECK(launch_epilogue(*p, p->algo, in, in_scale, w, raw, out, beta));
   return true;

@@ -77,8 +77,9 @@ class GemmTuner {
   // GEMM scaled by kvq's kernel with beta != 0 writes the product to `scratch` first (at least
   // m * ldc floats; checked).
   // `left_unscaled` (nullable): where the caller applies the scales itself (in the kernel that
-  // consumes the product), an FP8 call with beta 0 whose plan scales with kvq's kernel skips
-  // that kernel and sets *left_unscaled; out then holds the unit-scale product.
+  // consumes the product), an FP8 call whose plan scales with kvq's kernel skips that kernel
+  // and sets *left_unscaled; the unit-scale product is then in out (beta 0) or in scratch (beta
+  // != 0: out is left as it was, for the caller to add beta x the scaled product to).
   bool run(GemmInput type, int m, int n, int k, const void* in, const float* in_scale, int lda,
            const GemmWeight& w, float* out, int ldc, float beta, float* scratch = nullptr,
            size_t scratch_floats = 0, bool* left_unscaled = nullptr);

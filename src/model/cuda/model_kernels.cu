@@ -55,14 +55,35 @@ __device__ T block_sum(T v, T* scratch) {
   return s;
 }
 
+// x[r][i] += add[r][i] (x row_scale[r] x col_scale[i] when col_scale is set: fp8_scale_product's
+// arithmetic with beta 1) over the row's columns this thread owns, then the sum of their squares.
+// Every later read of the row by this thread sees its own writes.
+__device__ __forceinline__ double add_residual_and_square(float* row, const ResidualAdd& ra, int r,
+                                                          int H) {
+  const float rs = ra.row_scale ? ra.row_scale[r] : 1.0f;
+  const float* a = ra.add + static_cast<int64_t>(r) * H;
+  double ss = 0.0;
+  for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x) {
+    const float p = ra.col_scale ? __fmul_rn(__fmul_rn(a[i], rs), ra.col_scale[i]) : a[i];
+    const float v = __fadd_rn(p, row[i]);
+    row[i] = v;
+    ss += static_cast<double>(v) * v;
+  }
+  return ss;
+}
+
 __global__ void rms_norm_kernel(const float* x, const int32_t* rows, int H, const float* w,
-                                float eps, void* out, bool bf16) {
+                                float eps, void* out, bool bf16, ResidualAdd ra) {
   __shared__ double scratch[32];
   const int r = static_cast<int>(blockIdx.x);
   const float* row = x + static_cast<int64_t>(rows ? rows[r] : r) * H;
   double ss = 0.0;
-  for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
-    ss += static_cast<double>(row[i]) * row[i];
+  if (ra.add != nullptr) {
+    ss = add_residual_and_square(const_cast<float*>(row), ra, r, H);
+  } else {
+    for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
+      ss += static_cast<double>(row[i]) * row[i];
+  }
   ss = block_sum(ss, scratch);
   const float inv = static_cast<float>(1.0 / sqrt(ss / H + static_cast<double>(eps)));
   for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
@@ -304,14 +325,21 @@ __device__ __forceinline__ float round_bf16(float v) {
   return __bfloat162float(__float2bfloat16_rn(v));
 }
 
-__global__ void rms_norm_fp8_kernel(const float* x, int H, const float* w, float eps, Fp8Scale mode,
-                                    const float* scale_in, uint8_t* codes, float* scale) {
+__global__ void rms_norm_fp8_kernel(float* x, int H, const float* w, float eps, Fp8Scale mode,
+                                    const float* scale_in, uint8_t* codes, float* scale,
+                                    ResidualAdd ra) {
   __shared__ double scratch[32];
   const int r = static_cast<int>(blockIdx.x);
-  const float* row = x + static_cast<int64_t>(r) * H;
+  float* row = x + static_cast<int64_t>(r) * H;
   double ss = 0.0;
-  for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
-    ss += static_cast<double>(row[i]) * row[i];
+  // The residual's row scale is read here, before quantize_row_fp8 writes this row's new scale
+  // (the same buffer: act_scale_); block_sum's barrier orders the two.
+  if (ra.add != nullptr) {
+    ss = add_residual_and_square(row, ra, r, H);
+  } else {
+    for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
+      ss += static_cast<double>(row[i]) * row[i];
+  }
   ss = block_sum(ss, scratch);
   const float inv = static_cast<float>(1.0 / sqrt(ss / H + static_cast<double>(eps)));
   quantize_row_fp8([&](int i) { return round_bf16(__fmul_rn(__fmul_rn(row[i], inv), w[i])); }, r, H,
@@ -404,7 +432,7 @@ void rms_norm_rows(const float* x, const int32_t* rows, int n, int H, const floa
   // One block per row: wide rows get 1024 threads so each thread has few loads in flight
   // (256 threads left a 64-row decode batch latency-bound, 11.5 us per call at H = 4096).
   const int threads = H >= 2048 ? 1024 : kThreads;
-  rms_norm_kernel<<<n, threads, 0, stream>>>(x, rows, H, w, eps, out, bf16);
+  rms_norm_kernel<<<n, threads, 0, stream>>>(x, rows, H, w, eps, out, bf16, ResidualAdd{});
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -442,11 +470,20 @@ void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool 
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
-void rms_norm_rows_fp8(const float* x, int n, int H, const float* w, float eps, Fp8Scale mode,
-                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream) {
+void add_rms_norm_rows(float* x, const ResidualAdd& ra, int n, int H, const float* w, float eps,
+                       void* out, bool bf16, cudaStream_t stream) {
+  if (n == 0) return;
+  rms_norm_kernel<<<n, H >= 2048 ? 1024 : kThreads, 0, stream>>>(x, nullptr, H, w, eps, out, bf16,
+                                                                 ra);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void rms_norm_rows_fp8(float* x, int n, int H, const float* w, float eps, Fp8Scale mode,
+                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream,
+                       const ResidualAdd& ra) {
   if (n == 0) return;
   rms_norm_fp8_kernel<<<n, H >= 2048 ? 1024 : kThreads, 0, stream>>>(x, H, w, eps, mode, scale_in,
-                                                                     codes, scale);
+                                                                     codes, scale, ra);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

@@ -19,6 +19,18 @@ void embed_gather(const void* embed, bool bf16, const float* mask, const int32_t
 void rms_norm_rows(const float* x, const int32_t* rows, int n, int H, const float* w, float eps,
                    void* out, bool bf16, cudaStream_t stream);
 
+// A product still to be added to the residual stream: add[r][:] (row stride H), times
+// row_scale[r] x col_scale[:] when col_scale is set (an FP8 product whose scales were deferred).
+struct ResidualAdd {
+  const float* add = nullptr;
+  const float* row_scale = nullptr;
+  const float* col_scale = nullptr;
+};
+// x[i][:] += the residual add (in place), then rms_norm_rows of the new rows: the bits of
+// fp8_scale_product (beta 1) followed by rms_norm_rows, in one kernel.
+void add_rms_norm_rows(float* x, const ResidualAdd& ra, int n, int H, const float* w, float eps,
+                       void* out, bool bf16, cudaStream_t stream);
+
 // cs[t][f] = (cos, sin)(positions[t] * inv_freq[f]) in fp64, stored fp32 (the CPU's table).
 void rope_table(const int32_t* positions, int T, const double* inv_freq, int half, float* cs,
                 cudaStream_t stream);
@@ -66,10 +78,12 @@ void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx
 // The producers of an FP8 projection's input with the quantization fused in: each is the same
 // codes and scales, bit for bit, as its bf16-output kernel followed by quantize_rows_fp8 (one
 // block per row; docs/notes/fp8-gemm.md).
-//   rms_norm_rows_fp8:        rms_norm_rows (n rows of H, contiguous)
+//   rms_norm_rows_fp8:        rms_norm_rows (n rows of H, contiguous), or add_rms_norm_rows
+//                             when `ra` holds a residual add (x updated in place)
 //   quantize_rows_fp8_rounded: to_bf16 of fp32 rows (ldx apart)
-void rms_norm_rows_fp8(const float* x, int n, int H, const float* w, float eps, Fp8Scale mode,
-                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream);
+void rms_norm_rows_fp8(float* x, int n, int H, const float* w, float eps, Fp8Scale mode,
+                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream,
+                       const ResidualAdd& ra = {});
 void quantize_rows_fp8_rounded(const float* x, int rows, int cols, int64_t ldx, Fp8Scale mode,
                                const float* scale_in, uint8_t* codes, float* scale,
                                cudaStream_t stream);
