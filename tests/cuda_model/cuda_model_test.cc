@@ -547,8 +547,8 @@ TEST(CudaModel, SyntheticLlama3WidthModelGivesFiniteLogits) {
   EXPECT_GT(gpu->memory().weights, size_t{2} << 30);
 }
 
-#define SKIP_WITHOUT_FP8()                                     \
-  SKIP_WITHOUT_GPU();                                          \
+#define SKIP_WITHOUT_FP8() \
+  SKIP_WITHOUT_GPU();      \
   if (!cuda_fp8_gemm_available()) GTEST_SKIP() << "no FP8 GEMMs on this GPU"
 
 // --dtype fp8 on the default (bf16) model: its projections quantized per output row at load,
@@ -612,7 +612,18 @@ TEST_P(CudaModelFp8Checkpoint, RunsInFp8NearTheDequantizedModel) {
   ASSERT_EQ(::setenv("KVQ_FP8_FUSE", "0", 1), 0);
   std::shared_ptr<const CudaModel> unfused = CudaModel::load(plan, small_options(false));
   ASSERT_EQ(::unsetenv("KVQ_FP8_FUSE"), 0);
-  Driver a(eager, 32), g(graphs, 32), r(exact, 32), u(unfused, 32);
+  // The same pair with every FP8 GEMM scaled by kvq (KVQ_FP8_SCALING=epilogue; the tuner may
+  // keep cuBLASLt's scaling for such small shapes otherwise, and untuned prefill shapes always
+  // do), so the deferred scales (qkv_post, SiLU-mul) and the residual adds folded into RMSNorm
+  // run, in prefill and decode steps.
+  ASSERT_EQ(::setenv("KVQ_FP8_SCALING", "epilogue", 1), 0);
+  std::shared_ptr<const CudaModel> ep_fused = CudaModel::load(plan, small_options(false));
+  ASSERT_EQ(::setenv("KVQ_FP8_FUSE", "0", 1), 0);
+  std::shared_ptr<const CudaModel> ep_unfused = CudaModel::load(plan, small_options(false));
+  ASSERT_EQ(::unsetenv("KVQ_FP8_FUSE"), 0);
+  ASSERT_EQ(::unsetenv("KVQ_FP8_SCALING"), 0);
+  Driver a(eager, 32), g(graphs, 32), r(exact, 32), u(unfused, 32), ef(ep_fused, 32),
+      eu(ep_unfused, 32);
   const int V = eager->vocab_size();
   const std::vector<SequenceId> ids{1, 2};
   std::vector<std::vector<int32_t>> p{random_tokens(37, V, rng), random_tokens(12, V, rng)};
@@ -620,11 +631,17 @@ TEST_P(CudaModelFp8Checkpoint, RunsInFp8NearTheDequantizedModel) {
   const auto la = a.step(ids, p, true);
   ASSERT_EQ(la, g.step(ids, p, true));
   ASSERT_EQ(la, u.step(ids, p, true)) << "fused FP8 producers / consumers, prefill";
-  accumulate(d, r.step(ids, p, true), la, V);
+  const auto le = ef.step(ids, p, true);
+  ASSERT_EQ(le, eu.step(ids, p, true)) << "kvq-scaled FP8 GEMMs, fused vs unfused, prefill";
+  Diff de;
+  const auto lr0 = r.step(ids, p, true);
+  accumulate(d, lr0, la, V);
+  accumulate(de, lr0, le, V);
   std::vector<std::vector<int32_t>> next;
   // Decode steps fed the exact model's greedy tokens.
-  auto lr = r.step(ids, {{static_cast<int32_t>(argmax(la.data() + 36 * V, V))},
-                         {static_cast<int32_t>(argmax(la.data() + 48 * V, V))}},
+  auto lr = r.step(ids,
+                   {{static_cast<int32_t>(argmax(la.data() + 36 * V, V))},
+                    {static_cast<int32_t>(argmax(la.data() + 48 * V, V))}},
                    false);
   for (int s = 0; s < 6; ++s) {
     next = {{static_cast<int32_t>(argmax(lr.data(), V))},
@@ -632,8 +649,12 @@ TEST_P(CudaModelFp8Checkpoint, RunsInFp8NearTheDequantizedModel) {
     const auto xa = a.step(ids, next, false);
     ASSERT_EQ(xa, g.step(ids, next, false)) << "graph replay, step " << s;
     ASSERT_EQ(xa, u.step(ids, next, false)) << "fused FP8 producers / consumers, step " << s;
+    const auto xe = ef.step(ids, next, false);
+    ASSERT_EQ(xe, eu.step(ids, next, false))
+        << "kvq-scaled FP8 GEMMs, fused vs unfused, step " << s;
     lr = r.step(ids, next, false);
     accumulate(d, lr, xa, V);
+    accumulate(de, lr, xe, V);
   }
   std::printf("[ FP8 checkpoint %s %s %s%s ] seed %u: top-1 %d/%d, rel %.3g\n",
               c.layout == Layout::kModelOpt ? "modelopt" : "compressed-tensors",
@@ -641,20 +662,23 @@ TEST_P(CudaModelFp8Checkpoint, RunsInFp8NearTheDequantizedModel) {
               c.ignore_lm_head ? " lm_head ignored" : "", seed, d.same_top1, d.rows, d.rel());
   EXPECT_GE(d.same_top1, 0.75 * d.rows);
   EXPECT_LE(d.rel(), 0.3);
+  EXPECT_GE(de.same_top1, 0.75 * de.rows) << "kvq-scaled FP8 GEMMs";
+  EXPECT_LE(de.rel(), 0.3) << "kvq-scaled FP8 GEMMs";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, CudaModelFp8Checkpoint,
-    ::testing::Values(Fp8Case{Layout::kCompressedTensors, false, false, false},
-                      Fp8Case{Layout::kCompressedTensors, true, false, true},
-                      Fp8Case{Layout::kCompressedTensors, true, true, false},
-                      Fp8Case{Layout::kModelOpt, false, true, true}),
-    [](const auto& p) {
-      return std::string(p.param.layout == Layout::kModelOpt ? "ModelOpt" : "CompressedTensors") +
-             (p.param.per_channel ? "Channel" : "Tensor") +
-             (p.param.static_activations ? "Static" : "Dynamic") +
-             (p.param.ignore_lm_head ? "IgnoreLmHead" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(Layouts, CudaModelFp8Checkpoint,
+                         ::testing::Values(Fp8Case{Layout::kCompressedTensors, false, false, false},
+                                           Fp8Case{Layout::kCompressedTensors, true, false, true},
+                                           Fp8Case{Layout::kCompressedTensors, true, true, false},
+                                           Fp8Case{Layout::kModelOpt, false, true, true}),
+                         [](const auto& p) {
+                           return std::string(p.param.layout == Layout::kModelOpt
+                                                  ? "ModelOpt"
+                                                  : "CompressedTensors") +
+                                  (p.param.per_channel ? "Channel" : "Tensor") +
+                                  (p.param.static_activations ? "Static" : "Dynamic") +
+                                  (p.param.ignore_lm_head ? "IgnoreLmHead" : "");
+                         });
 
 // A synthetic 8B-wide model with --dtype fp8: finite logits, half the projection bytes.
 TEST(CudaModelFp8, SyntheticLlama3WidthModel) {

@@ -613,7 +613,7 @@ class CudaDecoderModel final : public CudaModel {
         *att_ = nullptr, *mlp_ = nullptr, *cs_ = nullptr, *logits_ = nullptr;
   void* h_ = nullptr;  // GEMM inputs (bf16 or fp32)
   // FP8 projections: their quantized input rows and one scale per row (rows of up to
-  // max(H, I, q_dim, drafter features) values).
+  // max(H, I, q_dim) values: the decoder projections; a DFlash drafter's fc is never FP8).
   uint8_t* act8_ = nullptr;
   float* act_scale_ = nullptr;
   // FP8 products scaled by kvq's kernel that accumulate into the residual (beta 1) land here
@@ -1444,6 +1444,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
               H_ * sizeof(float), static_cast<size_t>(T), cudaMemcpyDeviceToDevice, stream_));
     }
   }
+  KVQ_CHECK(pending.add == nullptr, "run_body: the last layer's residual add was deferred");
   // A decode step computes its (padded) logit rows inside the body, so a graph holds them.
   if (st.decode || st.verify) logits_rows(0, st.T);
 }

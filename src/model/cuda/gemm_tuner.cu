@@ -182,12 +182,12 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
                        int lda, std::span<const GemmWeight> weights, float* out, int ldc) {
   KVQ_CHECK(m > 0 && n > 0 && k > 0 && !weights.empty(), "GemmTuner::tune: empty GEMM");
   KVQ_CHECK(type != GemmInput::kFP8 || in_scale != nullptr, "GemmTuner::tune: FP8 without scales");
-  const int ti = static_cast<int>(type);
+  const int ti = type_key(type);
   const Key key{ti, m, n, k, lda, ldc};
   if (const Plan* p = find(key); p != nullptr && p->timed) return 0.0;
   const int dev = current_device();
   const bool fp8 = type == GemmInput::kFP8;
-  const GlobalKey gkey{dev, ti * 4 + (fp8 ? static_cast<int>(fp8_scaling_) : 0), m, n, k, lda, ldc};
+  const GlobalKey gkey{dev, ti, m, n, k, lda, ldc};
   {
     std::lock_guard<std::mutex> lock(g_mu);
     const auto it = choices().find(gkey);
@@ -270,20 +270,29 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   if (!best_plan) return 0.0;  // nothing ran: run() keeps returning false for this shape
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    choices().emplace(gkey, Choice{best_plan->algo, align, best_plan->epilogue});
+    const auto [it, inserted] =
+        choices().emplace(gkey, Choice{best_plan->algo, align, best_plan->epilogue});
+    if (!inserted) {
+      // Another tuner chose first (in another thread): take its choice, so every model of
+      // this process runs the same algorithm for the shape.
+      best_plan = std::make_unique<Plan>(type, m, n, k, lda, ldc, it->second.epilogue);
+      best_plan->timed = true;
+      best_plan->algo = it->second.algo;
+      best_plan->alignment = it->second.alignment;
+    }
   }
   plans_[key] = std::move(best_plan);
   return best_us;
 }
 
 bool GemmTuner::fp8_epilogue(int m, int n, int k, int lda, int ldc) const {
-  const Plan* p = find(Key{static_cast<int>(GemmInput::kFP8), m, n, k, lda, ldc});
+  const Plan* p = find(Key{type_key(GemmInput::kFP8), m, n, k, lda, ldc});
   return p != nullptr && p->epilogue;
 }
 
 bool GemmTuner::run(int m, int n, int k, const void* in, int lda, const void* w, float* out,
                     int ldc, float beta) const {
-  const Plan* p = find(Key{static_cast<int>(GemmInput::kBF16), m, n, k, lda, ldc});
+  const Plan* p = find(Key{type_key(GemmInput::kBF16), m, n, k, lda, ldc});
   if (p == nullptr) return false;
   if (alignment_of(in) < p->alignment || alignment_of(w) < p->alignment ||
       alignment_of(out) < p->alignment)
@@ -299,7 +308,7 @@ bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const f
   if (type == GemmInput::kBF16)
     return std::as_const(*this).run(m, n, k, in, lda, w.w, out, ldc, beta);
   KVQ_CHECK(in_scale != nullptr && w.scale != nullptr, "GemmTuner::run: FP8 without scales");
-  const Key key{static_cast<int>(type), m, n, k, lda, ldc};
+  const Key key{type_key(type), m, n, k, lda, ldc};
   const Plan* p = find(key);
   if (p == nullptr) {
     // An untuned FP8 shape: cuBLASLt's first choice for 16-byte aligned operands (what the

@@ -93,7 +93,12 @@ class GemmTuner {
 
  private:
   struct Plan;
-  using Key = std::tuple<int, int, int, int, int, int>;  // type, m, n, k, lda, ldc
+  // type (with the FP8 scaling restriction: type_key), m, n, k, lda, ldc
+  using Key = std::tuple<int, int, int, int, int, int>;
+  int type_key(GemmInput type) const {
+    return static_cast<int>(type) * 4 +
+           (type == GemmInput::kFP8 ? static_cast<int>(fp8_scaling_) : 0);
+  }
   const Plan* find(const Key& key) const;
   // cuBLASLt's heuristic candidates for a plan (at most 16), for pointers of `align` bytes.
   int candidates(const Plan& plan, uint32_t align, cublasLtMatmulHeuristicResult_t* found) const;
