@@ -823,6 +823,7 @@ void CudaDecoderModel::allocate_buffers() {
   if (bf16_) tuner_ = std::make_unique<cuda_model::GemmTuner>(stream_, gemm_ws, kCublasWorkspace);
   if (const char* e = std::getenv("KVQ_FP8_FUSE"); e != nullptr && std::string(e) == "0")
     fp8_fuse_ = false;
+  if (tuner_) tuner_->set_fp8_scales_deferred(fp8_fuse_);
 
   S_cap_ = options_.max_num_seqs;
   T_cap_ = std::max(options_.max_num_batched_tokens, options_.max_num_seqs);

@@ -230,9 +230,9 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
       // the epilogue variant includes its scaling kernel.
       auto sweep = [&](const cublasLtMatmulAlgo_t& algo) {
         for (const GemmWeight& w : weights) {
-          const cublasStatus_t st =
-              epilogue ? launch_epilogue(*plan, algo, in, in_scale, w, out, out, 0.0f)
-                       : launch(*plan, algo, in, in_scale, w, out, 0.0f);
+          const cublasStatus_t st = epilogue ? launch_epilogue(*plan, algo, in, in_scale, w, out,
+                                                               out, 0.0f, !fp8_scales_deferred_)
+                                             : launch(*plan, algo, in, in_scale, w, out, 0.0f);
           if (st != CUBLAS_STATUS_SUCCESS) return false;
         }
         return true;
@@ -311,11 +311,17 @@ bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const f
   const Key key{type_key(type), m, n, k, lda, ldc};
   const Plan* p = find(key);
   if (p == nullptr) {
-    // An untuned FP8 shape: cuBLASLt's first choice for 16-byte aligned operands (what the
-    // FP8 kernels need anyway), kept for the next call of the same shape. Outer-vector
-    // scaling unless restricted to the epilogue: these are prefill shapes, where cuBLASLt's
-    // large tiles suit and a separate scaling pass would cost a read and write of the output.
-    const bool epilogue = fp8_scaling_ == Fp8Scaling::kEpilogue;
+    // An untuned FP8 shape (a prefill chunk, or a step of more rows than the model tunes):
+    // cuBLASLt's first choice for 16-byte aligned operands (what the FP8 kernels need
+    // anyway), kept for the next call of the same shape. Up to kUntunedUnitScaleRows rows unit
+    // scales (cuBLASLt's small-tile and split-K kernels exist only there; an 8B verification
+    // step of 32 x 8 rows took 13.5 ms with outer-vector scaling, 11.3 with unit scales),
+    // above that outer-vector scaling (large tiles suit, and a separate scaling pass would
+    // cost a read and a write of the output), unless restricted. Not a function of
+    // fp8_scales_deferred_, so a fused and an unfused model run the same GEMMs.
+    constexpr int kUntunedUnitScaleRows = 512;
+    const bool epilogue = fp8_scaling_ == Fp8Scaling::kEpilogue ||
+                          (fp8_scaling_ == Fp8Scaling::kAuto && m <= kUntunedUnitScaleRows);
     auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc, epilogue);
     cublasLtMatmulHeuristicResult_t found[16] = {};
     if (!epilogue) set_scale_pointers(*plan, in_scale, w.scale);
