@@ -2,7 +2,8 @@
 // skinny products of a decode step (out[m][n] = in[m][k] * w[n][k]^T, m = the batch) for
 // bf16 and FP8 e4m3 operands, and which FP8 scaling mode gives it the better kernels.
 //
-//   cuda_gemm_bench [--shapes llama3-8b] [--m 1,8,16,64] [--layers 8]
+//   cuda_gemm_bench [--shapes llama3-8b] [--m 1,8,16,64] [--layers 8] [--beta 0|1]
+//                   [--modes bf16,fp8-vector,fp8-scalar]
 //
 // For every (m, n, k) and mode it asks cuBLASLt's heuristic for up to 32 candidates, times each
 // over `layers` distinct weight matrices in turn (so the weights stream from HBM as in a step,
@@ -13,7 +14,8 @@
 //               cuBLASLt (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, the model's FP8 path)
 //   fp8-scalar  e4m3 x e4m3 -> fp32, one scale per tensor (the per-row scales would then be
 //               applied by the kernel that consumes the product)
-// One JSON line per point on stdout.
+// --beta 1 times out = product + out (the residual add the model's o and down projections
+// ask of cuBLASLt); 0 (default) writes the product alone. One JSON line per point on stdout.
 #include <cublasLt.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -71,12 +73,16 @@ __global__ void ones(float* p, int n) {
 
 struct Point {
   double best_us = std::numeric_limits<double>::infinity();
+  // With beta 1: the best time at beta 0, and the beta-1 time of the algorithm that gives it
+  // (a tuner that times with beta 0 and runs with beta 1 gets the latter).
+  double best0_us = std::numeric_limits<double>::infinity();
+  double best0_algo_at_beta_us = -1.0;
   int candidates = 0;
   int tile = -1, splitk = -1;
 };
 
 Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, int layers,
-          void* ws, size_t ws_bytes) {
+          float beta, void* ws, size_t ws_bytes) {
   const bool fp8 = mode != Mode::kBf16;
   const size_t el = fp8 ? 1 : 2;
   std::vector<void*> w(static_cast<size_t>(layers));
@@ -135,17 +141,17 @@ Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, 
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  const float alpha = 1.0f, beta = 0.0f;
-  for (int i = 0; i < returned; ++i) {
-    if (found[i].state != CUBLAS_STATUS_SUCCESS) continue;
+  const float alpha = 1.0f;
+  // Microseconds per GEMM of candidate i at beta b, or infinity if it fails to launch.
+  auto time_at = [&](int i, float b) {
     auto sweep = [&]() {
       for (void* wp : w)
-        if (cublasLtMatmul(lt, desc, &alpha, wp, la, in, lb, &beta, out, lc, out, lc,
-                           &found[i].algo, ws, ws_bytes, st) != CUBLAS_STATUS_SUCCESS)
+        if (cublasLtMatmul(lt, desc, &alpha, wp, la, in, lb, &b, out, lc, out, lc, &found[i].algo,
+                           ws, ws_bytes, st) != CUBLAS_STATUS_SUCCESS)
           return false;
       return true;
     };
-    if (!sweep()) continue;
+    if (!sweep()) return std::numeric_limits<double>::infinity();
     constexpr int kSweeps = 10;
     CK(cudaEventRecord(e0, st));
     bool ok = true;
@@ -154,8 +160,16 @@ Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, 
     CK(cudaEventSynchronize(e1));
     float ms = 0;
     CK(cudaEventElapsedTime(&ms, e0, e1));
-    const double us = 1e3 * ms / (kSweeps * layers);
-    if (ok && us < p.best_us) {
+    return ok ? 1e3 * ms / (kSweeps * layers) : std::numeric_limits<double>::infinity();
+  };
+  for (int i = 0; i < returned; ++i) {
+    if (found[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    const double us = time_at(i, beta);
+    if (beta != 0.0f) {
+      const double us0 = time_at(i, 0.0f);
+      if (us0 < p.best0_us) p.best0_us = us0, p.best0_algo_at_beta_us = us;
+    }
+    if (us < p.best_us) {
       p.best_us = us;
       size_t sz = 0;
       int v = -1;
@@ -202,9 +216,36 @@ std::vector<int> parse_list(const char* s) {
 int main(int argc, char** argv) {
   std::vector<int> ms = {1, 8, 16, 64};
   int layers = 8;
+  float beta = 0.0f;
+  std::vector<Mode> modes = {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--m") && i + 1 < argc) {
       ms = parse_list(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--beta") && i + 1 < argc) {
+      const std::string b = argv[++i];
+      if (b != "0" && b != "1") {
+        std::fprintf(stderr, "cuda_gemm_bench: --beta accepts 0 or 1, got %s\n", b.c_str());
+        return 2;
+      }
+      beta = b == "1" ? 1.0f : 0.0f;
+    } else if (!std::strcmp(argv[i], "--modes") && i + 1 < argc) {
+      modes.clear();
+      std::string list = argv[++i];
+      size_t pos = 0;
+      while (pos <= list.size()) {
+        const size_t c = std::min(list.find(',', pos), list.size());
+        const std::string tok = list.substr(pos, c - pos);
+        bool found = false;
+        for (Mode md : {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar})
+          if (tok == name(md)) modes.push_back(md), found = true;
+        if (!found) {
+          std::fprintf(stderr,
+                       "cuda_gemm_bench: --modes accepts bf16, fp8-vector, fp8-scalar; got %s\n",
+                       tok.c_str());
+          return 2;
+        }
+        pos = c + 1;
+      }
     } else if (!std::strcmp(argv[i], "--layers") && i + 1 < argc) {
       layers = std::max(1, std::atoi(argv[++i]));
     } else if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) {
@@ -214,7 +255,8 @@ int main(int argc, char** argv) {
       }
     } else {
       std::fprintf(stderr,
-                   "usage: cuda_gemm_bench [--shapes llama3-8b] [--m 1,8,16,64] [--layers 8]\n");
+                   "usage: cuda_gemm_bench [--shapes llama3-8b] [--m 1,8,16,64] [--layers 8] "
+                   "[--beta 0|1] [--modes bf16,fp8-vector,fp8-scalar]\n");
       return 2;
     }
   }
@@ -236,16 +278,18 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "device %s\n", prop.name);
   for (const Shape& s : shapes)
     for (int m : ms)
-      for (Mode mode : {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar}) {
-        const Point p = run(lt, st, mode, m, s.n, s.k, layers, ws, ws_bytes);
+      for (Mode mode : modes) {
+        const Point p = run(lt, st, mode, m, s.n, s.k, layers, beta, ws, ws_bytes);
         const double bytes = static_cast<double>(s.n) * s.k * (mode == Mode::kBf16 ? 2 : 1);
         const double gbs = p.best_us > 0 && p.best_us < 1e30 ? bytes / (p.best_us * 1e3) : 0.0;
         std::printf(
-            "{\"shape\": \"%s\", \"m\": %d, \"n\": %d, \"k\": %d, \"mode\": \"%s\", \"best_us\": "
-            "%.2f, "
-            "\"weight_gb_per_s\": %.0f, \"candidates\": %d, \"tile_id\": %d, \"splitk\": %d}\n",
-            s.name, m, s.n, s.k, name(mode), p.best_us < 1e30 ? p.best_us : -1.0, gbs, p.candidates,
-            p.tile, p.splitk);
+            "{\"shape\": \"%s\", \"m\": %d, \"n\": %d, \"k\": %d, \"mode\": \"%s\", \"beta\": "
+            "%g, \"best_us\": %.2f, "
+            "\"weight_gb_per_s\": %.0f, \"candidates\": %d, \"tile_id\": %d, \"splitk\": %d, "
+            "\"best_beta0_us\": %.2f, \"beta0_choice_at_beta_us\": %.2f}\n",
+            s.name, m, s.n, s.k, name(mode), beta, p.best_us < 1e30 ? p.best_us : -1.0, gbs,
+            p.candidates, p.tile, p.splitk, p.best0_us < 1e30 ? p.best0_us : -1.0,
+            p.best0_algo_at_beta_us < 1e30 ? p.best0_algo_at_beta_us : -1.0);
         std::fflush(stdout);
       }
   CK(cudaFree(ws));

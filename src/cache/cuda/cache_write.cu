@@ -46,6 +46,12 @@ struct WriteSideParams {
   float tensor_scale[kWriteMaxKvHeads];
 };
 
+// One launch writes one side (gridDim.y 1) or both sides of the same dtype and head_dim
+// (gridDim.y 2: blockIdx.y picks K or V), which saves a launch per layer in a decode step.
+struct WriteParams {
+  WriteSideParams side[2];
+};
+
 // Stores NB bytes held in the low bytes of w[] (little-endian) with one aligned store.
 template <int NB>
 __device__ __forceinline__ void store_bytes(uint8_t* p, const uint32_t* w) {
@@ -79,7 +85,8 @@ __device__ __forceinline__ void pack_codes(const uint32_t (&c)[E], uint32_t* w) 
 
 template <KvDtype D, int E>
 __global__ void __launch_bounds__(kWriteWarps * 32)
-    write_side_kernel(const __grid_constant__ WriteSideParams p) {
+    write_side_kernel(const __grid_constant__ WriteParams ps) {
+  const WriteSideParams& p = ps.side[blockIdx.y];
   constexpr int kHd = 32 * E;
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWriteWarps + (threadIdx.x >> 5);
@@ -236,7 +243,8 @@ constexpr int kRowThreads = 128;
 
 template <KvDtype D>
 __global__ void __launch_bounds__(kRowThreads)
-    write_row_kernel(const __grid_constant__ WriteSideParams p, int hd) {
+    write_row_kernel(const __grid_constant__ WriteParams ps, int hd) {
+  const WriteSideParams& p = ps.side[blockIdx.y];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x;
   if (row >= p.n * p.num_kv_heads) return;
   const int64_t t = row / p.num_kv_heads;
@@ -348,20 +356,21 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-void launch_write(KvDtype dtype, const WriteSideParams& p, int head_dim, int64_t rows,
+// sides: 1 (p.side[0]) or 2 (K and V, same dtype and head_dim).
+void launch_write(KvDtype dtype, const WriteParams& p, unsigned sides, int head_dim, int64_t rows,
                   cudaStream_t stream) {
   bool known_dim = true;
   const bool known_dtype = with_kv_dtype(dtype, [&](auto d) {
     known_dim = with_head_dim(head_dim, [&](auto hd) {
       write_side_kernel<decltype(d)::value, decltype(hd)::value / 32>
-          <<<static_cast<unsigned>((rows + kWriteWarps - 1) / kWriteWarps), kWriteWarps * 32, 0,
-             stream>>>(p);
+          <<<dim3(static_cast<unsigned>((rows + kWriteWarps - 1) / kWriteWarps), sides),
+             kWriteWarps * 32, 0, stream>>>(p);
       KVQ_CUDA_CHECK_LAUNCH();
     });
     if (!known_dim && head_dim >= 1 && head_dim <= kSmallMaxHeadDim) {
       write_row_kernel<decltype(d)::value>
-          <<<static_cast<unsigned>((rows + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
-             stream>>>(p, head_dim);
+          <<<dim3(static_cast<unsigned>((rows + kRowThreads - 1) / kRowThreads), sides),
+             kRowThreads, 0, stream>>>(p, head_dim);
       KVQ_CUDA_CHECK_LAUNCH();
       known_dim = true;
     }
@@ -410,9 +419,10 @@ void write_kv_cuda(const LayerKvSpec& spec, const LayerCacheView& cache, const i
   const HadamardSigns signs = make_hadamard_signs();
   const auto cs = reinterpret_cast<cudaStream_t>(stream);
   if (bad_token) KVQ_CUDA_CHECK(cudaMemsetAsync(bad_token, 0xFF, sizeof(uint64_t), cs));
+  WriteParams wp{};
   for (KvSide s : {KvSide::kK, KvSide::kV}) {
     const KvSideLayout& l = cache.layout(s);
-    WriteSideParams p{};
+    WriteSideParams& p = wp.side[s == KvSide::kK ? 0 : 1];
     p.base = cache.base(s);
     p.block_bytes = l.block_bytes;
     p.head_stride = l.head_stride;
@@ -428,8 +438,16 @@ void write_kv_cuda(const LayerKvSpec& spec, const LayerCacheView& cache, const i
     p.block_tokens = block_tokens;
     p.signs = signs;
     for (int h = 0; h < spec.num_kv_heads; ++h) p.tensor_scale[h] = spec.scale(s).for_head(h);
-    launch_write(l.dtype, p, l.head_dim, rows, cs);
   }
+  const KvSideLayout& kl = cache.layout(KvSide::kK);
+  const KvSideLayout& vl = cache.layout(KvSide::kV);
+  if (kl.dtype == vl.dtype && kl.head_dim == vl.head_dim) {
+    launch_write(kl.dtype, wp, 2, kl.head_dim, rows, cs);
+    return;
+  }
+  launch_write(kl.dtype, wp, 1, kl.head_dim, rows, cs);
+  wp.side[0] = wp.side[1];
+  launch_write(vl.dtype, wp, 1, vl.head_dim, rows, cs);
 }
 
 void check_write_kv_cuda(const LayerCacheView& cache, const int64_t* slots,

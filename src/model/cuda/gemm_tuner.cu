@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -103,6 +104,8 @@ GemmTuner::GemmTuner(cudaStream_t stream, void* workspace, size_t workspace_byte
     if (std::strcmp(e, "outer_vector") == 0) fp8_scaling_ = Fp8Scaling::kOuterVector;
     if (std::strcmp(e, "epilogue") == 0) fp8_scaling_ = Fp8Scaling::kEpilogue;
   }
+  if (const char* e = std::getenv("KVQ_GEMM_LOG"); e != nullptr && std::strcmp(e, "1") == 0)
+    log_ = true;
   KVQ_CUBLAS_CHECK(cublasLtCreate(&lt_));
 }
 
@@ -216,6 +219,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   KVQ_CUDA_CHECK(cudaEventCreate(&e1));
   double best_us = std::numeric_limits<double>::infinity();
   std::unique_ptr<Plan> best_plan;
+  std::string timed;  // KVQ_GEMM_LOG: every candidate's time
   try {
     for (const bool epilogue : scalings) {
       auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc, epilogue);
@@ -250,6 +254,11 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
         float ms = 0.0f;
         KVQ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
         const double us = 1e3 * ms / (kSweeps * static_cast<double>(weights.size()));
+        if (log_) {
+          char buf[32];
+          std::snprintf(buf, sizeof buf, " %s%.1f", epilogue ? "e" : "", ok ? us : -1.0);
+          timed += buf;
+        }
         if (ok && us < best_us) {
           best_us = us;
           plan->algo = algo;
@@ -267,6 +276,9 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   }
   (void)cudaEventDestroy(e0);
   (void)cudaEventDestroy(e1);
+  if (log_)
+    std::fprintf(stderr, "kvq: gemm tune %s m %d n %d k %d lda %d ldc %d: best %.1f us of%s\n",
+                 fp8 ? "fp8" : "bf16", m, n, k, lda, ldc, best_us, timed.c_str());
   if (!best_plan) return 0.0;  // nothing ran: run() keeps returning false for this shape
   {
     std::lock_guard<std::mutex> lock(g_mu);

@@ -123,6 +123,7 @@ class GemmTuner {
   cublasLtHandle_t lt_ = nullptr;
   Fp8Scaling fp8_scaling_ = Fp8Scaling::kAuto;
   bool fp8_scales_deferred_ = false;
+  bool log_ = false;  // KVQ_GEMM_LOG=1: one stderr line per tuned shape
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Decode-step overheads on the GPU machine (issue #14, batch-1 steps at the weight floor),
+# inside a gpu-bundle holding build/kvq, build/bench/cuda_gemm_bench and the CUDA test binaries:
+#   here:   KVQ_BUNDLE_FILE=.carry/bundle-step.tar.xz bash scripts/gpu-bundle.sh build/kvq \
+#             build/bench/cuda_gemm_bench build/tests/kvq_cuda_tests build/tests/kvq_cuda_model_tests
+#   device: KVQ_BUNDLE_FILE=.carry/bundle-step.tar.xz bash scripts/gpu-bundle.sh --run 'bash scripts/gpu-step-check.sh PART...'
+# PARTs (run in order):
+#   lab    cuda_gemm_bench, bf16, the 8B projections at m 1 / 8 / 64, beta 0 and beta 1.
+#   ab     `kvq bench --synthetic llama3-8b` decode, each point with AB settings in turn
+#          (AB="KVQ_FP8_FUSE=1 KVQ_FP8_FUSE=0" for example, default one plain run; KVS, BATCHES, CTXS, DTYPES,
+#          REPS narrow it), then the default model (models/kvq-code-tiny) at batch 1 / 8.
+#   ncu    per-kernel times of 8B decode steps at batch 1 (Nsight Compute, in place).
+#   tests  the cache-write and decode tests of kvq_cuda_tests, then the whole CUDA model tests.
+# Logs and JSON lines go to $OUT (or ./out-step).
+set -uo pipefail
+OUT=${OUT:-$PWD/out-step}
+mkdir -p "$OUT"
+B=bundle/build
+step() { echo "=== [${SECONDS}s] $*"; }
+for part in "${@:-lab ab tests}"; do
+  case "$part" in
+  lab)
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    for beta in 0 1; do
+      step "cuda_gemm_bench bf16 beta $beta"
+      $B/bench/cuda_gemm_bench --modes bf16 --m 1,8,64 --beta $beta | tee -a "$OUT/gemm-lab.jsonl"
+    done
+    ;;
+  ab)
+    for rep in $(seq 1 "${REPS:-1}"); do
+      for w in ${DTYPES:-bfloat16}; do
+        for kv in ${KVS:-bfloat16 fp8}; do
+          for ctx in ${CTXS:-1024}; do
+            for b in ${BATCHES:-1 8 64}; do
+              for ab in ${AB:-KVQ_AB=plain}; do
+                env $ab timeout 90 $B/kvq bench --synthetic llama3-8b --device cuda --dtype $w \
+                  --kv-cache-dtype $kv --batch $b --input-len $ctx --output-len ${OUTLEN:-32} \
+                  --prefill-sequences 1 --json 2>>"$OUT/ab.err" |
+                  python3 bench/step_summary.py "$ab" >> "$OUT/ab.jsonl"
+              done
+            done
+          done
+        done
+      done
+      for kv in ${KVS:-bfloat16 fp8}; do
+        for b in 1 8; do
+          for ab in ${AB:-KVQ_AB=plain}; do
+            env $ab timeout 90 $B/kvq bench --model models/kvq-code-tiny --device cuda \
+              --kv-cache-dtype $kv --batch $b --input-len 256 --output-len 128 --json \
+              2>>"$OUT/ab.err" | python3 bench/step_summary.py "$ab" >> "$OUT/ab-tiny.jsonl"
+          done
+        done
+      done
+    done
+    ;;
+  ncu)
+    for kv in ${KVS:-bfloat16}; do
+      step "ncu 8B batch 1 kv $kv"
+      timeout 240 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum \
+        --launch-skip 30000 --launch-count 1000 --csv \
+        $B/kvq bench --synthetic llama3-8b --device cuda --kv-cache-dtype $kv --batch 1 \
+        --input-len 1024 --output-len 128 --prefill-sequences 1 --json \
+        > "$OUT/ncu-b1-$kv.csv" 2> "$OUT/ncu-b1-$kv.err"
+      gzip -f "$OUT/ncu-b1-$kv.csv"
+    done
+    ;;
+  tests)
+    step "kvq_cuda_tests: cache writes and decode"
+    timeout 400 $B/tests/kvq_cuda_tests --gtest_filter='*Write*:*CudaDecode*:*CudaPrefill*' \
+      > "$OUT/cuda-tests.log" 2>&1; echo "rc=$?"
+    grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]" "$OUT/cuda-tests.log" | tail -8
+    step "the whole CUDA model test binary"
+    timeout 500 $B/tests/kvq_cuda_model_tests > "$OUT/model-tests.log" 2>&1; echo "rc=$?"
+    grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]" "$OUT/model-tests.log" | tail -8
+    ;;
+  *) echo "gpu-step-check: unknown part $part (lab, ab, ncu, tests)" >&2; exit 2 ;;
+  esac
+done
+step done
