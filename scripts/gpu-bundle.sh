@@ -8,7 +8,8 @@
 #           unpacks to bundle/ and runs CMD there (bash -c) with the libraries on
 #           LD_LIBRARY_PATH; the binaries keep their relative paths (build-x/kvq -> bundle/build-x/kvq),
 #           so CMD names them as bundle/<path>. The repo (models/, tests/fixtures/) is the working dir.
-# cuBLAS and the CUDA runtime come from the GPU machine's toolkit (same major version, 13).
+# cuBLAS, NCCL and the CUDA runtime come from the GPU machine's toolkit (same major version, 13;
+# NCCL, 200 MB, from its toolkit or else from its PyTorch's nvidia-nccl package).
 # Several engineers share the working tree: set KVQ_BUNDLE_FILE=.carry/bundle-<you>.tar.xz on
 # BOTH sides (packing here, and in the device command) so you do not overwrite each other's
 # bundle; carry that file.
@@ -18,7 +19,11 @@ BUNDLE_FILE=${KVQ_BUNDLE_FILE:-.carry/bundle.tar.xz}
 if [ "${1:-}" = "--run" ]; then
   shift
   rm -rf bundle && mkdir -p bundle && tar -xJf "$BUNDLE_FILE" -C bundle
-  export LD_LIBRARY_PATH="$PWD/bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+  nccl=""
+  if ! ls /usr/local/cuda/lib64/libnccl.so.2 /usr/local/cuda/lib/libnccl.so.2 >/dev/null 2>&1; then
+    nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+  fi
+  export LD_LIBRARY_PATH="$PWD/bundle/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib${nccl:+:$nccl}:${LD_LIBRARY_PATH:-}"
   export KVQ_BUNDLE=1
   exec bash -c "$1"
 fi
@@ -32,7 +37,7 @@ for bin in "$@"; do
   cp "$bin" "$stage/$bin"
   # Every resolved library except glibc's own and the CUDA ones (those come from the device).
   ldd "$bin" | awk '/=> \//{print $3}' |
-    grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*)\.so|libcuda\.so|libcudart|libcublas' |
+    grep -vE '/(libc|libm|libdl|librt|libpthread|ld-linux[^/]*)\.so|libcuda\.so|libcudart|libcublas|libnccl' |
     while read -r lib; do cp -Lu "$lib" "$stage/lib/"; done
 done
 mkdir -p .carry

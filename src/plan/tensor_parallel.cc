@@ -62,6 +62,44 @@ std::vector<int> TensorParallelSplit::kv_heads_of(int rank) const {
   return heads;
 }
 
+TpShard tp_shard(TpMatrix m, const TensorParallelSplit& split, const ModelConfig& config,
+                 int intermediate, int rank) {
+  KVQ_CHECK(rank >= 0 && rank < split.size, "tp_shard: rank out of range");
+  KVQ_CHECK(split.num_kv_heads == config.num_kv_heads, "tp_shard: the split is of another model");
+  const int n = split.size;
+  if ((m == TpMatrix::kGateUp || m == TpMatrix::kDown) && intermediate % n != 0)
+    throw InputError("--tensor-parallel-size " + std::to_string(n) + ": the model's MLP width " +
+                     std::to_string(intermediate) + " does not divide by it");
+  const int64_t d = config.head_dim;
+  const int64_t q_rows = static_cast<int64_t>(config.num_q_heads) * d;
+  const int64_t kv_rows = static_cast<int64_t>(config.num_kv_heads) * d;
+  const int64_t q0 = static_cast<int64_t>(split.first_q_head(rank)) * d;
+  const int64_t qn = static_cast<int64_t>(split.q_heads_per_rank) * d;
+  const int64_t slice = intermediate / n;
+  TpShard s;
+  switch (m) {
+    case TpMatrix::kQkv: {
+      const std::vector<int> kv = split.kv_heads_of(rank);  // consecutive heads
+      const int64_t k0 = static_cast<int64_t>(kv.front()) * d;
+      const int64_t kn = static_cast<int64_t>(kv.size()) * d;
+      s.rows = {{q0, qn}, {q_rows + k0, kn}, {q_rows + kv_rows + k0, kn}};
+      break;
+    }
+    case TpMatrix::kGateUp:
+      s.rows = {{rank * slice, slice}, {intermediate + rank * slice, slice}};
+      break;
+    case TpMatrix::kO:
+      s.col0 = q0;
+      s.cols = qn;
+      break;
+    case TpMatrix::kDown:
+      s.col0 = rank * slice;
+      s.cols = slice;
+      break;
+  }
+  return s;
+}
+
 KvPlan slice_kv_plan(const KvPlan& plan, const TensorParallelSplit& split, int rank) {
   KVQ_CHECK(split.num_kv_heads == plan.model.num_kv_heads,
             "slice_kv_plan: the split was made for another model");

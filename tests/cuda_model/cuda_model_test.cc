@@ -18,6 +18,7 @@
 #include "kvq/cache/device_kv_cache.h"
 #include "kvq/core/error.h"
 #include "kvq/model/cuda_model.h"
+#include "model/cuda/tensor_parallel.h"
 #include "support/source_dir.h"
 #include "unit/model/fp8_checkpoint_fixture.h"
 #include "unit/model/model_test_util.h"
@@ -756,6 +757,162 @@ TEST(CudaModelTiming, SyntheticLlama3DecodeStep) {
           kLayers, kContext, batch, graphs ? "on " : "off", ms, ms / kLayers);
     }
   }
+}
+
+// ---- tensor parallelism (#17): the model split over 2 GPUs against the same model on one ----
+
+#define SKIP_WITHOUT_TWO_GPUS()                                                \
+  SKIP_WITHOUT_GPU();                                                          \
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 CUDA devices";         \
+  if (!cuda_model::tensor_parallel_available()) GTEST_SKIP() << "built without NCCL"
+
+CudaModelOptions tp_options(int n, WeightPrecision w) {
+  CudaModelOptions o = small_options();
+  o.weights = w;
+  o.tensor_parallel_size = n;
+  return o;
+}
+
+// fp32 weights: the ranks' partial o / down products and their all-reduce change only the
+// order of fp32 sums, so the logits agree to rounding, except where a K/V value moved by that
+// rounding crosses a quantization boundary (a whole quantum for 4-bit codes). Greedy ids are
+// identical but for near ties (logits within 1e-4 of the largest).
+class TensorParallelKv : public ::testing::TestWithParam<KvDtype> {};
+
+TEST_P(TensorParallelKv, TwoRanksMatchOneRankOnKvqCodeTiny) {
+  SKIP_WITHOUT_TWO_GPUS();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const KvPlan plan = plan_with(kTiny, GetParam());
+  std::shared_ptr<const CudaModel> one = CudaModel::load(plan, tp_options(1, WeightPrecision::kFloat32));
+  std::shared_ptr<const CudaModel> two = CudaModel::load(plan, tp_options(2, WeightPrecision::kFloat32));
+  EXPECT_EQ(two->plan().layers.front().num_kv_heads, plan.layers.front().num_kv_heads);
+  int same = 0, total = 0, ties = 0;
+  const Diff d = compare_models(one, two, seed, 24, &same, &total, 1e-4, &ties);
+  const bool four_bit = traits(GetParam()).bits <= 4;
+  std::printf(
+      "[ kvq-code-tiny TP 2 vs 1, %s KV, fp32 weights ] seed %u: max |diff| %.3g (rel %.3g), "
+      "top-1 %d/%d, greedy ids %d/%d (+%d near ties)\n",
+      std::string(to_string(GetParam())).c_str(), seed, d.max_abs, d.rel(), d.same_top1, d.rows,
+      same, total, ties);
+  EXPECT_LE(d.rel(), four_bit ? 0.1 : 0.01);
+  EXPECT_GE(d.same_top1, (four_bit ? 0.9 : 0.97) * d.rows);
+  EXPECT_EQ(same, total);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, TensorParallelKv,
+                         ::testing::Values(KvDtype::kBFloat16, KvDtype::kFp8E4M3,
+                                           KvDtype::kInt8PerTokenHead, KvDtype::kFp8PerTokenHead,
+                                           KvDtype::kInt4PerTokenHead, KvDtype::kNvfp4),
+                         [](const auto& p) { return std::string(to_string(p.param)); });
+
+// bf16 weights (what a user runs), graphs on: the bf16 activations round the ranks' sums
+// again, so the bound is bf16's.
+TEST(TensorParallel, TwoRanksMatchOneWithBf16Weights) {
+  SKIP_WITHOUT_TWO_GPUS();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const KvPlan plan = plan_with(kTiny, KvDtype::kFp8E4M3);
+  std::shared_ptr<const CudaModel> one = CudaModel::load(plan, tp_options(1, WeightPrecision::kBFloat16));
+  std::shared_ptr<const CudaModel> two = CudaModel::load(plan, tp_options(2, WeightPrecision::kBFloat16));
+  int same = 0, total = 0, ties = 0;
+  const Diff d = compare_models(one, two, seed, 24, &same, &total, 2e-3, &ties);
+  std::printf(
+      "[ kvq-code-tiny TP 2 vs 1, fp8 KV, bf16 weights ] seed %u: rel %.3g, top-1 %d/%d, "
+      "greedy ids %d/%d (+%d near ties)\n",
+      seed, d.rel(), d.same_top1, d.rows, same, total, ties);
+  EXPECT_LE(d.rel(), 0.05);
+  EXPECT_GE(d.same_top1, 0.9 * d.rows);
+  EXPECT_EQ(same, total);
+}
+
+// The Llama-3-8B shape (2 layers, random weights drawn the same on every rank): 8 kv heads,
+// 4 per rank. bf16 weights: TP 2 within bf16 rounding of TP 1. FP8 weights (where the GPU has
+// FP8 GEMMs): each rank quantizes its own slice of the o / down inputs per token, so TP 2 is
+// not TP 1's arithmetic; it must be as close to the bf16 model as TP 1's FP8 is.
+TEST(TensorParallel, SyntheticLlama3ShapeTwoRanksMatchOne) {
+  SKIP_WITHOUT_TWO_GPUS();
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  KvPlanOptions po;
+  po.kv = DtypeFlag{KvDtype::kFp8E4M3, "--kv-cache-dtype fp8_e4m3"};
+  const KvPlan plan = make_kv_plan(llama3_8b_config(2), po);
+  auto load = [&](int n, WeightPrecision w) -> std::shared_ptr<const CudaModel> {
+    CudaModelOptions o = tp_options(n, w);
+    o.max_num_batched_tokens = 256;
+    return CudaModel::synthetic(plan, o, 11);
+  };
+  std::vector<std::pair<std::string, std::shared_ptr<const CudaModel>>> runs;
+  runs.emplace_back("bf16 TP 2", load(2, WeightPrecision::kBFloat16));
+  const bool fp8 = cuda_fp8_gemm_available();
+  if (fp8) {
+    runs.emplace_back("FP8 TP 1", load(1, WeightPrecision::kFp8));
+    runs.emplace_back("FP8 TP 2", load(2, WeightPrecision::kFp8));
+  }
+  std::shared_ptr<const CudaModel> ref = load(1, WeightPrecision::kBFloat16);
+  std::mt19937 rng(seed);
+  Driver r(ref, 64);
+  std::vector<std::unique_ptr<Driver>> drivers;
+  for (const auto& run : runs) drivers.push_back(std::make_unique<Driver>(run.second, 64));
+  std::vector<Diff> diffs(runs.size());
+  const int V = ref->vocab_size();
+  std::vector<std::vector<int32_t>> toks{random_tokens(150, V, rng), random_tokens(37, V, rng)};
+  for (int s = 0; s < 6; ++s) {
+    const auto lr = r.step({1, 2}, toks, false);
+    for (size_t i = 0; i < runs.size(); ++i)
+      accumulate(diffs[i], lr, drivers[i]->step({1, 2}, toks, false), V);
+    // Every model is fed the reference's greedy tokens.
+    toks = {{static_cast<int32_t>(argmax(lr.data(), V))},
+            {static_cast<int32_t>(argmax(lr.data() + V, V))}};
+  }
+  for (size_t i = 0; i < runs.size(); ++i)
+    std::printf("[ synthetic llama3-8b x2 layers, %s vs bf16 TP 1 ] seed %u: rel %.3g, top-1 %d/%d\n",
+                runs[i].first.c_str(), seed, diffs[i].rel(), diffs[i].same_top1, diffs[i].rows);
+  EXPECT_LE(diffs[0].rel(), 0.03);
+  EXPECT_GE(diffs[0].same_top1, diffs[0].rows - 1);
+  if (fp8) {
+    EXPECT_LE(diffs[2].rel(), 1.5 * diffs[1].rel() + 0.01);
+  }
+}
+
+// The child process of AFailingRankStopsTheGroupWithoutAHang: 0 when the group behaved.
+int failing_rank_child() {
+  setenv("KVQ_TP_FAIL_RANK", "1", 1);
+  const KvPlan plan = plan_with(kTiny, KvDtype::kBFloat16);
+  std::shared_ptr<const CudaModel> two =
+      CudaModel::load(plan, tp_options(2, WeightPrecision::kBFloat16));
+  Driver d(two, 16);
+  std::mt19937 rng(1);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string first, second;
+  try {
+    (void)d.step({1}, {random_tokens(20, two->vocab_size(), rng)}, false);
+  } catch (const std::exception& e) {
+    first = e.what();
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  try {
+    (void)d.step({2}, {random_tokens(5, two->vocab_size(), rng)}, false);
+  } catch (const std::exception& e) {
+    second = e.what();
+  }
+  std::fprintf(stderr, "first: %s\nsecond: %s\nafter %.1f s\n", first.c_str(), second.c_str(), s);
+  return first.find("rank 1") != std::string::npos &&
+                 second.find("stopped") != std::string::npos && s < 60.0
+             ? 0
+             : 1;
+}
+
+// A rank that fails mid-step stops the group with an error naming the rank, within seconds (the
+// others, waiting in a collective, are released by aborting the communicators), and the group
+// refuses later calls. In a child process: an aborted communicator may leave its device unusable.
+TEST(TensorParallel, AFailingRankStopsTheGroupWithoutAHang) {
+  SKIP_WITHOUT_TWO_GPUS();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::_Exit(failing_rank_child()), ::testing::ExitedWithCode(0), "first: .*rank 1");
 }
 
 }  // namespace

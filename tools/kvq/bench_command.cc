@@ -562,6 +562,7 @@ Action add_bench_command(CLI::App& app) {
     j["largest_batch"] = largest_batch;
     j["copy_bandwidth_bytes_per_s"] = bandwidth;
     j["decode_floor_ms"] = floor_ms;
+    j["tensor_parallel_size"] = st->model.tensor_parallel_size;
     j["memory"] = mem;
     if (st->json) {
       std::cout << j.dump(2) << "\n";

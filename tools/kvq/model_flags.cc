@@ -29,6 +29,10 @@ void ModelFlags::add_to(CLI::App& app, bool with_synthetic) {
                  "projections quantized at load, a scale per output row, inputs per token)")
       ->check(CLI::IsMember({"auto", "bfloat16", "bf16", "float32", "fp32", "fp8", "float8_e4m3"}));
   app.add_flag("--enforce-eager", enforce_eager, "--device cuda: no CUDA graphs for decode steps");
+  app.add_option("--tensor-parallel-size", tensor_parallel_size,
+                 "--device cuda: split the model over this many GPUs of this host (also -tp): "
+                 "each holds its share of the heads, the MLP and the KV cache (default 1)")
+      ->check(CLI::Range(1, 64));
 
   app.add_option("--prefill-chunk", prefill_chunk, "tokens per prefill step (default 512)")
       ->check(CLI::Range(1, 1 << 20));
@@ -43,6 +47,9 @@ KvPlan ModelFlags::make_plan(const KvPlanOptions& options) const {
 std::unique_ptr<Model> ModelFlags::load_model(const KvPlan& p) const {
   if (threads > 0) omp_set_num_threads(threads);
   if (device == "cpu") {
+    if (tensor_parallel_size != 1)
+      throw InputError("--tensor-parallel-size " + std::to_string(tensor_parallel_size) +
+                       " needs --device cuda; the CPU model runs as one rank (accepted: 1)");
     if (!plan.synthetic.empty())
       throw InputError("--synthetic needs --device cuda (random weights are built on the GPU)");
     return Model::load(p, attention_backend);
@@ -67,6 +74,7 @@ CudaModelOptions ModelFlags::cuda_options() const {
   o.max_num_batched_tokens = max_num_batched_tokens;
   o.cuda_graphs = !enforce_eager;
   o.forced_backend = attention_backend;
+  o.tensor_parallel_size = tensor_parallel_size;
   return o;
 }
 #endif

@@ -44,6 +44,7 @@ struct ModelFlags {
   float gpu_memory_utilization = 0.9f;
   std::string weight_dtype = "auto";
   bool enforce_eager = false;
+  int tensor_parallel_size = 1;  // --tensor-parallel-size / -tp
   // Step limits the CUDA model sizes its buffers for (set by the command: serve and bench
   // have their own --max-num-seqs / --max-num-batched-tokens flags).
   int max_num_seqs = 256;

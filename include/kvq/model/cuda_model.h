@@ -44,6 +44,9 @@ struct CudaModelOptions {
   int max_num_batched_tokens = 8192;  // most new tokens in one step
   bool cuda_graphs = true;            // decode steps replayed from graphs per batch bucket
   std::string forced_backend;         // --attention-backend (empty: choose)
+  // --tensor-parallel-size: the model split over GPUs 0..N-1 of this process, one rank per GPU
+  // (src/model/cuda/tensor_parallel.h); memory options apply to each GPU.
+  int tensor_parallel_size = 1;
 };
 
 // Device memory as the model sees it (bytes).

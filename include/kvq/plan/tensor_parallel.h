@@ -13,7 +13,9 @@
 // same tokens everywhere and the group's capacity in tokens is one rank's.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvq/plan/kv_plan.h"
@@ -40,6 +42,28 @@ struct TensorParallelSplit {
 // --tensor-parallel-size, the model's head counts and the sizes that work) when the heads do
 // not split: nq % N != 0, or neither nkv % N == 0 nor N % nkv == 0; or size < 1.
 TensorParallelSplit split_heads(const ModelConfig& config, int size);
+
+// A rank's share of one projection's weight [n][k] (or of its 1-D bias [n]):
+//   column-parallel (q|k|v, gate|up): ranges (first, count) of output rows: the rank's query
+//     heads' rows of q, its kv heads' rows of k and of v; its slice of gate and of up;
+//   row-parallel (o, down): one range [col0, col0 + cols) of input columns: its query heads'
+//     columns of o, its slice of down's intermediate columns.
+struct TpShard {
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  int64_t col0 = 0, cols = 0;
+  int64_t num_rows() const {
+    int64_t n = 0;
+    for (const auto& r : rows) n += r.second;
+    return n;
+  }
+};
+enum class TpMatrix : uint8_t { kQkv, kGateUp, kO, kDown };
+
+// The shard of `m` for `rank`; `config` the whole model's (head_dim, heads) and
+// `intermediate` its MLP width. InputError (naming --tensor-parallel-size) when the MLP width
+// does not divide by split.size.
+TpShard tp_shard(TpMatrix m, const TensorParallelSplit& split, const ModelConfig& config,
+                 int intermediate, int rank);
 
 // The sizes in 1..max that split_heads accepts for `config` (for error messages).
 std::vector<int> tensor_parallel_sizes(const ModelConfig& config, int max = 16);

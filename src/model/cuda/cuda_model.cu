@@ -26,6 +26,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -43,6 +44,7 @@
 #include "model/cuda/gemm_tuner.h"
 #include "model/cuda/linear.h"
 #include "model/cuda/model_kernels.h"
+#include "model/cuda/tensor_parallel.h"
 #include "model/kernels.h"
 #include "model/weight_layout.h"
 
@@ -180,14 +182,18 @@ struct DeviceWeights {
         return nullptr;
     }
   }
-  // Allocates tensor t (a matrix: `cols` inputs, in `dtype`) and records where it is.
-  void* place(const model::WeightTensor& t, int cols, Linear::Dtype dtype) {
-    const bool matrix = is_matrix(t.kind);
-    const size_t elem = !matrix                         ? 4
-                        : dtype == Linear::Dtype::kFP8  ? 1
-                        : dtype == Linear::Dtype::kBF16 ? 2
-                                                        : 4;
-    void* p = arena.alloc(static_cast<size_t>(t.numel) * elem);
+  static size_t elem_bytes(model::WeightKind kind, Linear::Dtype dtype) {
+    return !is_matrix(kind)                 ? 4
+           : dtype == Linear::Dtype::kFP8  ? 1
+           : dtype == Linear::Dtype::kBF16 ? 2
+                                            : 4;
+  }
+  // Allocates tensor t (a matrix: `cols` inputs, in `dtype`) and records where it is; in
+  // `where` instead of the weights' arena for a tensor shard() cuts down afterwards.
+  void* place(const model::WeightTensor& t, int cols, Linear::Dtype dtype,
+              DeviceArena* where = nullptr) {
+    DeviceArena& a = where != nullptr ? *where : arena;
+    void* p = a.alloc(static_cast<size_t>(t.numel) * elem_bytes(t.kind, dtype));
     Layer* l = t.layer >= 0 ? &layers[static_cast<size_t>(t.layer)] : nullptr;
     auto* f = static_cast<float*>(p);
     if (Linear* lin = linear_of(t.kind, t.layer)) {
@@ -196,7 +202,7 @@ struct DeviceWeights {
       lin->n = static_cast<int>(t.numel / cols);
       lin->w = p;
       if (dtype == Linear::Dtype::kFP8)
-        lin->scale = static_cast<float*>(arena.alloc(static_cast<size_t>(lin->n) * 4));
+        lin->scale = static_cast<float*>(a.alloc(static_cast<size_t>(lin->n) * 4));
       return p;
     }
     switch (t.kind) {
@@ -241,6 +247,59 @@ struct DeviceWeights {
     }
     return p;
   }
+  // Tensor parallelism: replaces placed tensor t (at `full`, `cols` inputs) by the rank's
+  // shard of it in the weights' arena (the rows or columns tp_shard names; an FP8 matrix's row
+  // scales with its rows) and points its Linear or bias there.
+  void shard(const model::WeightTensor& t, int cols, Linear::Dtype dtype, const void* full,
+             const TpShard& sh) {
+    const size_t elem = elem_bytes(t.kind, dtype);
+    const int64_t rows = t.numel / cols;
+    const auto* src = static_cast<const std::byte*>(full);
+    Linear* lin = linear_of(t.kind, t.layer);
+    const float* scale = lin != nullptr ? lin->scale : nullptr;
+    void* out = nullptr;
+    float* out_scale = nullptr;
+    if (!sh.rows.empty()) {
+      const size_t row_bytes = static_cast<size_t>(cols) * elem;
+      out = arena.alloc(static_cast<size_t>(sh.num_rows()) * row_bytes);
+      if (scale != nullptr) out_scale = static_cast<float*>(arena.alloc(sh.num_rows() * 4));
+      int64_t at = 0;
+      for (const auto& [first, count] : sh.rows) {
+        KVQ_CHECK(first >= 0 && count > 0 && first + count <= rows, "shard: rows out of range");
+        KVQ_CUDA_CHECK(cudaMemcpy(static_cast<std::byte*>(out) + at * row_bytes,
+                                  src + first * row_bytes, count * row_bytes,
+                                  cudaMemcpyDeviceToDevice));
+        if (scale != nullptr)
+          KVQ_CUDA_CHECK(cudaMemcpy(out_scale + at, scale + first, count * 4,
+                                    cudaMemcpyDeviceToDevice));
+        at += count;
+      }
+    } else {
+      KVQ_CHECK(sh.col0 >= 0 && sh.cols > 0 && sh.col0 + sh.cols <= cols,
+                "shard: columns out of range");
+      out = arena.alloc(static_cast<size_t>(rows * sh.cols) * elem);
+      KVQ_CUDA_CHECK(cudaMemcpy2D(out, sh.cols * elem, src + sh.col0 * elem, cols * elem,
+                                  sh.cols * elem, rows, cudaMemcpyDeviceToDevice));
+      if (scale != nullptr) {  // one per output row: all kept
+        out_scale = static_cast<float*>(arena.alloc(rows * 4));
+        KVQ_CUDA_CHECK(cudaMemcpy(out_scale, scale, rows * 4, cudaMemcpyDeviceToDevice));
+      }
+    }
+    if (lin != nullptr) {
+      lin->w = out;
+      lin->scale = out_scale;
+      if (!sh.rows.empty())
+        lin->n = static_cast<int>(sh.num_rows());
+      else
+        lin->k = static_cast<int>(sh.cols);
+      return;
+    }
+    Layer& l = layers[static_cast<size_t>(t.layer)];
+    if (t.kind == model::WeightKind::kQkvBias) l.qkv_bias = static_cast<const float*>(out);
+    else if (t.kind == model::WeightKind::kGateUpBias)
+      l.gate_up_bias = static_cast<const float*>(out);
+    else KVQ_CHECK(false, "shard: tensor kind is not split");
+  }
   void finish(int vocab, int hidden) {
     if (target) {
       embed = target->embed;
@@ -272,6 +331,35 @@ int matrix_cols(model::WeightKind kind, const KvPlan& plan, const ArchitectureCo
   }
 }
 
+// The projections (and biases) a tensor-parallel rank holds a shard of; nullopt: replicated
+// (embedding, LM head, norms, and the o / down biases, added after the all-reduce).
+std::optional<TpMatrix> tp_matrix(model::WeightKind kind) {
+  using K = model::WeightKind;
+  switch (kind) {
+    case K::kQkv:
+    case K::kQkvBias:
+      return TpMatrix::kQkv;
+    case K::kGateUp:
+    case K::kGateUpBias:
+      return TpMatrix::kGateUp;
+    case K::kO:
+      return TpMatrix::kO;
+    case K::kDown:
+      return TpMatrix::kDown;
+    default:
+      return std::nullopt;
+  }
+}
+
+// tp's shard of tensor t (nullopt when t is replicated or tp has one rank).
+std::optional<TpShard> shard_of(const model::WeightTensor& t, const KvPlan& plan,
+                                const ArchitectureConfig& arch, const cuda_model::TpRank& tp) {
+  if (!tp.active()) return std::nullopt;
+  const std::optional<TpMatrix> m = tp_matrix(t.kind);
+  if (!m) return std::nullopt;
+  return tp_shard(*m, tp.split, plan.model, arch.intermediate_size, tp.rank);
+}
+
 // A projection cuBLASLt's FP8 kernels take: both dimensions multiples of 16.
 bool fp8_shape_ok(int n, int k) {
   return n % 16 == 0 && k % 16 == 0;
@@ -279,9 +367,11 @@ bool fp8_shape_ok(int n, int k) {
 
 // `target`: a DFlash drafter's target, whose embedding and LM head it shares (and whose
 // activation precision it takes; its own matrices are bf16 when the target's are FP8).
+// `tp`: a tensor-parallel rank keeps its shards of the split projections (shard_of).
 std::shared_ptr<DeviceWeights> load_checkpoint_weights(
     const KvPlan& plan, const ArchitectureConfig& arch, WeightPrecision requested,
-    WeightPrecision& chosen, std::shared_ptr<const DeviceWeights> target = nullptr) {
+    WeightPrecision& chosen, std::shared_ptr<const DeviceWeights> target = nullptr,
+    const cuda_model::TpRank& tp = {}) {
   using Dtype = cuda_model::Linear::Dtype;
   model::CheckpointReader reader(plan.model.dir);
   const model::WeightLayout layout =
@@ -318,6 +408,8 @@ std::shared_ptr<DeviceWeights> load_checkpoint_weights(
     const bool matrix = DeviceWeights::is_matrix(t.kind);
     const int cols = matrix ? matrix_cols(t.kind, plan, arch) : 1;
     const int rows = static_cast<int>(t.numel / cols);
+    const std::optional<TpShard> sh = shard_of(t, plan, arch, tp);
+    DeviceArena full;  // the whole tensor of a shard, until shard() copies the rank's part
     // An FP8 checkpoint's projections stay FP8 (with its scales) unless all of a fused
     // matrix's pieces are ignored; --dtype fp8 quantizes every projection per output row.
     int f8_pieces = 0;
@@ -326,11 +418,13 @@ std::shared_ptr<DeviceWeights> load_checkpoint_weights(
     const bool given = f8_pieces == static_cast<int>(pieces[i].size()) && f8_pieces > 0;
     Dtype dtype = act;
     if (fp8 && DeviceWeights::is_projection(t.kind) && fp8_shape_ok(rows, cols) &&
+        (!sh || fp8_shape_ok(sh->rows.empty() ? rows : static_cast<int>(sh->num_rows()),
+                             sh->cols > 0 ? static_cast<int>(sh->cols) : cols)) &&
         (!ckpt_fp8 || f8_pieces > 0))
       dtype = Dtype::kFP8;
     model::FloatArray host(static_cast<size_t>(t.numel));
     for (const model::WeightPiece* pc : pieces[i]) reader.read(pc->name, host.data() + pc->offset);
-    void* dst = w->place(t, cols, dtype);
+    void* dst = w->place(t, cols, dtype, sh ? &full : nullptr);
     if (dtype == Dtype::kFP8) {
       cuda_model::Linear& lin = *w->linear_of(t.kind, t.layer);
       if (given) {
@@ -381,6 +475,7 @@ std::shared_ptr<DeviceWeights> load_checkpoint_weights(
       KVQ_CUDA_CHECK(
           cudaMemcpy(dst, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
     }
+    if (sh) w->shard(t, cols, dtype, dst, *sh);
   }
   reader.finish();
   w->finish(arch.vocab_size, arch.hidden_size);
@@ -390,7 +485,8 @@ std::shared_ptr<DeviceWeights> load_checkpoint_weights(
 // Random weights; with `fp8` the decoder projections are quantized per output row (dynamic
 // activations), as --dtype fp8 converts a checkpoint.
 std::shared_ptr<DeviceWeights> synthetic_weights(const KvPlan& plan, const ArchitectureConfig& arch,
-                                                 uint64_t seed, bool fp8) {
+                                                 uint64_t seed, bool fp8,
+                                                 const cuda_model::TpRank& tp = {}) {
   using Dtype = cuda_model::Linear::Dtype;
   const model::WeightLayout layout = model::checkpoint_layout(plan.model, arch, true);
   auto w = std::make_shared<DeviceWeights>();
@@ -409,8 +505,14 @@ std::shared_ptr<DeviceWeights> synthetic_weights(const KvPlan& plan, const Archi
     const bool matrix = DeviceWeights::is_matrix(t.kind);
     const int cols = matrix ? matrix_cols(t.kind, plan, arch) : 1;
     const int rows = static_cast<int>(t.numel / cols);
-    const bool q8 = fp8 && DeviceWeights::is_projection(t.kind) && fp8_shape_ok(rows, cols);
-    void* p = w->place(t, cols, q8 ? Dtype::kFP8 : Dtype::kBF16);
+    // Every rank draws the whole tensor (the same values as one GPU) and keeps its shard.
+    const std::optional<TpShard> sh = shard_of(t, plan, arch, tp);
+    DeviceArena full;
+    const bool q8 =
+        fp8 && DeviceWeights::is_projection(t.kind) && fp8_shape_ok(rows, cols) &&
+        (!sh || fp8_shape_ok(sh->rows.empty() ? rows : static_cast<int>(sh->num_rows()),
+                             sh->cols > 0 ? static_cast<int>(sh->cols) : cols));
+    void* p = w->place(t, cols, q8 ? Dtype::kFP8 : Dtype::kBF16, sh ? &full : nullptr);
     if (matrix) {
       // Unit-variance inputs give unit-variance outputs: scale 1 / sqrt(fan_in).
       const double fan_in = t.kind == K::kO ? q : t.kind == K::kDown ? I : H;
@@ -426,6 +528,10 @@ std::shared_ptr<DeviceWeights> synthetic_weights(const KvPlan& plan, const Archi
       const bool norm = t.kind == K::kFinalNorm || t.kind == K::kInputNorm ||
                         t.kind == K::kPostNorm || t.kind == K::kQNorm || t.kind == K::kKNorm;
       cuda_model::fill_f32(static_cast<float*>(p), t.numel, norm ? 1.0f : 0.0f, nullptr);
+    }
+    if (sh) {
+      KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+      w->shard(t, cols, q8 ? Dtype::kFP8 : Dtype::kBF16, p, *sh);
     }
   }
   KVQ_CUDA_CHECK(cudaDeviceSynchronize());
@@ -448,9 +554,10 @@ std::vector<std::string> layer_cuda_reasons(const LayerKvSpec& spec) {
 
 class CudaDecoderModel final : public CudaModel {
  public:
+  // `tp`: a tensor-parallel rank (plan: slice_kv_plan's for it; weights: its shards).
   CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& options,
                    std::shared_ptr<const DeviceWeights> weights, WeightPrecision precision,
-                   size_t free_at_load);
+                   size_t free_at_load, cuda_model::TpRank tp = {});
   ~CudaDecoderModel() override;
 
   std::unique_ptr<Model> with_plan(const KvPlan& plan,
@@ -485,9 +592,10 @@ class CudaDecoderModel final : public CudaModel {
                    std::span<const std::pair<int32_t, int32_t>> src_dst) const override;
 
   // Validates the plan against the model and the CUDA kernels (InputError naming the layer);
-  // returns the parsed architecture. A DFlash drafter's config passes only with `drafter`.
+  // returns the parsed architecture. A DFlash drafter's config passes only with `drafter`;
+  // a tensor-parallel rank's plan has its share of the heads.
   static ArchitectureConfig validate(const KvPlan& plan, const CudaModelOptions& options,
-                                     bool drafter = false);
+                                     bool drafter = false, const cuda_model::TpRank& tp = {});
 
  private:
   // One step as the device runs it.
@@ -604,6 +712,7 @@ class CudaDecoderModel final : public CudaModel {
   size_t idx_cap_ = 0;
   // Device state.
   size_t device_total_ = 0, free_at_load_ = 0;
+  cuda_model::TpRank tp_;  // one rank of a tensor-parallel group (size 1: none)
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   std::unique_ptr<cuda_model::GemmTuner> tuner_;
@@ -687,7 +796,7 @@ class CudaDecoderModel final : public CudaModel {
 };
 
 ArchitectureConfig CudaDecoderModel::validate(const KvPlan& plan, const CudaModelOptions& o,
-                                              bool drafter) {
+                                              bool drafter, const cuda_model::TpRank& tp) {
   ArchitectureConfig arch = parse_architecture(plan.model);
   const ModelConfig& c = plan.model;
   if (arch.dflash && !drafter)
@@ -702,8 +811,10 @@ ArchitectureConfig CudaDecoderModel::validate(const KvPlan& plan, const CudaMode
   KVQ_CHECK(plan.layers.size() == static_cast<size_t>(c.num_layers),
             "the plan has " + std::to_string(plan.layers.size()) + " layers, the model " +
                 std::to_string(c.num_layers));
+  const int want_q = tp.active() ? tp.split.q_heads_per_rank : c.num_q_heads;
+  const int want_kv = tp.active() ? tp.split.kv_heads_per_rank : c.num_kv_heads;
   for (const LayerKvSpec& s : plan.layers) {
-    KVQ_CHECK(s.num_q_heads == c.num_q_heads && s.num_kv_heads == c.num_kv_heads &&
+    KVQ_CHECK(s.num_q_heads == want_q && s.num_kv_heads == want_kv &&
                   s.head_dim_k == c.head_dim && s.head_dim_v == c.head_dim,
               "layer " + std::to_string(s.layer) + "'s spec does not match the model's heads");
     const auto reasons = layer_cuda_reasons(s);
@@ -720,21 +831,23 @@ ArchitectureConfig CudaDecoderModel::validate(const KvPlan& plan, const CudaMode
 
 CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& options,
                                    std::shared_ptr<const DeviceWeights> weights,
-                                   WeightPrecision precision, size_t free_at_load)
+                                   WeightPrecision precision, size_t free_at_load,
+                                   cuda_model::TpRank tp)
     : plan_(plan),
-      arch_(validate(plan, options, weights && weights->target != nullptr)),
+      arch_(validate(plan, options, weights && weights->target != nullptr, tp)),
       options_(options),
       w_(std::move(weights)),
       precision_(precision),
-      free_at_load_(free_at_load) {
+      free_at_load_(free_at_load),
+      tp_(std::move(tp)) {
   const ModelConfig& c = plan_.model;
   bf16_ = w_->bf16;
   num_layers_ = c.num_layers;
   H_ = arch_.hidden_size;
-  I_ = arch_.intermediate_size;
+  I_ = arch_.intermediate_size / tp_.size;
   vocab_ = arch_.vocab_size;
-  nq_ = c.num_q_heads;
-  nkv_ = c.num_kv_heads;
+  nq_ = plan_.layers.front().num_q_heads;  // the rank's heads under tensor parallelism
+  nkv_ = plan_.layers.front().num_kv_heads;
   d_ = c.head_dim;
   q_dim_ = nq_ * d_;
   kv_dim_ = nkv_ * d_;
@@ -1409,8 +1522,13 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
       att_in = h_;
     }
     // o's scaled product is added to the residual by the post-attention RMSNorm (no bias).
-    const Deferred dox =
-        linear(w.o, T, att_in, q_dim_, x_, H_, 1.0f, {fuse_fp8(w.o), fuse_fp8(w.o) && !w.o_bias});
+    // Tensor parallelism: rank 0 adds its partial product to the residual, the others write
+    // theirs over it, and the all-reduce sums them: every rank holds the new residual.
+    const bool tp = tp_.active();
+    const float residual_beta = tp && tp_.rank != 0 ? 0.0f : 1.0f;
+    const Deferred dox = linear(w.o, T, att_in, q_dim_, x_, H_, residual_beta,
+                                {fuse_fp8(w.o), fuse_fp8(w.o) && !w.o_bias && !tp});
+    if (tp) cuda_model::all_reduce_sum(tp_, x_, static_cast<size_t>(T) * H_, stream_);
     if (w.o_bias) cuda_model::add_bias_rows(x_, w.o_bias, T, H_, stream_);
     if (fuse_fp8(w.gate_up))
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.post_norm, eps_, fp8_mode(w.gate_up),
@@ -1432,8 +1550,10 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     if (st.capture_set > 0)
       for (int32_t c : capture_sets_[static_cast<size_t>(st.capture_set) - 1])
         captured = captured || c == l;
-    const bool fold_down = fuse_fp8(w.down) && !w.down_bias && l + 1 < num_layers_ && !captured;
-    pending = linear(w.down, T, h_, I_, x_, H_, 1.0f, {false, fold_down});
+    const bool fold_down =
+        fuse_fp8(w.down) && !w.down_bias && l + 1 < num_layers_ && !captured && !tp;
+    pending = linear(w.down, T, h_, I_, x_, H_, residual_beta, {false, fold_down});
+    if (tp) cuda_model::all_reduce_sum(tp_, x_, static_cast<size_t>(T) * H_, stream_);
     if (w.down_bias) cuda_model::add_bias_rows(x_, w.down_bias, T, H_, stream_);
     if (st.capture_set > 0) {
       // This layer's output rows into their column of the [T][layers][H] capture buffer.
@@ -1813,17 +1933,23 @@ bool cuda_fp8_gemm_available() {
 }
 
 std::unique_ptr<CudaModel> CudaModel::load(const KvPlan& plan, const CudaModelOptions& options) {
-  size_t total = 0;
-  const size_t free_at_load = init_device(total);
   if (plan.model.dir.empty())
     throw InputError("the model config has no directory, so there are no weights to load");
-  const ArchitectureConfig arch = CudaDecoderModel::validate(plan, options);
-  for (const LayerKvSpec& s : plan.layers)  // an unrunnable plan fails before weights move
-    (void)select_attention_backend(s, Device::kCuda, options.forced_backend);
-  WeightPrecision chosen = options.weights;
-  auto weights = load_checkpoint_weights(plan, arch, options.weights, chosen);
-  return std::make_unique<CudaDecoderModel>(plan, options, std::move(weights), chosen,
-                                            free_at_load);
+  auto load_rank = [&](const cuda_model::TpRank& tp) -> std::unique_ptr<CudaModel> {
+    size_t total = 0;
+    const size_t free_at_load = init_device(total);
+    const KvPlan p = tp.active() ? slice_kv_plan(plan, tp.split, tp.rank) : plan;
+    const ArchitectureConfig arch = CudaDecoderModel::validate(p, options, false, tp);
+    for (const LayerKvSpec& s : p.layers)  // an unrunnable plan fails before weights move
+      (void)select_attention_backend(s, Device::kCuda, options.forced_backend);
+    WeightPrecision chosen = options.weights;
+    auto weights = load_checkpoint_weights(p, arch, options.weights, chosen, nullptr, tp);
+    return std::make_unique<CudaDecoderModel>(p, options, std::move(weights), chosen,
+                                              free_at_load, tp);
+  };
+  if (options.tensor_parallel_size > 1)
+    return cuda_model::make_tensor_parallel_model(plan, options, load_rank);
+  return load_rank({});
 }
 
 std::unique_ptr<CudaModel> CudaModel::load_dflash_drafter(const KvPlan& plan, const Model& target,
@@ -1831,8 +1957,11 @@ std::unique_ptr<CudaModel> CudaModel::load_dflash_drafter(const KvPlan& plan, co
   const auto* t = dynamic_cast<const CudaDecoderModel*>(&target);
   if (t == nullptr)
     throw InputError(
-        "--speculative-config: a DFlash drafter on the GPU needs a CUDA target "
-        "(--device cuda); for a CPU target use Model::load_dflash_drafter");
+        target.device() == Device::kCuda
+            ? "--speculative-config: a DFlash drafter does not run with --tensor-parallel-size "
+              "above 1 yet; accepted: --tensor-parallel-size 1"
+            : "--speculative-config: a DFlash drafter on the GPU needs a CUDA target "
+              "(--device cuda); for a CPU target use Model::load_dflash_drafter");
   size_t total = 0;
   const size_t free_at_load = init_device(total);
   (void)Model::check_dflash_drafter(plan, target);
@@ -1848,7 +1977,7 @@ std::unique_ptr<CudaModel> CudaModel::load_dflash_drafter(const KvPlan& plan, co
 std::unique_ptr<CudaModel> CudaModel::synthetic(const KvPlan& plan, const CudaModelOptions& options,
                                                 uint64_t seed) {
   size_t total = 0;
-  const size_t free_at_load = init_device(total);
+  (void)init_device(total);  // a clear error when there is no GPU
   if (options.weights == WeightPrecision::kFloat32)
     throw InputError(
         "synthetic models hold bfloat16 (or, with --dtype fp8, FP8) weights; float32 was asked "
@@ -1858,13 +1987,21 @@ std::unique_ptr<CudaModel> CudaModel::synthetic(const KvPlan& plan, const CudaMo
     throw InputError(
         "--dtype fp8: kvq's FP8 GEMMs (cuBLASLt with a scale per row and per column) run on "
         "Hopper (compute capability 9.x); accepted here: auto, bfloat16");
-  const ArchitectureConfig arch = CudaDecoderModel::validate(plan, options);
-  for (const LayerKvSpec& s : plan.layers)
-    (void)select_attention_backend(s, Device::kCuda, options.forced_backend);
-  auto weights = synthetic_weights(plan, arch, seed, fp8);
-  return std::make_unique<CudaDecoderModel>(
-      plan, options, std::move(weights), fp8 ? WeightPrecision::kFp8 : WeightPrecision::kBFloat16,
-      free_at_load);
+  auto load_rank = [&](const cuda_model::TpRank& tp) -> std::unique_ptr<CudaModel> {
+    size_t total_r = 0;
+    const size_t free_r = init_device(total_r);
+    const KvPlan p = tp.active() ? slice_kv_plan(plan, tp.split, tp.rank) : plan;
+    const ArchitectureConfig arch = CudaDecoderModel::validate(p, options, false, tp);
+    for (const LayerKvSpec& s : p.layers)
+      (void)select_attention_backend(s, Device::kCuda, options.forced_backend);
+    auto weights = synthetic_weights(p, arch, seed, fp8, tp);
+    return std::make_unique<CudaDecoderModel>(
+        p, options, std::move(weights), fp8 ? WeightPrecision::kFp8 : WeightPrecision::kBFloat16,
+        free_r, tp);
+  };
+  if (options.tensor_parallel_size > 1)
+    return cuda_model::make_tensor_parallel_model(plan, options, load_rank);
+  return load_rank({});
 }
 
 }  // namespace kvq

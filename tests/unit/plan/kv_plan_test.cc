@@ -409,5 +409,76 @@ TEST(TensorParallel, PerHeadScalesAreSlicedWithTheHeads) {
   }
 }
 
+// The weight shards of tensor parallelism, for fresh random shapes and every accepted size:
+// each rank's q|k|v rows are exactly the q rows of its query heads and the k / v rows of its kv
+// heads (every q row on one rank, every k / v row on kv_head_replicas ranks); gate|up rows and
+// down columns cut the MLP into equal slices that cover it once; o columns are the rank's
+// query heads. Checked row by row against the heads each row belongs to.
+TEST(TensorParallel, WeightShardsFollowTheHeadsAndTheMlpSlices) {
+  std::mt19937 rng(std::random_device{}());
+  for (int trial = 0; trial < 30; ++trial) {
+    const int nkv = 1 << std::uniform_int_distribution<int>(0, 3)(rng);
+    const int nq = nkv * (1 << std::uniform_int_distribution<int>(0, 2)(rng));
+    const int d = 16 << std::uniform_int_distribution<int>(0, 2)(rng);
+    const int inter = 64 * std::uniform_int_distribution<int>(1, 12)(rng);
+    const KvPlan p = make_kv_plan(
+        load_model_config(make_model_dir(llama_config(2, nq, nkv, d), {})), opts(std::nullopt));
+    SCOPED_TRACE(std::to_string(nq) + " q / " + std::to_string(nkv) + " kv heads, head_dim " +
+                 std::to_string(d) + ", MLP " + std::to_string(inter));
+    for (int n : tensor_parallel_sizes(p.model, 16)) {
+      const TensorParallelSplit s = split_heads(p.model, n);
+      if (inter % n != 0) {
+        EXPECT_THROW((void)tp_shard(TpMatrix::kGateUp, s, p.model, inter, 0), InputError);
+        continue;
+      }
+      const int q_rows = nq * d, kv_rows = nkv * d;
+      std::vector<int> qkv_hits(static_cast<size_t>(q_rows + 2 * kv_rows), 0);
+      std::vector<int> mlp_hits(static_cast<size_t>(2 * inter), 0), down_hits(inter, 0);
+      std::vector<int> o_hits(static_cast<size_t>(q_rows), 0);
+      for (int r = 0; r < n; ++r) {
+        const std::vector<int> kv = s.kv_heads_of(r);
+        const TpShard qkv = tp_shard(TpMatrix::kQkv, s, p.model, inter, r);
+        EXPECT_EQ(qkv.cols, 0);
+        EXPECT_EQ(qkv.num_rows(), int64_t{s.q_heads_per_rank} * d + 2 * int64_t{s.kv_heads_per_rank} * d);
+        int64_t local = 0;
+        for (const auto& [first, count] : qkv.rows)
+          for (int64_t row = first; row < first + count; ++row, ++local) {
+            ++qkv_hits[static_cast<size_t>(row)];
+            // Which head of which part the row belongs to, and that the rank holds it in order.
+            if (row < q_rows) {
+              EXPECT_EQ(row / d, s.first_q_head(r) + local / d) << "rank " << r;
+            } else {
+              const int64_t kr = (row - q_rows) % kv_rows;
+              const int64_t lk = (local - int64_t{s.q_heads_per_rank} * d) % (int64_t{s.kv_heads_per_rank} * d);
+              EXPECT_EQ(kr / d, kv[static_cast<size_t>(lk / d)]) << "rank " << r;
+            }
+          }
+        const TpShard gu = tp_shard(TpMatrix::kGateUp, s, p.model, inter, r);
+        EXPECT_EQ(gu.num_rows(), 2 * inter / n);
+        for (const auto& [first, count] : gu.rows)
+          for (int64_t row = first; row < first + count; ++row) ++mlp_hits[static_cast<size_t>(row)];
+        // gate and up rows of the same intermediate units, in order.
+        ASSERT_EQ(gu.rows.size(), 2u);
+        EXPECT_EQ(gu.rows[1].first - gu.rows[0].first, inter);
+        const TpShard down = tp_shard(TpMatrix::kDown, s, p.model, inter, r);
+        EXPECT_TRUE(down.rows.empty());
+        EXPECT_EQ(down.col0, gu.rows[0].first);
+        EXPECT_EQ(down.cols, inter / n);
+        for (int64_t c = down.col0; c < down.col0 + down.cols; ++c) ++down_hits[static_cast<size_t>(c)];
+        const TpShard o = tp_shard(TpMatrix::kO, s, p.model, inter, r);
+        EXPECT_EQ(o.col0, int64_t{s.first_q_head(r)} * d);
+        EXPECT_EQ(o.cols, int64_t{s.q_heads_per_rank} * d);
+        for (int64_t c = o.col0; c < o.col0 + o.cols; ++c) ++o_hits[static_cast<size_t>(c)];
+      }
+      for (int row = 0; row < q_rows + 2 * kv_rows; ++row)
+        EXPECT_EQ(qkv_hits[static_cast<size_t>(row)], row < q_rows ? 1 : s.kv_head_replicas)
+            << "size " << n << ", q|k|v row " << row;
+      for (int h : mlp_hits) EXPECT_EQ(h, 1) << "size " << n;
+      for (int h : down_hits) EXPECT_EQ(h, 1) << "size " << n;
+      for (int h : o_hits) EXPECT_EQ(h, 1) << "size " << n;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvq

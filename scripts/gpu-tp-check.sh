@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Tensor parallelism on a GPU machine with 2+ GPUs (issue #17), inside a gpu-bundle holding
+# build/kvq and build/tests/kvq_cuda_model_tests:
+#   here:   KVQ_BUNDLE_FILE=.carry/bundle-tp.tar.xz bash scripts/gpu-bundle.sh build/kvq build/tests/kvq_cuda_model_tests
+#   device: (kind nvidia-h100-x2 / nvidia-h200-x2)
+#           KVQ_BUNDLE_FILE=.carry/bundle-tp.tar.xz bash scripts/gpu-bundle.sh --run 'bash scripts/gpu-tp-check.sh PART...'
+# PARTs (in order):
+#   info   the GPUs, how they are linked (nvidia-smi topo -m), the NCCL library in use.
+#   tests  the TensorParallel* tests, then the whole CUDA model test binary.
+#   bench  `kvq bench --synthetic llama3-8b` decode at TP 1 and 2 (TPS), KV dtypes (KVS),
+#          batches (BATCHES), context CTX (default 4096); JSON lines in $OUT/tp-bench.jsonl. TP 2
+#          also runs with KVQ_TP_ALLREDUCE=off (timing only: the all-reduces' share of a step;
+#          ALLREDUCE_AB=0 skips it).
+# NVLink multicast stays off (the device notes: NCCL_NVLS_ENABLE=0).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:-$PWD/out-tp}
+mkdir -p "$OUT"
+B=bundle/build
+step() { echo "=== [${SECONDS}s] $*"; }
+for part in "${@:-info tests}"; do
+  case "$part" in
+  info)
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+    nvidia-smi topo -m 2>&1 | head -12
+    ldd $B/kvq | grep -i nccl
+    ;;
+  tests)
+    step "TensorParallel tests"
+    timeout 500 $B/tests/kvq_cuda_model_tests --gtest_filter='*TensorParallel*' \
+      > "$OUT/tp-tests.log" 2>&1; echo "rc=$?"
+    grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]|TP 2 vs 1|Failure|first:|second:|after" "$OUT/tp-tests.log" | head -40
+    step "the whole CUDA model test binary"
+    timeout 500 $B/tests/kvq_cuda_model_tests --gtest_filter='-*TensorParallel*' > "$OUT/model-tests.log" 2>&1; echo "rc=$?"
+    grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]" "$OUT/model-tests.log" | tail -8
+    ;;
+  tp-tests)
+    step "TensorParallel tests"
+    timeout 500 $B/tests/kvq_cuda_model_tests --gtest_filter='*TensorParallel*' \
+      > "$OUT/tp-tests.log" 2>&1; echo "rc=$?"
+    grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]|TP 2 vs 1|vs bf16 TP 1|Failure|first:|second:|after" "$OUT/tp-tests.log" | head -40
+    ;;
+  bench)
+    for kv in ${KVS:-fp8}; do
+      for b in ${BATCHES:-1 64}; do
+        for tp in ${TPS:-1 2}; do
+          modes="on"
+          [ "$tp" -gt 1 ] && [ "${ALLREDUCE_AB:-1}" = 1 ] && modes="on off"
+          for ar in $modes; do
+            KVQ_TP_ALLREDUCE=$ar timeout 120 $B/kvq bench --synthetic llama3-8b --device cuda \
+              --tensor-parallel-size $tp --kv-cache-dtype $kv --batch $b --input-len ${CTX:-4096} \
+              --output-len ${OUTLEN:-32} --prefill-sequences 1 --json 2>>"$OUT/tp-bench.err" |
+              python3 bench/step_summary.py "tp=$tp allreduce=$ar" >> "$OUT/tp-bench.jsonl"
+          done
+        done
+      done
+    done
+    ;;
+  *) echo "gpu-tp-check: unknown part $part (info, tests, bench)" >&2; exit 2 ;;
+  esac
+done
+step done
