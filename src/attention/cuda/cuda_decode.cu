@@ -70,6 +70,7 @@ __global__ void __launch_bounds__(32) decode_prep_kernel(const __grid_constant__
   const int lane = static_cast<int>(threadIdx.x);
   const int r = static_cast<int>(blockIdx.x);
   const int seq = static_cast<int>(blockIdx.y);
+  wait_for_previous_kernel();  // q comes from the kernel before (PDL, cache/cuda/pdl.h)
   allow_next_kernel();  // the split-KV kernel waits for this grid's writes before reading Q
   const int g = r % kDecodeHeadsPerWarp;
   const int hc = (r / kDecodeHeadsPerWarp) % p.head_chunks;
@@ -296,7 +297,7 @@ void launch_by_dim(int hd, Aux which, const PrepParams& pp, const MergeParams& m
     constexpr int HD = decltype(dim)::value;
     switch (which) {
       case Aux::kPrep:
-        launch(decode_prep_kernel<HD>, grid, 32, pp, false, stream);
+        launch(decode_prep_kernel<HD>, grid, 32, pp, pdl_enabled(), stream);
         break;
       case Aux::kMergeWarp:
         launch(decode_merge_warp_kernel<HD>, grid, 128, mp, true, stream);

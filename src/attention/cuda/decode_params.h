@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "cache/cuda/kv_codec_device.cuh"
+#include "cache/cuda/pdl.h"  // wait_for_previous_kernel, allow_next_kernel
 #include "kvq/core/kv_dtype.h"
 
 namespace kvq::cuda {
@@ -124,16 +125,5 @@ struct DecodeKernelParams {
 using DecodeMainKernel = void (*)(DecodeKernelParams);
 template <KvDtype DK, KvDtype DV>
 DecodeMainKernel decode_main_kernel_for(int head_dim);
-
-// Programmatic dependent launch (sm_90): a kernel launched with the attribute may start
-// while the previous one on the stream finishes; it waits here before reading that kernel's
-// output. A no-op for a kernel launched without the attribute.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-// Lets the next kernel on the stream (launched with the attribute) start being scheduled.
-__device__ __forceinline__ void allow_next_kernel() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
 
 }  // namespace kvq::cuda

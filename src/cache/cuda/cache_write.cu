@@ -11,6 +11,7 @@
 #include "cache/cuda/cuda_check.h"
 #include "cache/cuda/dispatch.h"
 #include "cache/cuda/kv_codec_device.cuh"
+#include "cache/cuda/pdl.h"
 #include "kvq/cache/device_kv_cache.h"
 #include "kvq/core/error.h"
 #include "kvq/quant/codec.h"
@@ -86,6 +87,8 @@ __device__ __forceinline__ void pack_codes(const uint32_t (&c)[E], uint32_t* w) 
 template <KvDtype D, int E>
 __global__ void __launch_bounds__(kWriteWarps * 32)
     write_side_kernel(const __grid_constant__ WriteParams ps) {
+  wait_for_previous_kernel();  // PDL (pdl.h)
+  allow_next_kernel();
   const WriteSideParams& p = ps.side[blockIdx.y];
   constexpr int kHd = 32 * E;
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -244,6 +247,8 @@ constexpr int kRowThreads = 128;
 template <KvDtype D>
 __global__ void __launch_bounds__(kRowThreads)
     write_row_kernel(const __grid_constant__ WriteParams ps, int hd) {
+  wait_for_previous_kernel();
+  allow_next_kernel();
   const WriteSideParams& p = ps.side[blockIdx.y];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x;
   if (row >= p.n * p.num_kv_heads) return;
@@ -362,16 +367,14 @@ void launch_write(KvDtype dtype, const WriteParams& p, unsigned sides, int head_
   bool known_dim = true;
   const bool known_dtype = with_kv_dtype(dtype, [&](auto d) {
     known_dim = with_head_dim(head_dim, [&](auto hd) {
-      write_side_kernel<decltype(d)::value, decltype(hd)::value / 32>
-          <<<dim3(static_cast<unsigned>((rows + kWriteWarps - 1) / kWriteWarps), sides),
-             kWriteWarps * 32, 0, stream>>>(p);
-      KVQ_CUDA_CHECK_LAUNCH();
+      launch_pdl(write_side_kernel<decltype(d)::value, decltype(hd)::value / 32>,
+                 dim3(static_cast<unsigned>((rows + kWriteWarps - 1) / kWriteWarps), sides),
+                 kWriteWarps * 32, stream, p);
     });
     if (!known_dim && head_dim >= 1 && head_dim <= kSmallMaxHeadDim) {
-      write_row_kernel<decltype(d)::value>
-          <<<dim3(static_cast<unsigned>((rows + kRowThreads - 1) / kRowThreads), sides),
-             kRowThreads, 0, stream>>>(p, head_dim);
-      KVQ_CUDA_CHECK_LAUNCH();
+      launch_pdl(write_row_kernel<decltype(d)::value>,
+                 dim3(static_cast<unsigned>((rows + kRowThreads - 1) / kRowThreads), sides),
+                 kRowThreads, stream, p, head_dim);
       known_dim = true;
     }
   });

@@ -4,9 +4,14 @@
 
 #include "cache/cuda/cuda_check.h"
 #include "cache/cuda/kv_codec_device.cuh"
+#include "cache/cuda/pdl.h"
 #include "model/cuda/model_kernels.h"
 
 namespace kvq::cuda_model {
+
+using cuda::allow_next_kernel;
+using cuda::launch_pdl;
+using cuda::wait_for_previous_kernel;
 
 namespace {
 
@@ -74,6 +79,8 @@ __device__ __forceinline__ double add_residual_and_square(float* row, const Resi
 
 __global__ void rms_norm_kernel(const float* x, const int32_t* rows, int H, const float* w,
                                 float eps, void* out, bool bf16, ResidualAdd ra) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   __shared__ double scratch[32];
   const int r = static_cast<int>(blockIdx.x);
   const float* row = x + static_cast<int64_t>(rows ? rows[r] : r) * H;
@@ -113,6 +120,8 @@ __global__ void qkv_post_kernel(const float* qkv, const float* row_scale, const 
                                 const float* bias, const float* q_norm, const float* k_norm,
                                 const float* cs, int T, int nq, int nkv, int d, float eps, float* q,
                                 float* k, float* v) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int heads = nq + 2 * nkv;
   const int64_t item = blockIdx.x * int64_t{blockDim.x >> 5} + (threadIdx.x >> 5);
@@ -161,6 +170,8 @@ __global__ void qkv_post_kernel(const float* qkv, const float* row_scale, const 
 }
 
 __global__ void add_bias_kernel(float* x, const float* bias, int64_t total, int n) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x)
     x[i] += bias[i % n];
@@ -178,6 +189,8 @@ __device__ __forceinline__ float silu_mul_at(const float* gu, float rs, const fl
 
 __global__ void silu_mul_kernel(const float* gu, const float* row_scale, const float* col_scale,
                                 const float* bias, int64_t total, int I, void* out, bool bf16) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / I;
@@ -199,6 +212,8 @@ __global__ void gather_rows_kernel(const float* src, const int32_t* rows, int64_
 }
 
 __global__ void to_bf16_kernel(const float* in, int64_t n, __nv_bfloat16* out) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
     out[i] = __float2bfloat16_rn(in[i]);
@@ -206,6 +221,8 @@ __global__ void to_bf16_kernel(const float* in, int64_t n, __nv_bfloat16* out) {
 
 __global__ void quantize_fp8_kernel(const void* x, bool bf16, int cols, int64_t ldx, Fp8Scale mode,
                                     const float* scale_in, uint8_t* codes, float* scale) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   __shared__ float scratch[32];
   const int r = static_cast<int>(blockIdx.x);
   const int64_t base = static_cast<int64_t>(r) * ldx;
@@ -244,6 +261,8 @@ __global__ void quantize_fp8_kernel(const void* x, bool bf16, int cols, int64_t 
 __global__ void quantize_fp8_bf16x8_kernel(const __nv_bfloat16* x, int cols, int64_t ldx,
                                            Fp8Scale mode, const float* scale_in, uint8_t* codes,
                                            float* scale) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   __shared__ float scratch[32];
   const int r = static_cast<int>(blockIdx.x);
   const uint4* row = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(r) * ldx);
@@ -328,6 +347,8 @@ __device__ __forceinline__ float round_bf16(float v) {
 __global__ void rms_norm_fp8_kernel(float* x, int H, const float* w, float eps, Fp8Scale mode,
                                     const float* scale_in, uint8_t* codes, float* scale,
                                     ResidualAdd ra) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   __shared__ double scratch[32];
   const int r = static_cast<int>(blockIdx.x);
   float* row = x + static_cast<int64_t>(r) * H;
@@ -348,6 +369,8 @@ __global__ void rms_norm_fp8_kernel(float* x, int H, const float* w, float eps, 
 
 __global__ void quantize_fp8_rounded_kernel(const float* x, int cols, int64_t ldx, Fp8Scale mode,
                                             const float* scale_in, uint8_t* codes, float* scale) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   const int r = static_cast<int>(blockIdx.x);
   const float* row = x + static_cast<int64_t>(r) * ldx;
   quantize_row_fp8([&](int c) { return round_bf16(row[c]); }, r, cols, mode, scale_in, codes,
@@ -357,6 +380,8 @@ __global__ void quantize_fp8_rounded_kernel(const float* x, int cols, int64_t ld
 __global__ void fp8_scale_product_kernel(const float* raw, int m, int n, int ld,
                                          const float* row_scale, const float* col_scale, float beta,
                                          float* out) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   const int64_t total = static_cast<int64_t>(m) * n;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -392,6 +417,8 @@ __global__ void fill_f32_kernel(float* w, int64_t n, float value) {
 }
 
 __global__ void argmax_kernel(const float* logits, int vocab, int32_t* out) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   __shared__ float sv[32];
   __shared__ int si[32];
   const float* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
@@ -432,7 +459,7 @@ void rms_norm_rows(const float* x, const int32_t* rows, int n, int H, const floa
   // One block per row: wide rows get 1024 threads so each thread has few loads in flight
   // (256 threads left a 64-row decode batch latency-bound, 11.5 us per call at H = 4096).
   const int threads = H >= 2048 ? 1024 : kThreads;
-  rms_norm_kernel<<<n, threads, 0, stream>>>(x, rows, H, w, eps, out, bf16, ResidualAdd{});
+  launch_pdl(rms_norm_kernel, n, threads, stream, x, rows, H, w, eps, out, bf16, ResidualAdd{});
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -449,15 +476,14 @@ void qkv_post(const float* qkv, const float* bias, const float* q_norm, const fl
               float* v, cudaStream_t stream, const float* row_scale, const float* col_scale) {
   if (T == 0) return;
   const int64_t warps = int64_t{T} * (nq + 2 * nkv);
-  qkv_post_kernel<<<static_cast<unsigned>((warps + 3) / 4), 128, 0, stream>>>(
-      qkv, row_scale, col_scale, bias, q_norm, k_norm, cs, T, nq, nkv, d, eps, q, k, v);
+  launch_pdl(qkv_post_kernel, static_cast<unsigned>((warps + 3) / 4), 128, stream, qkv, row_scale, col_scale, bias, q_norm, k_norm, cs, T, nq, nkv, d, eps, q, k, v);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
 void add_bias_rows(float* x, const float* bias, int T, int n, cudaStream_t stream) {
   const int64_t total = int64_t{T} * n;
   if (total == 0) return;
-  add_bias_kernel<<<grid_for(total), kThreads, 0, stream>>>(x, bias, total, n);
+  launch_pdl(add_bias_kernel, grid_for(total), kThreads, stream, x, bias, total, n);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -465,7 +491,7 @@ void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool 
               cudaStream_t stream, const float* row_scale, const float* col_scale) {
   const int64_t total = int64_t{T} * I;
   if (total == 0) return;
-  silu_mul_kernel<<<grid_for(total), kThreads, 0, stream>>>(gu, row_scale, col_scale, bias, total,
+  launch_pdl(silu_mul_kernel, grid_for(total), kThreads, stream, gu, row_scale, col_scale, bias, total,
                                                             I, out, bf16);
   KVQ_CUDA_CHECK_LAUNCH();
 }
@@ -473,7 +499,7 @@ void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool 
 void add_rms_norm_rows(float* x, const ResidualAdd& ra, int n, int H, const float* w, float eps,
                        void* out, bool bf16, cudaStream_t stream) {
   if (n == 0) return;
-  rms_norm_kernel<<<n, H >= 2048 ? 1024 : kThreads, 0, stream>>>(x, nullptr, H, w, eps, out, bf16,
+  launch_pdl(rms_norm_kernel, n, H >= 2048 ? 1024 : kThreads, stream, x, nullptr, H, w, eps, out, bf16,
                                                                  ra);
   KVQ_CUDA_CHECK_LAUNCH();
 }
@@ -482,7 +508,7 @@ void rms_norm_rows_fp8(float* x, int n, int H, const float* w, float eps, Fp8Sca
                        const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream,
                        const ResidualAdd& ra) {
   if (n == 0) return;
-  rms_norm_fp8_kernel<<<n, H >= 2048 ? 1024 : kThreads, 0, stream>>>(x, H, w, eps, mode, scale_in,
+  launch_pdl(rms_norm_fp8_kernel, n, H >= 2048 ? 1024 : kThreads, stream, x, H, w, eps, mode, scale_in,
                                                                      codes, scale, ra);
   KVQ_CUDA_CHECK_LAUNCH();
 }
@@ -491,8 +517,7 @@ void quantize_rows_fp8_rounded(const float* x, int rows, int cols, int64_t ldx, 
                                const float* scale_in, uint8_t* codes, float* scale,
                                cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
-  quantize_fp8_rounded_kernel<<<rows, cols >= 2048 ? 1024 : kThreads, 0, stream>>>(
-      x, cols, ldx, mode, scale_in, codes, scale);
+  launch_pdl(quantize_fp8_rounded_kernel, rows, cols >= 2048 ? 1024 : kThreads, stream, x, cols, ldx, mode, scale_in, codes, scale);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -506,7 +531,7 @@ void gather_rows(const float* src, const int32_t* rows, int n, int F, float* out
 
 void to_bf16(const float* in, int64_t n, void* out, cudaStream_t stream) {
   if (n == 0) return;
-  to_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(in, n, static_cast<__nv_bfloat16*>(out));
+  launch_pdl(to_bf16_kernel, grid_for(n), kThreads, stream, in, n, static_cast<__nv_bfloat16*>(out));
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -529,10 +554,9 @@ void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx
   const int threads = cols >= 2048 ? 512 : 128;
   if (bf16 && cols % 8 == 0 && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(codes) % 8 == 0) {
-    quantize_fp8_bf16x8_kernel<<<rows, threads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(x), cols, ldx, mode, scale_in, codes, scale);
+    launch_pdl(quantize_fp8_bf16x8_kernel, rows, threads, stream, static_cast<const __nv_bfloat16*>(x), cols, ldx, mode, scale_in, codes, scale);
   } else {
-    quantize_fp8_kernel<<<rows, threads, 0, stream>>>(x, bf16, cols, ldx, mode, scale_in, codes,
+    launch_pdl(quantize_fp8_kernel, rows, threads, stream, x, bf16, cols, ldx, mode, scale_in, codes,
                                                       scale);
   }
   KVQ_CUDA_CHECK_LAUNCH();
@@ -542,14 +566,14 @@ void fp8_scale_product(const float* raw, int m, int n, int ld, const float* row_
                        const float* col_scale, float beta, float* out, cudaStream_t stream) {
   const int64_t total = static_cast<int64_t>(m) * n;
   if (total == 0) return;
-  fp8_scale_product_kernel<<<grid_for(total), kThreads, 0, stream>>>(raw, m, n, ld, row_scale,
+  launch_pdl(fp8_scale_product_kernel, grid_for(total), kThreads, stream, raw, m, n, ld, row_scale,
                                                                      col_scale, beta, out);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
 void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream) {
   if (rows == 0) return;
-  argmax_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, out);
+  launch_pdl(argmax_kernel, rows, kThreads, stream, logits, vocab, out);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

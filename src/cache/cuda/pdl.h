@@ -1,0 +1,52 @@
+// Programmatic dependent launch (sm_90) for the small kernels of a step: a kernel launched
+// with launch_pdl() may be scheduled while the previous kernel on the stream finishes, and
+// waits in wait_for_previous_kernel() (first thing, before any global memory access) until
+// that kernel has completed and its writes are visible; allow_next_kernel() lets the next
+// such kernel be scheduled early. Both are no-ops for a kernel launched without the attribute
+// (and the wait is a no-op after a kernel that is not a PDL primary, e.g. a cuBLAS GEMM).
+// KVQ_PDL=0 launches without the attribute (A/B).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "cache/cuda/cuda_check.h"
+
+namespace kvq::cuda {
+
+__device__ __forceinline__ void wait_for_previous_kernel() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void allow_next_kernel() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVQ_PDL");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  return on;
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...) with the programmatic-serialization attribute
+// (when pdl_enabled() and stream is not the legacy default stream); launch errors are checked.
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() && stream != nullptr ? 1 : 0;  // load-time kernels: plain
+  KVQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace kvq::cuda
