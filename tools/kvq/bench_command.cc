@@ -28,6 +28,7 @@
 #include "commands.h"
 #include "kvq/core/error.h"
 #include "kvq/core/log.h"
+#include "kvq/plan/tensor_parallel.h"
 #include "kvq/engine/llm_engine.h"
 #include "kvq/model/cuda_model.h"
 #include "model_flags.h"
@@ -535,8 +536,12 @@ Action add_bench_command(CLI::App& app) {
     const double prefill_tps = prefill_s > 0 ? static_cast<double>(P) * L / prefill_s : 0.0;
 
     // The decode floor: weights + the KV bytes a step reads (mean context of the timed steps)
-    // over the measured copy bandwidth.
-    const double kv_token_bytes = static_cast<double>(plan.bytes_per_token());
+    // over the measured copy bandwidth; per GPU under tensor parallelism (one rank's weights,
+    // from the model's memory report, and one rank's kv heads).
+    const int tp = st->model.tensor_parallel_size;
+    const double kv_token_bytes = static_cast<double>(
+        tp > 1 ? slice_kv_plan(plan, split_heads(plan.model, tp), 0).bytes_per_token()
+               : plan.bytes_per_token());
     const double mean_ctx = L + (skip + 1 + static_cast<double>(step_ms.size())) / 2.0;
     const double kv_read = static_cast<double>(B) * mean_ctx * kv_token_bytes;
     const double floor_ms =
