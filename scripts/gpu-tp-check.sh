@@ -11,6 +11,8 @@
 #          batches (BATCHES), context CTX (default 4096); JSON lines in $OUT/tp-bench.jsonl. TP 2
 #          also runs with KVQ_TP_ALLREDUCE=off (timing only: the all-reduces' share of a step;
 #          ALLREDUCE_AB=0 skips it).
+#   bench70  the Llama-3-70B shape at TP 2 (H200s: 70 GB of bf16 weights a rank), batch 1 / 32 at
+#          4k (KVS70) and the largest batch at 16k per KV dtype (KVS70_16K); $OUT/tp70-bench.jsonl.
 # NVLink multicast stays off (the device notes: NCCL_NVLS_ENABLE=0).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
@@ -56,7 +58,29 @@ for part in "${@:-info tests}"; do
       done
     done
     ;;
-  *) echo "gpu-tp-check: unknown part $part (info, tests, bench)" >&2; exit 2 ;;
+  bench70)
+    # Llama-3-70B shape at TP 2 (bf16 weights: 70 GB a rank, so H200s): batch 1 and 32 at 4k
+    # for KV bf16 / fp8; then per KV dtype the largest batch that fits at 16k context.
+    run70() {  # KV BATCH INPUT_LEN TAG (16k: the Llama-3.1 shape, whose context is 128k)
+      timeout 200 $B/kvq bench --synthetic $([ $3 -gt 8000 ] && echo llama3.1-70b || echo llama3-70b) \
+        --device cuda --tensor-parallel-size 2 \
+        --kv-cache-dtype $1 --batch $2 --input-len $3 --output-len ${OUTLEN:-32} \
+        --prefill-sequences 1 --json 2>>"$OUT/tp70-bench.err" |
+        python3 bench/step_summary.py "$4" >> "$OUT/tp70-bench.jsonl"
+    }
+    for kv in ${KVS70:-bfloat16 fp8}; do
+      for b in 1 32; do run70 $kv $b 4096 "70b tp=2"; done
+    done
+    for kv in ${KVS70_16K:-bfloat16 fp8 int4_per_token_head}; do
+      lb=$(timeout 200 $B/kvq bench --synthetic llama3.1-70b --device cuda --tensor-parallel-size 2 \
+        --kv-cache-dtype $kv --batch 1 --input-len 16384 --output-len ${OUTLEN:-32} \
+        --prefill-sequences 1 --json 2>>"$OUT/tp70-bench.err" |
+        python3 -c 'import json,sys; print(json.load(sys.stdin)["largest_batch"])')
+      echo "70b tp=2 kv=$kv: largest batch at 16k: $lb"
+      [ -n "$lb" ] && [ "$lb" -gt 0 ] && run70 $kv $(( lb < 256 ? lb : 256 )) 16384 "70b tp=2 largest@16k"
+    done
+    ;;
+  *) echo "gpu-tp-check: unknown part $part (info, tests, tp-tests, bench, bench70)" >&2; exit 2 ;;
   esac
 done
 step done

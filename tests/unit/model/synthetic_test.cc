@@ -35,6 +35,8 @@ const std::vector<Shape>& shapes() {
        1e-5f, false, false, RopeScaling::Kind::kLlama3},
       {"llama3-70b", ModelFamily::kLlama, 80, 8192, 64, 8, 128, 28672, 128256, 8192, 500000.0f,
        1e-5f, false, false, RopeScaling::Kind::kNone},
+      {"llama3.1-70b", ModelFamily::kLlama, 80, 8192, 64, 8, 128, 28672, 128256, 131072,
+       500000.0f, 1e-5f, false, false, RopeScaling::Kind::kLlama3},
       {"qwen3-8b", ModelFamily::kQwen3, 36, 4096, 32, 8, 128, 12288, 151936, 40960, 1e6f, 1e-6f,
        false, true, RopeScaling::Kind::kNone},
       {"qwen2.5-7b", ModelFamily::kQwen2, 28, 3584, 28, 4, 128, 18944, 152064, 131072, 1e6f, 1e-6f,
