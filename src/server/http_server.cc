@@ -476,20 +476,15 @@ struct HttpServer::Impl {
     return u;
   }
 
-  TokenText token_text() const {
-    return [this](int32_t id) {
+  // One token's text: as logprobs show it (special tokens included), or as the returned text
+  // has it (special tokens skipped there: what text_offset advances by).
+  TokenText token_text(bool skip_special = false) const {
+    return [this, skip_special](int32_t id) {
       const int32_t one[1] = {id};
-      return engine.tokenizer().decode(one, /*skip_special_tokens=*/false);
+      return engine.tokenizer().decode(one, skip_special);
     };
   }
-  // The token as the returned text has it (special tokens are skipped there): what text_offset
-  // advances by.
-  TokenText token_in_text() const {
-    return [this](int32_t id) {
-      const int32_t one[1] = {id};
-      return engine.tokenizer().decode(one, /*skip_special_tokens=*/true);
-    };
-  }
+  TokenText token_in_text() const { return token_text(/*skip_special=*/true); }
 
   void log_request(Exchange& ex, const char* outcome) {
     if (!opt.log_requests) return;
