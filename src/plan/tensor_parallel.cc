@@ -67,9 +67,14 @@ TpShard tp_shard(TpMatrix m, const TensorParallelSplit& split, const ModelConfig
   KVQ_CHECK(rank >= 0 && rank < split.size, "tp_shard: rank out of range");
   KVQ_CHECK(split.num_kv_heads == config.num_kv_heads, "tp_shard: the split is of another model");
   const int n = split.size;
-  if ((m == TpMatrix::kGateUp || m == TpMatrix::kDown) && intermediate % n != 0)
+  if ((m == TpMatrix::kGateUp || m == TpMatrix::kDown) && intermediate % n != 0) {
+    std::string ok;
+    for (int k : tensor_parallel_sizes(config))
+      if (intermediate % k == 0) ok += (ok.empty() ? "" : ", ") + std::to_string(k);
     throw InputError("--tensor-parallel-size " + std::to_string(n) + ": the model's MLP width " +
-                     std::to_string(intermediate) + " does not divide by it");
+                     std::to_string(intermediate) + " does not divide by it; accepted: " +
+                     (ok.empty() ? std::string("1") : ok));
+  }
   const int64_t d = config.head_dim;
   const int64_t q_rows = static_cast<int64_t>(config.num_q_heads) * d;
   const int64_t kv_rows = static_cast<int64_t>(config.num_kv_heads) * d;

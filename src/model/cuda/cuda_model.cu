@@ -1076,7 +1076,8 @@ std::unique_ptr<Model> CudaDecoderModel::with_plan(const KvPlan& plan,
   p.model.dir = a.dir;
   CudaModelOptions o = options_;
   o.forced_backend = std::string(forced_backend);
-  return std::make_unique<CudaDecoderModel>(p, o, w_, precision_, free_at_load_);
+  // A tensor-parallel rank stays one (plan: the caller's slice of the new plan).
+  return std::make_unique<CudaDecoderModel>(p, o, w_, precision_, free_at_load_, tp_);
 }
 
 CudaMemoryReport CudaDecoderModel::memory() const {

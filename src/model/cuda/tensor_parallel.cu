@@ -188,9 +188,31 @@ class Workers {
   std::vector<std::exception_ptr> errors_;
 };
 
+// Frees rank r's model with device r current (its streams, handles and memory are there).
+void release_on_devices(std::vector<std::unique_ptr<CudaModel>>& ranks) {
+  int current = 0;
+  (void)cudaGetDevice(&current);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    if (!ranks[r]) continue;
+    (void)cudaSetDevice(static_cast<int>(r));
+    ranks[r].reset();
+  }
+  (void)cudaSetDevice(current);
+}
+
 // Every rank's cache of one create_cache() call; the engine's cache (rank 0's views) owns it.
+// Freed with each rank's device current.
 struct CacheGroup {
   std::vector<std::unique_ptr<PagedKvCache>> ranks;
+  ~CacheGroup() {
+    int current = 0;
+    (void)cudaGetDevice(&current);
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      (void)cudaSetDevice(static_cast<int>(r));
+      ranks[r].reset();
+    }
+    (void)cudaSetDevice(current);
+  }
 };
 
 class TensorParallelModel final : public CudaModel {
@@ -206,26 +228,24 @@ class TensorParallelModel final : public CudaModel {
     if (const char* e = std::getenv("KVQ_TP_FAIL_RANK"); e != nullptr && *e != '\0')
       fail_rank_ = std::atoi(e);
   }
-  ~TensorParallelModel() override {
-    // Each rank's device state is released with its device current.
-    int current = 0;
-    (void)cudaGetDevice(&current);
-    for (size_t r = 0; r < ranks_.size(); ++r) {
-      (void)cudaSetDevice(static_cast<int>(r));
-      ranks_[r].reset();
-    }
-    (void)cudaSetDevice(current);
-  }
+  ~TensorParallelModel() override { release_on_devices(ranks_); }
 
   std::unique_ptr<Model> with_plan(const KvPlan& plan,
                                    std::string_view forced_backend) const override {
     const TensorParallelSplit split = split_heads(plan.model, size());
     std::vector<std::unique_ptr<CudaModel>> ranks(ranks_.size());
-    run([&](int r) {
-      std::unique_ptr<Model> m = ranks_[static_cast<size_t>(r)]->with_plan(
-          slice_kv_plan(plan, split, r), forced_backend);
-      ranks[static_cast<size_t>(r)].reset(static_cast<CudaModel*>(m.release()));
-    });
+    try {
+      run(
+          [&](int r) {
+            std::unique_ptr<Model> m = ranks_[static_cast<size_t>(r)]->with_plan(
+                slice_kv_plan(plan, split, r), forced_backend);
+            ranks[static_cast<size_t>(r)].reset(static_cast<CudaModel*>(m.release()));
+          },
+          /*collective=*/false);
+    } catch (...) {
+      release_on_devices(ranks);
+      throw;
+    }
     return std::make_unique<TensorParallelModel>(plan, std::move(ranks), comms_, workers_);
   }
   const KvPlan& plan() const override { return plan_; }
@@ -272,56 +292,76 @@ class TensorParallelModel final : public CudaModel {
   std::unique_ptr<PagedKvCache> create_cache(int32_t num_blocks) const override {
     auto group = std::make_shared<CacheGroup>();
     group->ranks.resize(ranks_.size());
-    run([&](int r) {
-      group->ranks[static_cast<size_t>(r)] = ranks_[static_cast<size_t>(r)]->create_cache(num_blocks);
-    });
+    run(
+        [&](int r) {
+          group->ranks[static_cast<size_t>(r)] =
+              ranks_[static_cast<size_t>(r)]->create_cache(num_blocks);
+        },
+        /*collective=*/false);
     PagedKvCache& first = *group->ranks.front();
     std::vector<LayerCacheView> views;
     for (size_t l = 0; l < first.num_layers(); ++l) views.push_back(first.layer_view(l));
     auto cache = std::make_unique<PagedKvCache>(PagedKvCache::with_external_storage(
         ranks_.front()->plan().layers, num_blocks, std::move(views), group));
+    // Keyed by rank 0's storage, not the PagedKvCache object: the engine moves the object.
     std::lock_guard<std::mutex> lock(caches_mu_);
     for (auto it = caches_.begin(); it != caches_.end();)
       it = it->second.expired() ? caches_.erase(it) : std::next(it);
-    caches_[cache.get()] = group;
+    caches_[storage_key(*cache)] = group;
     return cache;
   }
+  // Each rank asks its own device (the worker keeps it current).
   int64_t max_cache_blocks() const override {
+    std::vector<int64_t> per(ranks_.size());
+    run([&](int r) { per[static_cast<size_t>(r)] = ranks_[static_cast<size_t>(r)]->max_cache_blocks(); },
+        /*collective=*/false);
     int64_t most = -1;
-    for (const auto& r : ranks_) {
-      const int64_t m = r->max_cache_blocks();
-      most = most < 0 ? m : std::min(most, m);
-    }
+    for (int64_t m : per) most = most < 0 ? m : std::min(most, m);
     return most;
   }
   const CudaModelOptions& options() const override { return ranks_.front()->options(); }
   WeightPrecision weight_precision() const override { return ranks_.front()->weight_precision(); }
-  // Rank 0's device (every rank holds the same share).
-  CudaMemoryReport memory() const override { return ranks_.front()->memory(); }
+  // Rank 0's device (every rank holds the same share), asked on its worker.
+  CudaMemoryReport memory() const override {
+    CudaMemoryReport m;
+    run([&](int r) { if (r == 0) m = ranks_.front()->memory(); }, /*collective=*/false);
+    return m;
+  }
   void copy_blocks(PagedKvCache& cache,
                    std::span<const std::pair<int32_t, int32_t>> src_dst) const override {
     const std::vector<PagedKvCache*> caches = rank_caches(cache);
-    run([&](int r) {
-      ranks_[static_cast<size_t>(r)]->copy_blocks(*caches[static_cast<size_t>(r)], src_dst);
-    });
+    run(
+        [&](int r) {
+          ranks_[static_cast<size_t>(r)]->copy_blocks(*caches[static_cast<size_t>(r)], src_dst);
+        },
+        /*collective=*/false);
   }
 
  private:
   int size() const { return static_cast<int>(ranks_.size()); }
-  void run(const std::function<void(int)>& job) const {
-    if (comms_->aborted)
-      throw InternalError(
-          "the tensor-parallel group stopped after a rank failed; load the model again");
+  // Runs job on every rank. `collective`: the job runs NCCL collectives, so a rank that fails
+  // leaves the others waiting in one and the communicators are aborted; other jobs (cache,
+  // plan and memory calls) just report the failure.
+  void run(const std::function<void(int)>& job, bool collective = true) const {
     // Calls from several threads (the server) take turns: a step is one collective sequence.
     std::lock_guard<std::mutex> lock(run_mu_);
-    workers_->run(job, [this] { comms_->abort(); }, timeout_, std::chrono::seconds(5));
+    if (comms_->aborted)
+      throw InternalError(
+          "the tensor-parallel group was stopped (a rank failed or a step timed out); load the "
+          "model again");
+    if (collective)
+      workers_->run(job, [this] { comms_->abort(); }, timeout_, std::chrono::seconds(5));
+    else
+      workers_->run(job, [] {}, std::chrono::seconds(3600), std::chrono::seconds(3600));
   }
+  // The key of a cache made by create_cache(): rank 0's first K block (moves keep it).
+  static const std::byte* storage_key(PagedKvCache& cache) { return cache.layer_view(0).k_base; }
   // Rank r's cache behind `cache` (made by create_cache()).
   std::vector<PagedKvCache*> rank_caches(PagedKvCache& cache) const {
     std::shared_ptr<CacheGroup> group;
-    {
+    if (cache.external_storage() && cache.num_layers() > 0) {
       std::lock_guard<std::mutex> lock(caches_mu_);
-      const auto it = caches_.find(&cache);
+      const auto it = caches_.find(storage_key(cache));
       if (it != caches_.end()) group = it->second.lock();
     }
     KVQ_CHECK(group != nullptr,
@@ -346,7 +386,7 @@ class TensorParallelModel final : public CudaModel {
   std::shared_ptr<Comms> comms_;
   std::shared_ptr<Workers> workers_;
   mutable std::mutex run_mu_, caches_mu_;
-  mutable std::map<const PagedKvCache*, std::weak_ptr<CacheGroup>> caches_;
+  mutable std::map<const std::byte*, std::weak_ptr<CacheGroup>> caches_;
 };
 
 }  // namespace
@@ -373,20 +413,25 @@ std::unique_ptr<CudaModel> make_tensor_parallel_model(const KvPlan& plan,
   std::vector<std::unique_ptr<CudaModel>> ranks(static_cast<size_t>(n));
   // Loaded one rank at a time on its own thread (device), so host memory holds one copy of
   // each tensor at a time.
-  for (int r = 0; r < n; ++r) {
-    std::function<void(int)> job = [&](int rank) {
-      if (rank != r) return;
-      TpRank tp;
-      tp.rank = r;
-      tp.size = n;
-      tp.split = split;
-      tp.comm = comms->comms[static_cast<size_t>(r)];
-      if (const char* e = std::getenv("KVQ_TP_ALLREDUCE"); e != nullptr && std::string(e) == "off")
-        tp.skip_all_reduce = true;
-      ranks[static_cast<size_t>(r)] = load(tp);
-    };
-    workers->run(job, [&] { comms->abort(); }, std::chrono::seconds(3600),
-                 std::chrono::seconds(5));
+  try {
+    for (int r = 0; r < n; ++r) {
+      std::function<void(int)> job = [&](int rank) {
+        if (rank != r) return;
+        TpRank tp;
+        tp.rank = r;
+        tp.size = n;
+        tp.split = split;
+        tp.comm = comms->comms[static_cast<size_t>(r)];
+        if (const char* e = std::getenv("KVQ_TP_ALLREDUCE");
+            e != nullptr && std::string(e) == "off")
+          tp.skip_all_reduce = true;
+        ranks[static_cast<size_t>(r)] = load(tp);
+      };
+      workers->run(job, [] {}, std::chrono::seconds(3600), std::chrono::seconds(3600));
+    }
+  } catch (...) {
+    release_on_devices(ranks);  // the ranks loaded before the one that failed
+    throw;
   }
   return std::make_unique<TensorParallelModel>(plan, std::move(ranks), std::move(comms),
                                                std::move(workers));
