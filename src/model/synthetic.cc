@@ -18,7 +18,8 @@ using nlohmann::json;
 // The fields of each model's config.json as published on the Hugging Face Hub (tokenizer ids
 // included, so the raw JSON reads like the real file).
 const std::vector<std::pair<std::string, json>>& synthetic_configs() {
-  static const std::vector<std::pair<std::string, json>> kConfigs = {
+  static const std::vector<std::pair<std::string, json>> kConfigs = [] {
+    std::vector<std::pair<std::string, json>> c = {
       {"llama3-8b",  // meta-llama/Meta-Llama-3-8B
        {{"architectures", json::array({"LlamaForCausalLM"})},
         {"attention_bias", false},
@@ -57,58 +58,6 @@ const std::vector<std::pair<std::string, json>>& synthetic_configs() {
         {"model_type", "llama"},
         {"num_attention_heads", 32},
         {"num_hidden_layers", 32},
-        {"num_key_value_heads", 8},
-        {"pretraining_tp", 1},
-        {"rms_norm_eps", 1e-05},
-        {"rope_scaling",
-         {{"factor", 8.0},
-          {"low_freq_factor", 1.0},
-          {"high_freq_factor", 4.0},
-          {"original_max_position_embeddings", 8192},
-          {"rope_type", "llama3"}}},
-        {"rope_theta", 500000.0},
-        {"tie_word_embeddings", false},
-        {"torch_dtype", "bfloat16"},
-        {"use_cache", true},
-        {"vocab_size", 128256}}},
-      {"llama3-70b",  // meta-llama/Meta-Llama-3-70B (140 GB in bf16: tensor parallelism)
-       {{"architectures", json::array({"LlamaForCausalLM"})},
-        {"attention_bias", false},
-        {"attention_dropout", 0.0},
-        {"bos_token_id", 128000},
-        {"eos_token_id", 128001},
-        {"hidden_act", "silu"},
-        {"hidden_size", 8192},
-        {"initializer_range", 0.02},
-        {"intermediate_size", 28672},
-        {"max_position_embeddings", 8192},
-        {"model_type", "llama"},
-        {"num_attention_heads", 64},
-        {"num_hidden_layers", 80},
-        {"num_key_value_heads", 8},
-        {"pretraining_tp", 1},
-        {"rms_norm_eps", 1e-05},
-        {"rope_scaling", nullptr},
-        {"rope_theta", 500000.0},
-        {"tie_word_embeddings", false},
-        {"torch_dtype", "bfloat16"},
-        {"use_cache", true},
-        {"vocab_size", 128256}}},
-      {"llama3.1-70b",  // meta-llama/Llama-3.1-70B (128k context)
-       {{"architectures", json::array({"LlamaForCausalLM"})},
-        {"attention_bias", false},
-        {"attention_dropout", 0.0},
-        {"bos_token_id", 128000},
-        {"eos_token_id", 128001},
-        {"hidden_act", "silu"},
-        {"hidden_size", 8192},
-        {"initializer_range", 0.02},
-        {"intermediate_size", 28672},
-        {"max_position_embeddings", 131072},
-        {"mlp_bias", false},
-        {"model_type", "llama"},
-        {"num_attention_heads", 64},
-        {"num_hidden_layers", 80},
         {"num_key_value_heads", 8},
         {"pretraining_tp", 1},
         {"rms_norm_eps", 1e-05},
@@ -173,7 +122,20 @@ const std::vector<std::pair<std::string, json>>& synthetic_configs() {
         {"use_mrope", false},
         {"use_sliding_window", false},
         {"vocab_size", 152064}}},
-  };
+    };
+    // Llama-3-70B and Llama-3.1-70B (meta-llama/Meta-Llama-3-70B, meta-llama/Llama-3.1-70B):
+    // their 8B configs with the 70B sizes (140 GB in bf16: tensor parallelism).
+    auto seventy = [](json j) {
+      j["hidden_size"] = 8192;
+      j["intermediate_size"] = 28672;
+      j["num_attention_heads"] = 64;
+      j["num_hidden_layers"] = 80;
+      return j;
+    };
+    c.insert(c.begin() + 2, {{"llama3-70b", seventy(c[0].second)},
+                             {"llama3.1-70b", seventy(c[1].second)}});
+    return c;
+  }();
   return kConfigs;
 }
 

@@ -279,16 +279,7 @@ enum class Aux { kPrep, kMergeWarp, kMergeBlock };
 template <typename Params>
 void launch(void (*kernel)(Params), dim3 grid, unsigned threads, const Params& params,
             bool dependent, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = dependent ? 1 : 0;
-  KVQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, params));
+  launch_kernel(kernel, grid, dim3(threads), stream, dependent, params);
 }
 
 void launch_by_dim(int hd, Aux which, const PrepParams& pp, const MergeParams& mp, dim3 grid,

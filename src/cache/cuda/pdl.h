@@ -32,11 +32,11 @@ inline bool pdl_enabled() {
   return on;
 }
 
-// kernel<<<grid, block, 0, stream>>>(args...) with the programmatic-serialization attribute
-// (when pdl_enabled() and stream is not the legacy default stream); launch errors are checked.
+// kernel<<<grid, block, 0, stream>>>(args...), with the programmatic-serialization attribute
+// when `programmatic`; launch errors are checked.
 template <typename... Params, typename... Args>
-void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
-                Args&&... args) {
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                   bool programmatic, Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -45,8 +45,17 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() && stream != nullptr ? 1 : 0;  // load-time kernels: plain
+  cfg.numAttrs = programmatic ? 1 : 0;
   KVQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// launch_kernel with the attribute when pdl_enabled() and stream is not the legacy default
+// stream (load-time kernels launch plainly).
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                Args&&... args) {
+  launch_kernel(kernel, grid, block, stream, pdl_enabled() && stream != nullptr,
+                std::forward<Args>(args)...);
 }
 
 }  // namespace kvq::cuda

@@ -257,34 +257,15 @@ class TensorParallelModel final : public CudaModel {
 
   void forward(const ForwardBatch& batch, PagedKvCache& cache,
                std::span<float> logits) const override {
-    const std::vector<PagedKvCache*> caches = rank_caches(cache);
-    // Every rank computes the same logits (the residual stream is all-reduced); rank 0's
-    // are returned, the others' land in scratch.
-    std::vector<std::vector<float>> scratch(ranks_.size());
-    run([&](int r) {
-      std::span<float> out = logits;
-      if (r != 0) {
-        scratch[static_cast<size_t>(r)].resize(logits.size());
-        out = scratch[static_cast<size_t>(r)];
-      }
-      maybe_fail(r);
-      ranks_[static_cast<size_t>(r)]->forward(batch, *caches[static_cast<size_t>(r)], out);
+    step(cache, logits, [&](const CudaModel& m, PagedKvCache& c, std::span<float> out) {
+      m.forward(batch, c, out);
     });
   }
   void forward_sample(const ForwardBatch& batch, PagedKvCache& cache,
                       std::span<const DeviceSampling> per_row,
                       std::span<int32_t> next_tokens) const override {
-    const std::vector<PagedKvCache*> caches = rank_caches(cache);
-    std::vector<std::vector<int32_t>> scratch(ranks_.size());
-    run([&](int r) {
-      std::span<int32_t> out = next_tokens;
-      if (r != 0) {
-        scratch[static_cast<size_t>(r)].resize(next_tokens.size());
-        out = scratch[static_cast<size_t>(r)];
-      }
-      maybe_fail(r);
-      ranks_[static_cast<size_t>(r)]->forward_sample(batch, *caches[static_cast<size_t>(r)],
-                                                     per_row, out);
+    step(cache, next_tokens, [&](const CudaModel& m, PagedKvCache& c, std::span<int32_t> out) {
+      m.forward_sample(batch, c, per_row, out);
     });
   }
 
@@ -339,6 +320,23 @@ class TensorParallelModel final : public CudaModel {
 
  private:
   int size() const { return static_cast<int>(ranks_.size()); }
+  // One step on every rank with its cache: every rank computes the same outputs (the residual
+  // stream is all-reduced); rank 0 writes `out`, the others scratch of the same size.
+  template <typename T, typename F>
+  void step(PagedKvCache& cache, std::span<T> out, const F& call) const {
+    const std::vector<PagedKvCache*> caches = rank_caches(cache);
+    std::vector<std::vector<T>> scratch(ranks_.size());
+    run([&](int r) {
+      const auto i = static_cast<size_t>(r);
+      std::span<T> mine = out;
+      if (r != 0) {
+        scratch[i].resize(out.size());
+        mine = scratch[i];
+      }
+      maybe_fail(r);
+      call(*ranks_[i], *caches[i], mine);
+    });
+  }
   // Runs job on every rank. `collective`: the job runs NCCL collectives, so a rank that fails
   // leaves the others waiting in one and the communicators are aborted; other jobs (cache,
   // plan and memory calls) just report the failure.
