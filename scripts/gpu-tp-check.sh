@@ -7,6 +7,7 @@
 # PARTs (in order):
 #   info   the GPUs, how they are linked (nvidia-smi topo -m), the NCCL library in use.
 #   tests  the TensorParallel* tests, then the whole CUDA model test binary.
+#   smoke  kvq serve / eval / bench (ngram speculation) at -tp 2 on the default model.
 #   bench  `kvq bench --synthetic llama3-8b` decode at TP 1 and 2 (TPS), KV dtypes (KVS),
 #          batches (BATCHES), context CTX (default 4096); JSON lines in $OUT/tp-bench.jsonl. TP 2
 #          also runs with KVQ_TP_ALLREDUCE=off (timing only: the all-reduces' share of a step;
@@ -58,6 +59,40 @@ for part in "${@:-info tests}"; do
       done
     done
     ;;
+  smoke)
+    # The engine paths around the model under TP: `kvq serve -tp 2` (the engine moves the cache
+    # object), `kvq eval -tp 2` (with_plan), `kvq bench -tp 2` with ngram speculation.
+    M=models/kvq-code-tiny
+    serve_ids() {  # TP PORT -> greedy completions of 6 concurrent prompts, one JSON line each
+      $B/kvq serve --model $M --device cuda -tp $1 --kv-cache-dtype fp8 --port $2 \
+        > "$OUT/serve-tp$1.log" 2>&1 &
+      local pid=$!
+      for _ in $(seq 100); do curl -sf localhost:$2/health >/dev/null && break; sleep 0.3; done
+      for i in 0 1 2 3 4 5; do
+        curl -s localhost:$2/v1/completions -H 'Content-Type: application/json' \
+          -d "{\"prompt\": \"def f$i(x):\\n    return\", \"max_tokens\": 40, \"temperature\": 0}" \
+          > "$OUT/serve-tp$1-$i.json" &
+      done
+      wait $(jobs -p | grep -v "^$pid$") 2>/dev/null
+      curl -s localhost:$2/metrics | grep -E "^kvq_(kv_blocks_used|request_finished_total|request_errors_total)" || true
+      kill $pid; wait $pid; echo "serve tp=$1 rc=$?"
+    }
+    step "serve -tp 1 / -tp 2"
+    serve_ids 1 8301; serve_ids 2 8302
+    for i in 0 1 2 3 4 5; do
+      python3 -c 'import json,sys; a,b=(json.load(open(f))["choices"][0]["text"] for f in sys.argv[1:]); print("same" if a==b else "DIFFERENT", repr(b[:50]))' \
+        "$OUT/serve-tp1-$i.json" "$OUT/serve-tp2-$i.json"
+    done
+    step "eval -tp 2"
+    for tp in 1 2; do
+      timeout 120 $B/kvq eval --model $M --device cuda -tp $tp --kv-cache-dtype fp8 \
+        --text tests/fixtures/text/short_stories.txt --max-tokens 2048 2>&1 | tail -2
+    done
+    step "bench -tp 2 with ngram speculation"
+    timeout 120 $B/kvq bench --model $M --device cuda -tp 2 --kv-cache-dtype fp8 --batch 4 \
+      --input-len 256 --output-len 64 --dataset tests/fixtures/text/short_stories.txt \
+      --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' 2>&1 | tail -4
+    ;;
   bench70)
     # Llama-3-70B shape at TP 2 (bf16 weights: 70 GB a rank, so H200s): batch 1 and 32 at 4k
     # for KV bf16 / fp8; then per KV dtype the largest batch that fits at 16k context.
@@ -80,7 +115,7 @@ for part in "${@:-info tests}"; do
       [ -n "$lb" ] && [ "$lb" -gt 0 ] && run70 $kv $(( lb < 256 ? lb : 256 )) 16384 "70b tp=2 largest@16k"
     done
     ;;
-  *) echo "gpu-tp-check: unknown part $part (info, tests, tp-tests, bench, bench70)" >&2; exit 2 ;;
+  *) echo "gpu-tp-check: unknown part $part (info, tests, tp-tests, smoke, bench, bench70)" >&2; exit 2 ;;
   esac
 done
 step done
