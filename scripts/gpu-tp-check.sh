@@ -49,11 +49,19 @@ for part in "${@:-info tests}"; do
         for tp in ${TPS:-1 2}; do
           modes="on"
           [ "$tp" -gt 1 ] && [ "${ALLREDUCE_AB:-1}" = 1 ] && modes="on off"
-          for ar in $modes; do
-            KVQ_TP_ALLREDUCE=$ar timeout 120 $B/kvq bench --synthetic llama3-8b --device cuda \
-              --tensor-parallel-size $tp --kv-cache-dtype $kv --batch $b --input-len ${CTX:-4096} \
-              --output-len ${OUTLEN:-32} --prefill-sequences 1 --json 2>>"$OUT/tp-bench.err" |
-              python3 bench/step_summary.py "tp=$tp allreduce=$ar" >> "$OUT/tp-bench.jsonl"
+          # TP2_ENVS: variants of the TP > 1 runs, each a comma-separated list of VAR=value
+          # ("-": none), e.g. "- KVQ_TP_PEER_ALLREDUCE=0 KVQ_TP_VOCAB_PARALLEL=0".
+          envs="-"
+          [ "$tp" -gt 1 ] && envs=${TP2_ENVS:--}
+          for ev in $envs; do
+            for ar in $modes; do
+              [ "$ev" != "-" ] && [ "$ar" = off ] && continue  # the share once, with the defaults
+              env $( [ "$ev" != "-" ] && echo "$ev" | tr ',' ' ') KVQ_TP_ALLREDUCE=$ar \
+                timeout 120 $B/kvq bench --synthetic llama3-8b --device cuda \
+                --tensor-parallel-size $tp --kv-cache-dtype $kv --batch $b --input-len ${CTX:-4096} \
+                --output-len ${OUTLEN:-32} --prefill-sequences 1 --json 2>>"$OUT/tp-bench.err" |
+                python3 bench/step_summary.py "tp=$tp allreduce=$ar env=$ev" >> "$OUT/tp-bench.jsonl"
+            done
           done
         done
       done

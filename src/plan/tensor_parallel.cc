@@ -63,7 +63,7 @@ std::vector<int> TensorParallelSplit::kv_heads_of(int rank) const {
 }
 
 TpShard tp_shard(TpMatrix m, const TensorParallelSplit& split, const ModelConfig& config,
-                 int intermediate, int rank) {
+                 int intermediate, int rank, int vocab) {
   KVQ_CHECK(rank >= 0 && rank < split.size, "tp_shard: rank out of range");
   KVQ_CHECK(split.num_kv_heads == config.num_kv_heads, "tp_shard: the split is of another model");
   const int n = split.size;
@@ -80,6 +80,9 @@ TpShard tp_shard(TpMatrix m, const TensorParallelSplit& split, const ModelConfig
   const int64_t kv_rows = static_cast<int64_t>(config.num_kv_heads) * d;
   const int64_t q0 = static_cast<int64_t>(split.first_q_head(rank)) * d;
   const int64_t qn = static_cast<int64_t>(split.q_heads_per_rank) * d;
+  if (m == TpMatrix::kVocab && (vocab <= 0 || vocab % n != 0))
+    throw InputError("--tensor-parallel-size " + std::to_string(n) + ": the vocabulary of " +
+                     std::to_string(vocab) + " tokens does not divide by it");
   const int64_t slice = intermediate / n;
   TpShard s;
   switch (m) {
@@ -100,6 +103,9 @@ TpShard tp_shard(TpMatrix m, const TensorParallelSplit& split, const ModelConfig
     case TpMatrix::kDown:
       s.col0 = rank * slice;
       s.cols = slice;
+      break;
+    case TpMatrix::kVocab:
+      s.rows = {{static_cast<int64_t>(rank) * (vocab / n), vocab / n}};
       break;
   }
   return s;

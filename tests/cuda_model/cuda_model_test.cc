@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <future>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -13,11 +15,13 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvq/cache/device_kv_cache.h"
 #include "kvq/core/error.h"
 #include "kvq/model/cuda_model.h"
+#include "model/cuda/peer_all_reduce.h"
 #include "model/cuda/tensor_parallel.h"
 #include "support/source_dir.h"
 #include "unit/model/fp8_checkpoint_fixture.h"
@@ -821,8 +825,10 @@ TEST(TensorParallel, TwoRanksMatchOneWithBf16Weights) {
   const KvPlan plan = plan_with(kTiny, KvDtype::kFp8E4M3);
   std::shared_ptr<const CudaModel> one = CudaModel::load(plan, tp_options(1, WeightPrecision::kBFloat16));
   std::shared_ptr<const CudaModel> two = CudaModel::load(plan, tp_options(2, WeightPrecision::kBFloat16));
+  // bf16 activations between layers put TP 2 within ~1-3% of TP 1 (the 0.05 bound below), so a
+  // greedy parting where TP 1's two logits differ by less than that bound is a near tie.
   int same = 0, total = 0, ties = 0;
-  const Diff d = compare_models(one, two, seed, 24, &same, &total, 2e-3, &ties);
+  const Diff d = compare_models(one, two, seed, 24, &same, &total, 0.05, &ties);
   std::printf(
       "[ kvq-code-tiny TP 2 vs 1, fp8 KV, bf16 weights ] seed %u: rel %.3g, top-1 %d/%d, "
       "greedy ids %d/%d (+%d near ties)\n",
@@ -945,6 +951,137 @@ int failing_rank_child() {
              ? 0
              : 1;
 }
+
+// The peer-memory all-reduce (peer_all_reduce.h) against the host's sum in rank order, bit for
+// bit, on every rank: sizes that are and are not whole float4s, an unaligned x, calls in a row
+// (the double buffer's halves alternate), then a captured graph of two calls replayed.
+// Both variants: the low-latency one (flags beside the data) and KVQ_TP_PEER_MODE=barrier.
+class PeerAllReduceMode : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(PeerAllReduceMode, SumsLikeTheHost) {
+  SKIP_WITHOUT_TWO_GPUS();
+  constexpr int kRanks = 2;
+  constexpr size_t kMax = size_t{1} << 16;
+  ASSERT_EQ(setenv("KVQ_TP_PEER_MODE", GetParam(), 1), 0);
+  std::unique_ptr<cuda_model::PeerAllReduce> ar = cuda_model::PeerAllReduce::create(kRanks, kMax);
+  unsetenv("KVQ_TP_PEER_MODE");
+  if (!ar) GTEST_SKIP() << "no peer access between devices 0 and 1 (or KVQ_TP_PEER_ALLREDUCE=0)";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  std::vector<float*> x(kRanks);
+  std::vector<cudaStream_t> streams(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&x[r], (kMax + 4) * sizeof(float)), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), cudaSuccess);
+  }
+  auto fill = [&](size_t off, size_t n) {
+    std::vector<std::vector<float>> h(kRanks, std::vector<float>(n));
+    for (int r = 0; r < kRanks; ++r) {
+      for (float& v : h[r]) v = u(rng);
+      EXPECT_EQ(cudaSetDevice(r), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(x[r] + off, h[r].data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    return h;
+  };
+  // Every rank's x[off..off+n) must equal `want` exactly.
+  auto check = [&](size_t off, const std::vector<float>& want, const std::string& what) {
+    for (int r = 0; r < kRanks; ++r) {
+      std::vector<float> got(want.size());
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(streams[r]), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(got.data(), x[r] + off, want.size() * 4, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      size_t bad = 0, first = 0;
+      for (size_t i = 0; i < want.size(); ++i)
+        if (std::memcmp(&got[i], &want[i], 4) != 0 && bad++ == 0) first = i;
+      EXPECT_EQ(bad, 0u) << what << ", rank " << r << ": first wrong float " << first << " of "
+                         << want.size() << ": " << got[first] << " != " << want[first];
+    }
+  };
+  struct Case {
+    size_t off, n;
+  };
+  for (const Case c : {Case{0, 1}, Case{0, 7}, Case{0, 4096}, Case{1, 4097}, Case{3, 1000},
+                       Case{0, kMax}, Case{0, 4096}}) {
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto h = fill(c.off, c.n);
+      for (int r = 0; r < kRanks; ++r) {  // launched from one thread: the kernels wait for each other
+        ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+        ar->run(r, x[r] + c.off, c.n, streams[r]);
+      }
+      std::vector<float> want(c.n);
+      for (size_t i = 0; i < c.n; ++i) want[i] = h[0][i] + h[1][i];
+      check(c.off, want, "n " + std::to_string(c.n) + " at offset " + std::to_string(c.off));
+    }
+  }
+  // A graph of two all-reduces per rank, replayed with fresh inputs: (a + b), then twice that.
+  const size_t n = 12288;
+  std::vector<cudaGraphExec_t> exec(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    cudaGraph_t g = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(streams[r], cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    ar->run(r, x[r], n, streams[r]);
+    ar->run(r, x[r], n, streams[r]);
+    ASSERT_EQ(cudaStreamEndCapture(streams[r], &g), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec[r], g, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphDestroy(g), cudaSuccess);
+  }
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto h = fill(0, n);
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec[r], streams[r]), cudaSuccess);
+    }
+    std::vector<float> want(n);
+    for (size_t i = 0; i < n; ++i) {
+      const float s = h[0][i] + h[1][i];
+      want[i] = s + s;
+    }
+    check(0, want, "graph replay " + std::to_string(rep));
+  }
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    EXPECT_EQ(cudaGraphExecDestroy(exec[r]), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(streams[r]), cudaSuccess);
+    EXPECT_EQ(cudaFree(x[r]), cudaSuccess);
+  }
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
+
+// A rank whose peer never comes waits, and abort() (the group's failure path) releases it:
+// its stream finishes within seconds instead of hanging.
+TEST_P(PeerAllReduceMode, WaitEndsOnAbort) {
+  SKIP_WITHOUT_TWO_GPUS();
+  ASSERT_EQ(setenv("KVQ_TP_PEER_MODE", GetParam(), 1), 0);
+  std::unique_ptr<cuda_model::PeerAllReduce> ar = cuda_model::PeerAllReduce::create(2, 1024);
+  unsetenv("KVQ_TP_PEER_MODE");
+  if (!ar) GTEST_SKIP() << "no peer access between devices 0 and 1 (or KVQ_TP_PEER_ALLREDUCE=0)";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  float* x = nullptr;
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaMalloc(&x, 1024 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ar->run(0, x, 1024, stream);  // rank 1 never calls
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(cudaStreamQuery(stream), cudaErrorNotReady) << "rank 0 did not wait for rank 1";
+  const auto t0 = std::chrono::steady_clock::now();
+  ar->abort();
+  std::future<cudaError_t> done =
+      std::async(std::launch::async, [&] { return cudaStreamSynchronize(stream); });
+  ASSERT_EQ(done.wait_for(std::chrono::seconds(20)), std::future_status::ready)
+      << "the waiting kernel did not return after abort()";
+  EXPECT_EQ(done.get(), cudaSuccess);
+  std::printf("[ peer all-reduce ] abort released the waiting rank in %.1f ms\n",
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  EXPECT_EQ(cudaFree(x), cudaSuccess);
+}
+
+INSTANTIATE_TEST_SUITE_P(TensorParallel, PeerAllReduceMode, ::testing::Values("ll", "barrier"));
 
 // A rank that fails mid-step stops the group with an error naming the rank, within seconds (the
 // others, waiting in a collective, are released by aborting the communicators), and the group

@@ -57,13 +57,15 @@ struct TpShard {
     return n;
   }
 };
-enum class TpMatrix : uint8_t { kQkv, kGateUp, kO, kDown };
+//   vocabulary-parallel (the LM head): output rows [r V/N, (r+1) V/N).
+enum class TpMatrix : uint8_t { kQkv, kGateUp, kO, kDown, kVocab };
 
 // The shard of `m` for `rank`; `config` the whole model's (head_dim, heads) and
-// `intermediate` its MLP width. InputError (naming --tensor-parallel-size) when the MLP width
-// does not divide by split.size.
+// `intermediate` its MLP width, `vocab` its vocabulary. InputError (naming
+// --tensor-parallel-size) when the MLP width or (kVocab) the vocabulary does not divide by
+// split.size.
 TpShard tp_shard(TpMatrix m, const TensorParallelSplit& split, const ModelConfig& config,
-                 int intermediate, int rank);
+                 int intermediate, int rank, int vocab = 0);
 
 // The sizes in 1..max that split_heads accepts for `config` (for error messages).
 std::vector<int> tensor_parallel_sizes(const ModelConfig& config, int max = 16);

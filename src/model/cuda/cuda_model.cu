@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string_view>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -129,7 +130,8 @@ struct DeviceWeights {
   // GEMM inputs (activations) in bf16: bf16 and FP8 models; fp32 for a float32 model.
   bool bf16 = false;
   const void* embed = nullptr;  // bf16 or fp32 like the activations
-  Linear lm_head;               // .w == embed when tied
+  Linear lm_head;               // .w within embed when tied (a rank's rows under TP)
+  bool tied = false;
   const float* final_norm = nullptr;
   // A DFlash drafter's own tensors; its embedding and LM head are the target's (`target`).
   Linear fc;
@@ -300,18 +302,24 @@ struct DeviceWeights {
       l.gate_up_bias = static_cast<const float*>(out);
     else KVQ_CHECK(false, "shard: tensor kind is not split");
   }
-  void finish(int vocab, int hidden) {
+  // `vocab_rows`: a tensor-parallel rank's rows of a tied LM head (first, count); count 0:
+  // all of them.
+  void finish(int vocab, int hidden, std::pair<int64_t, int64_t> vocab_rows = {0, 0}) {
     if (target) {
       embed = target->embed;
       lm_head = target->lm_head;
     }
-    if (lm_head.empty())  // tied: the embedding, in the activations' precision
+    if (lm_head.empty()) {  // tied: the embedding, in the activations' precision
+      tied = true;
+      const int64_t first = vocab_rows.second > 0 ? vocab_rows.first : 0;
+      const int64_t rows = vocab_rows.second > 0 ? vocab_rows.second : vocab;
       lm_head = Linear{bf16 ? Linear::Dtype::kBF16 : Linear::Dtype::kF32,
-                       vocab,
+                       static_cast<int>(rows),
                        hidden,
-                       embed,
+                       static_cast<const std::byte*>(embed) + first * hidden * (bf16 ? 2 : 4),
                        nullptr,
                        nullptr};
+    }
   }
 };
 
@@ -346,18 +354,40 @@ std::optional<TpMatrix> tp_matrix(model::WeightKind kind) {
       return TpMatrix::kO;
     case K::kDown:
       return TpMatrix::kDown;
+    case K::kLmHead:
+      return TpMatrix::kVocab;
     default:
       return std::nullopt;
   }
 }
 
 // tp's shard of tensor t (nullopt when t is replicated or tp has one rank).
+// Under tensor parallelism the LM head is split by vocabulary rows when the vocabulary divides
+// by the group size; KVQ_TP_VOCAB_PARALLEL=0 keeps it whole on every rank (an A/B for timing).
+bool vocab_parallel(const ArchitectureConfig& arch, const cuda_model::TpRank& tp) {
+  static const bool off = [] {
+    const char* e = std::getenv("KVQ_TP_VOCAB_PARALLEL");
+    return e != nullptr && std::string_view(e) == "0";
+  }();
+  return tp.active() && !off && arch.vocab_size % tp.size == 0;
+}
+
 std::optional<TpShard> shard_of(const model::WeightTensor& t, const KvPlan& plan,
                                 const ArchitectureConfig& arch, const cuda_model::TpRank& tp) {
   if (!tp.active()) return std::nullopt;
   const std::optional<TpMatrix> m = tp_matrix(t.kind);
   if (!m) return std::nullopt;
-  return tp_shard(*m, tp.split, plan.model, arch.intermediate_size, tp.rank);
+  if (*m == TpMatrix::kVocab && !vocab_parallel(arch, tp)) return std::nullopt;  // replicated
+  return tp_shard(*m, tp.split, plan.model, arch.intermediate_size, tp.rank, arch.vocab_size);
+}
+
+// A tensor-parallel rank's rows of a tied LM head (the embedding): its vocabulary shard, or
+// (0, 0) for all rows (one rank, or a vocabulary that does not divide).
+std::pair<int64_t, int64_t> tied_vocab_rows(const ArchitectureConfig& arch,
+                                            const cuda_model::TpRank& tp) {
+  if (!vocab_parallel(arch, tp)) return {0, 0};
+  const int64_t per = arch.vocab_size / tp.size;
+  return {tp.rank * per, per};
 }
 
 // A projection cuBLASLt's FP8 kernels take: both dimensions multiples of 16.
@@ -478,7 +508,7 @@ std::shared_ptr<DeviceWeights> load_checkpoint_weights(
     if (sh) w->shard(t, cols, dtype, dst, *sh);
   }
   reader.finish();
-  w->finish(arch.vocab_size, arch.hidden_size);
+  w->finish(arch.vocab_size, arch.hidden_size, tied_vocab_rows(arch, tp));
   return w;
 }
 
@@ -535,7 +565,7 @@ std::shared_ptr<DeviceWeights> synthetic_weights(const KvPlan& plan, const Archi
     }
   }
   KVQ_CUDA_CHECK(cudaDeviceSynchronize());
-  w->finish(arch.vocab_size, arch.hidden_size);
+  w->finish(arch.vocab_size, arch.hidden_size, tied_vocab_rows(arch, tp));
   return w;
 }
 
@@ -728,6 +758,9 @@ class CudaDecoderModel final : public CudaModel {
   // FP8 products scaled by kvq's kernel that accumulate into the residual (beta 1) land here
   // first: T x H floats (gemm_tuner.h, Fp8Scaling).
   float* fp8_raw_ = nullptr;
+  // Vocabulary-parallel LM head: this rank's logit columns [R][V/N] and every rank's, gathered.
+  float* lm_part_ = nullptr;
+  float* lm_gather_ = nullptr;
   size_t fp8_raw_floats_ = 0;
   bool fp8_fuse_ = true;
   double* inv_freq_ = nullptr;
@@ -988,6 +1021,12 @@ void CudaDecoderModel::allocate_buffers() {
   mlp_ = static_cast<float*>(buf_.alloc(T * 2 * I_ * 4));
   cs_ = static_cast<float*>(buf_.alloc(T * d_ * 4));
   logits_ = static_cast<float*>(buf_.alloc(static_cast<size_t>(R_cap_) * vocab_ * 4));
+  if (w_->lm_head.n < vocab_) {  // vocabulary-parallel LM head (tensor parallelism)
+    KVQ_CHECK(tp_.active() && w_->lm_head.n * tp_.size == vocab_,
+              "a partial LM head outside a tensor-parallel group");
+    lm_part_ = static_cast<float*>(buf_.alloc(static_cast<size_t>(R_cap_) * w_->lm_head.n * 4));
+    lm_gather_ = static_cast<float*>(buf_.alloc(static_cast<size_t>(R_cap_) * vocab_ * 4));
+  }
   d_ids_ = static_cast<int32_t*>(buf_.alloc(T * 4));
   if (w_->any_fp8()) {
     act8_ = static_cast<uint8_t*>(buf_.alloc(T * static_cast<size_t>(std::max({H_, I_, q_dim_}))));
@@ -1090,7 +1129,7 @@ CudaMemoryReport CudaDecoderModel::memory() const {
   // A decode step reads every matrix but the embedding (a gather of a few rows), unless the
   // LM head is the embedding.
   r.weights_read_per_step = r.weights;
-  if (w_->embed != w_->lm_head.w && !w_->target)
+  if (!w_->tied && !w_->target)
     r.weights_read_per_step -= static_cast<size_t>(vocab_) * H_ * (bf16_ ? 2 : 4);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1471,7 +1510,16 @@ void CudaDecoderModel::attention(const Step& st, int l, const LayerCacheView& vi
 void CudaDecoderModel::logits_rows(int first, int n) const {
   cuda_model::rms_norm_rows(x_, d_at<int32_t>(off_.logit_rows) + first, n, H_, w_->final_norm, eps_,
                             h_, bf16_, stream_);
-  linear(w_->lm_head, n, h_, H_, logits_, vocab_, 0.0f);
+  if (lm_part_ == nullptr) {
+    linear(w_->lm_head, n, h_, H_, logits_, vocab_, 0.0f);
+    return;
+  }
+  // Vocabulary-parallel LM head: this rank's columns of the logits, gathered from every rank
+  // ([rank][row][column]) and laid out as [row][vocab].
+  const int vs = w_->lm_head.n;
+  linear(w_->lm_head, n, h_, H_, lm_part_, vs, 0.0f);
+  cuda_model::all_gather(tp_, lm_part_, static_cast<size_t>(n) * vs, lm_gather_, stream_);
+  cuda_model::interleave_shards(lm_gather_, tp_.size, n, vs, logits_, stream_);
 }
 
 void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView>& views) const {
@@ -1755,7 +1803,7 @@ void CudaDecoderModel::tune_gemms(int m) const {
   const cuda_model::Linear& head = w_->lm_head;
   if (head.dtype == Dtype::kBF16) {
     const void* lm_head[1] = {head.w};
-    tuner_->tune(m, vocab_, H_, h_, H_, lm_head, logits_, vocab_);
+    tuner_->tune(m, head.n, H_, h_, H_, lm_head, lm_part_ ? lm_part_ : logits_, head.n);
   }
 }
 

@@ -416,6 +416,18 @@ __global__ void fill_f32_kernel(float* w, int64_t n, float value) {
     w[i] = value;
 }
 
+__global__ void interleave_shards_kernel(const float* parts, int shards, int n, int vs,
+                                         float* out) {
+  wait_for_previous_kernel();
+  allow_next_kernel();
+  const int64_t total = static_cast<int64_t>(shards) * n * vs;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t c = i % vs, r = (i / vs) % n, p = i / (int64_t{vs} * n);
+    out[(r * shards + p) * vs + c] = parts[i];
+  }
+}
+
 __global__ void argmax_kernel(const float* logits, int vocab, int32_t* out) {
   wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
   allow_next_kernel();
@@ -569,6 +581,14 @@ void fp8_scale_product(const float* raw, int m, int n, int ld, const float* row_
   launch_pdl(fp8_scale_product_kernel, grid_for(total), kThreads, stream, raw, m, n, ld, row_scale,
                                                                      col_scale, beta, out);
   KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void interleave_shards(const float* parts, int shards, int n, int vs, float* out,
+                       cudaStream_t stream) {
+  const int64_t total = static_cast<int64_t>(shards) * n * vs;
+  if (total == 0) return;
+  launch_pdl(interleave_shards_kernel, grid_for(total), kThreads, stream, parts, shards, n, vs,
+             out);
 }
 
 void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream) {

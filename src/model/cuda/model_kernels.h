@@ -94,6 +94,11 @@ void quantize_rows_fp8_rounded(const float* x, int rows, int cols, int64_t ldx, 
 void fp8_scale_product(const float* raw, int m, int n, int ld, const float* row_scale,
                        const float* col_scale, float beta, float* out, cudaStream_t stream);
 
+// out[r][p * vs + c] = parts[p][r][c]: n rows of `shards` column blocks of vs columns, gathered
+// per shard (the vocabulary-parallel LM head's all-gather), as whole rows.
+void interleave_shards(const float* parts, int shards, int n, int vs, float* out,
+                       cudaStream_t stream);
+
 // out[r] = argmax of logits row r (lowest id on ties).
 void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream);
 

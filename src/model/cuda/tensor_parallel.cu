@@ -17,6 +17,7 @@
 #include "cache/cuda/cuda_check.h"
 #include "kvq/cache/paged_kv_cache.h"
 #include "kvq/core/error.h"
+#include "model/cuda/peer_all_reduce.h"
 
 #ifndef KVQ_WITH_NCCL
 #define KVQ_WITH_NCCL 0
@@ -44,6 +45,10 @@ bool tensor_parallel_available() {
 
 void all_reduce_sum(const TpRank& tp, float* x, size_t n, cudaStream_t stream) {
   if (!tp.active() || tp.skip_all_reduce) return;
+  if (tp.peer != nullptr && tp.peer->fits(n)) {
+    tp.peer->run(tp.rank, x, n, stream);
+    return;
+  }
 #if KVQ_WITH_NCCL
   KVQ_NCCL_CHECK(ncclAllReduce(x, x, n, ncclFloat, ncclSum, static_cast<ncclComm_t>(tp.comm),
                                stream));
@@ -53,20 +58,34 @@ void all_reduce_sum(const TpRank& tp, float* x, size_t n, cudaStream_t stream) {
 #endif
 }
 
+void all_gather(const TpRank& tp, const float* send, size_t n, float* recv, cudaStream_t stream) {
+  KVQ_CHECK(tp.active(), "all_gather: not a tensor-parallel rank");
+#if KVQ_WITH_NCCL
+  KVQ_NCCL_CHECK(
+      ncclAllGather(send, recv, n, ncclFloat, static_cast<ncclComm_t>(tp.comm), stream));
+#else
+  (void)send, (void)n, (void)recv, (void)stream;
+  throw InternalError("all_gather: this kvq was built without NCCL");
+#endif
+}
+
 #if KVQ_WITH_NCCL
 namespace {
 
 // The group's communicators, destroyed (or aborted, after a failure) once no model uses them.
 struct Comms {
   std::vector<ncclComm_t> comms;
+  std::unique_ptr<PeerAllReduce> peer;  // nullptr: no peer access (NCCL for every size)
   std::atomic<bool> aborted{false};
   ~Comms() {
     for (ncclComm_t c : comms)
       if (c != nullptr) (void)ncclCommDestroy(c);
   }
-  // Aborts every communicator (their collectives return); the handles are never used again.
+  // Aborts every communicator (their collectives return) and the peer all-reduce's waits;
+  // the handles are never used again.
   void abort() {
     if (aborted.exchange(true)) return;
+    if (peer) peer->abort();
     for (ncclComm_t& c : comms)
       if (c != nullptr) (void)ncclCommAbort(c), c = nullptr;
   }
@@ -407,6 +426,8 @@ std::unique_ptr<CudaModel> make_tensor_parallel_model(const KvPlan& plan,
   std::vector<int> devs(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) devs[static_cast<size_t>(r)] = r;
   KVQ_NCCL_CHECK(ncclCommInitAll(comms->comms.data(), n, devs.data()));
+  // Decode messages (batch x hidden floats) up to 2 MB go through peer memory.
+  comms->peer = PeerAllReduce::create(n, size_t{1} << 19);
   auto workers = std::make_shared<Workers>(n);
   std::vector<std::unique_ptr<CudaModel>> ranks(static_cast<size_t>(n));
   // Loaded one rank at a time on its own thread (device), so host memory holds one copy of
@@ -420,6 +441,7 @@ std::unique_ptr<CudaModel> make_tensor_parallel_model(const KvPlan& plan,
         tp.size = n;
         tp.split = split;
         tp.comm = comms->comms[static_cast<size_t>(r)];
+        tp.peer = comms->peer.get();
         if (const char* e = std::getenv("KVQ_TP_ALLREDUCE");
             e != nullptr && std::string(e) == "off")
           tp.skip_all_reduce = true;

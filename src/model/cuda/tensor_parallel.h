@@ -22,12 +22,17 @@
 
 namespace kvq::cuda_model {
 
+class PeerAllReduce;
+
 // One rank of a group (size 1: no tensor parallelism).
 struct TpRank {
   int rank = 0;
   int size = 1;
   TensorParallelSplit split;
   void* comm = nullptr;  // the rank's ncclComm_t (size > 1)
+  // The group's one-shot peer-memory all-reduce for messages it fits (peer_all_reduce.h);
+  // nullptr: NCCL for every size.
+  const PeerAllReduce* peer = nullptr;
   // KVQ_TP_ALLREDUCE=off: a timing diagnostic that skips the all-reduces (the results are
   // wrong), so a benchmark can measure their share of the step.
   bool skip_all_reduce = false;
@@ -37,9 +42,14 @@ struct TpRank {
 // Whether this build has NCCL (tensor parallelism above 1).
 bool tensor_parallel_available();
 
-// Sum-all-reduce of n floats in place on `stream` over the rank's communicator (no-op when
-// !tp.active()). Graph-capturable.
+// Sum-all-reduce of n floats in place on `stream` (no-op when !tp.active()): the group's
+// peer-memory all-reduce for the messages it fits, else NCCL over the rank's communicator.
+// Graph-capturable.
 void all_reduce_sum(const TpRank& tp, float* x, size_t n, cudaStream_t stream);
+
+// All-gather: recv[r][0..n) = rank r's send[0..n) on every rank (the vocabulary-parallel LM
+// head's logits). Graph-capturable.
+void all_gather(const TpRank& tp, const float* send, size_t n, float* recv, cudaStream_t stream);
 
 // Loads rank `tp.rank`'s model on the current device (the group sets it first).
 using RankLoader = std::function<std::unique_ptr<CudaModel>(const TpRank& tp)>;

@@ -476,6 +476,17 @@ TEST(TensorParallel, WeightShardsFollowTheHeadsAndTheMlpSlices) {
       for (int h : mlp_hits) EXPECT_EQ(h, 1) << "size " << n;
       for (int h : down_hits) EXPECT_EQ(h, 1) << "size " << n;
       for (int h : o_hits) EXPECT_EQ(h, 1) << "size " << n;
+      // The LM head's vocabulary: consecutive equal shards in rank order.
+      const int vocab = n * std::uniform_int_distribution<int>(1, 50)(rng);
+      for (int r = 0; r < n; ++r) {
+        const TpShard v = tp_shard(TpMatrix::kVocab, s, p.model, inter, r, vocab);
+        ASSERT_EQ(v.rows.size(), 1u);
+        EXPECT_EQ(v.rows[0].first, int64_t{r} * (vocab / n));
+        EXPECT_EQ(v.rows[0].second, vocab / n);
+      }
+      if (n > 1) {
+        EXPECT_THROW((void)tp_shard(TpMatrix::kVocab, s, p.model, inter, 0, vocab + 1), InputError);
+      }
     }
   }
 }

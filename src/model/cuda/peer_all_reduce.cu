@@ -1,0 +1,302 @@
+// The one-shot peer-memory all-reduce (peer_all_reduce.h).
+#include "model/cuda/peer_all_reduce.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "cache/cuda/cuda_check.h"
+#include "kvq/core/error.h"
+
+namespace kvq::cuda_model {
+namespace {
+
+constexpr int kMaxRanks = 8;
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;  // float4s in flight per thread (remote loads are latency-bound)
+
+struct PeerPtrs {
+  const float* data[kMaxRanks];  // every rank's double buffer
+  uint32_t* flags[kMaxRanks];    // every rank's flags [block][kMaxRanks]
+};
+
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Element group j (floats 4j..4j+3) belongs to block (j / kThreads) % gridDim.x, thread
+// j % kThreads, whatever x's alignment: every rank maps the same n the same way, so a block's
+// flag says exactly which of the rank's floats are in its buffer. The grid is the same on
+// every call, so each block's call counter (its epoch) alternates the buffer halves in step
+// with the other ranks': a rank writes half h of call c only after every peer has signalled
+// call c - 1, i.e. has finished call c - 2 (stream order), the last one that read half h.
+__global__ void __launch_bounds__(kThreads)
+    peer_all_reduce_kernel(PeerPtrs p, int rank, int ranks, size_t max_floats,
+                           uint32_t* __restrict__ epochs, float* __restrict__ x, int64_t n,
+                           const volatile int* abort) {
+  __shared__ uint32_t epoch_s;
+  const int b = blockIdx.x;
+  if (threadIdx.x == 0) epoch_s = epochs[b] + 1;
+  __syncthreads();
+  const uint32_t epoch = epoch_s;
+  const size_t half = (epoch & 1u) * max_floats;
+  float* __restrict__ mine = const_cast<float*>(p.data[rank]) + half;
+  const int64_t groups = (n + 3) / 4;
+  const int64_t stride = int64_t{gridDim.x} * kThreads;
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
+  auto whole = [&](int64_t j) { return aligned && 4 * j + 3 < n; };
+  // 1. This block's floats into the rank's buffer.
+  for (int64_t j = int64_t{b} * kThreads + threadIdx.x; j < groups; j += stride) {
+    if (whole(j)) {
+      reinterpret_cast<float4*>(mine)[j] = reinterpret_cast<const float4*>(x)[j];
+    } else {
+      for (int64_t i = 4 * j, end = 4 * j + 4 < n ? 4 * j + 4 : n; i < end; ++i) mine[i] = x[i];
+    }
+  }
+  __syncthreads();
+  // 2. Signal this block's slice to every rank (itself included) and wait for theirs.
+  if (threadIdx.x < ranks) {
+    store_release(p.flags[threadIdx.x] + b * kMaxRanks + rank, epoch);
+    const uint32_t* f = p.flags[rank] + b * kMaxRanks + threadIdx.x;
+    uint32_t spins = 0;
+    while (static_cast<int32_t>(load_acquire(f) - epoch) < 0)
+      if ((++spins & 1023u) == 0 && *abort != 0) break;  // the group is failing: give up
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) epochs[b] = epoch;
+  // 3. Sum every rank's slice in rank order (the same bits on every rank).
+  for (int64_t j0 = int64_t{b} * kThreads + threadIdx.x; j0 < groups; j0 += stride * kUnroll) {
+    float4 acc[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = j0 + u * stride;
+      if (j < groups && whole(j)) acc[u] = __ldcg(reinterpret_cast<const float4*>(p.data[0] + half) + j);
+    }
+    for (int q = 1; q < ranks; ++q) {
+      float4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = j0 + u * stride;
+        if (j < groups && whole(j)) v[u] = __ldcg(reinterpret_cast<const float4*>(p.data[q] + half) + j);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        acc[u].x += v[u].x;
+        acc[u].y += v[u].y;
+        acc[u].z += v[u].z;
+        acc[u].w += v[u].w;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = j0 + u * stride;
+      if (j >= groups) continue;
+      if (whole(j)) {
+        reinterpret_cast<float4*>(x)[j] = acc[u];
+      } else {
+        for (int64_t i = 4 * j, end = 4 * j + 4 < n ? 4 * j + 4 : n; i < end; ++i) {
+          float s = __ldcg(p.data[0] + half + i);
+          for (int q = 1; q < ranks; ++q) s += __ldcg(p.data[q] + half + i);
+          x[i] = s;
+        }
+      }
+    }
+  }
+}
+
+// The low-latency variant (KVQ_TP_PEER_MODE=ll, the default), after NCCL's LL protocol: each
+// pair of floats travels to every peer as one 16-byte store {x0, epoch, x1, epoch}, whose two
+// 8-byte halves arrive whole, so the receiver knows a value is this call's from its own flag:
+// no fences, no barrier, one NVLink crossing. Each rank's receive buffer is
+// [2 halves][ranks senders][max_floats / 2 pairs] of uint4. Element pair j belongs to
+// thread j % (grid x threads) on every rank; the epoch is per block, as in the barrier variant:
+// a rank writes half h of call c only after it read every peer's call c - 1, i.e. after every
+// peer finished call c - 2, the last one that read half h.
+__device__ __forceinline__ void store_volatile(uint4* p, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 load_volatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+struct PeerRecv {
+  uint4* recv[kMaxRanks];  // every rank's receive buffer
+};
+
+__global__ void __launch_bounds__(kThreads)
+    peer_all_reduce_ll_kernel(PeerRecv p, int rank, int ranks, size_t max_floats,
+                              uint32_t* __restrict__ epochs, float* __restrict__ x, int64_t n,
+                              const volatile int* abort) {
+  __shared__ uint32_t epoch_s;
+  const int b = blockIdx.x;
+  if (threadIdx.x == 0) epoch_s = epochs[b] + 1;
+  __syncthreads();
+  const uint32_t epoch = epoch_s;
+  const size_t pairs_max = max_floats / 2;
+  const size_t half = (epoch & 1u) * size_t(ranks) * pairs_max;
+  const int64_t pairs = (n + 1) / 2;
+  const int64_t stride = int64_t{gridDim.x} * kThreads;
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) & 7u) == 0;
+  bool gave_up = false;
+  for (int64_t j = int64_t{b} * kThreads + threadIdx.x; j < pairs; j += stride) {
+    float2 mine;
+    if (aligned && 2 * j + 1 < n) {
+      mine = reinterpret_cast<const float2*>(x)[j];
+    } else {
+      mine.x = x[2 * j];
+      mine.y = 2 * j + 1 < n ? x[2 * j + 1] : 0.0f;
+    }
+    const uint4 out{__float_as_uint(mine.x), epoch, __float_as_uint(mine.y), epoch};
+    for (int q = 0; q < ranks; ++q)
+      if (q != rank) store_volatile(p.recv[q] + half + size_t(rank) * pairs_max + j, out);
+    float2 sum{0.0f, 0.0f};
+    for (int q = 0; q < ranks; ++q) {
+      float2 v = mine;
+      if (q != rank) {
+        const uint4* from = p.recv[rank] + half + size_t(q) * pairs_max + j;
+        uint4 got = load_volatile(from);
+        uint32_t spins = 0;
+        while ((got.y != epoch || got.w != epoch) && !gave_up) {
+          if ((++spins & 1023u) == 0 && *abort != 0) gave_up = true;  // the group is failing
+          got = load_volatile(from);
+        }
+        v = make_float2(__uint_as_float(got.x), __uint_as_float(got.z));
+      }
+      if (q == 0) {
+        sum = v;
+      } else {
+        sum.x += v.x;
+        sum.y += v.y;
+      }
+    }
+    if (aligned && 2 * j + 1 < n) {
+      reinterpret_cast<float2*>(x)[j] = sum;
+    } else {
+      x[2 * j] = sum.x;
+      if (2 * j + 1 < n) x[2 * j + 1] = sum.y;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) epochs[b] = epoch;
+}
+
+// Restores the caller's current device on scope exit.
+struct DeviceGuard {
+  int saved = 0;
+  DeviceGuard() { (void)cudaGetDevice(&saved); }
+  ~DeviceGuard() { (void)cudaSetDevice(saved); }
+};
+
+}  // namespace
+
+std::unique_ptr<PeerAllReduce> PeerAllReduce::create(int n, size_t max_floats) {
+  if (const char* e = std::getenv("KVQ_TP_PEER_ALLREDUCE"); e != nullptr && std::strcmp(e, "0") == 0)
+    return nullptr;
+  if (n < 2 || n > kMaxRanks || max_floats == 0) return nullptr;
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < n; ++j) {
+      int ok = 0;
+      if (i != j && (cudaDeviceCanAccessPeer(&ok, i, j) != cudaSuccess || ok == 0)) return nullptr;
+    }
+  DeviceGuard guard;
+  std::unique_ptr<PeerAllReduce> a(new PeerAllReduce());
+  a->n_ = n;
+  a->max_floats_ = (max_floats + 3) / 4 * 4;
+  a->blocks_ = 64;
+  if (const char* e = std::getenv("KVQ_TP_PEER_BLOCKS"); e != nullptr && std::atoi(e) > 0)
+    a->blocks_ = std::min(std::atoi(e), 1024);
+  if (const char* e = std::getenv("KVQ_TP_PEER_MODE"); e != nullptr && std::strcmp(e, "barrier") == 0)
+    a->low_latency_ = false;
+  void* host = nullptr;
+  KVQ_CUDA_CHECK(cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+  a->abort_ = static_cast<volatile int*>(host);
+  *a->abort_ = 0;
+  for (int r = 0; r < n; ++r) {
+    KVQ_CUDA_CHECK(cudaSetDevice(r));
+    for (int q = 0; q < n; ++q) {
+      if (q == r) continue;
+      // Once per pair and process (another group may have turned it on).
+      static std::mutex mu;
+      static std::set<std::pair<int, int>> enabled;
+      std::lock_guard<std::mutex> lock(mu);
+      if (!enabled.insert({r, q}).second) continue;
+      const cudaError_t e = cudaDeviceEnablePeerAccess(q, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled)
+        (void)cudaGetLastError();  // turned on outside kvq (NCCL)
+      else
+        KVQ_CUDA_CHECK(e);
+    }
+    void* d = nullptr;
+    // Barrier variant: [2][max_floats] floats; low-latency: [2][n][max_floats / 2] uint4.
+    const size_t data_bytes = a->low_latency_ ? 2 * size_t(n) * (a->max_floats_ / 2) * sizeof(uint4)
+                                              : 2 * a->max_floats_ * sizeof(float);
+    KVQ_CUDA_CHECK(cudaMalloc(&d, data_bytes));
+    if (a->low_latency_) KVQ_CUDA_CHECK(cudaMemset(d, 0, data_bytes));  // flags 0: no call yet
+    a->data_.push_back(static_cast<float*>(d));
+    const size_t flag_bytes = static_cast<size_t>(a->blocks_) * kMaxRanks * sizeof(uint32_t);
+    KVQ_CUDA_CHECK(cudaMalloc(&d, flag_bytes));
+    a->flags_.push_back(static_cast<uint32_t*>(d));
+    KVQ_CUDA_CHECK(cudaMemset(d, 0, flag_bytes));
+    KVQ_CUDA_CHECK(cudaMalloc(&d, static_cast<size_t>(a->blocks_) * sizeof(uint32_t)));
+    a->epochs_.push_back(static_cast<uint32_t*>(d));
+    KVQ_CUDA_CHECK(cudaMemset(d, 0, static_cast<size_t>(a->blocks_) * sizeof(uint32_t)));
+    KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  return a;
+}
+
+PeerAllReduce::~PeerAllReduce() {
+  DeviceGuard guard;
+  for (size_t r = 0; r < data_.size(); ++r) {
+    (void)cudaSetDevice(static_cast<int>(r));
+    (void)cudaFree(data_[r]);
+    if (r < flags_.size()) (void)cudaFree(flags_[r]);
+    if (r < epochs_.size()) (void)cudaFree(epochs_[r]);
+  }
+  if (abort_ != nullptr) (void)cudaFreeHost(const_cast<int*>(abort_));
+}
+
+void PeerAllReduce::run(int rank, float* x, size_t n, cudaStream_t stream) const {
+  KVQ_CHECK(rank >= 0 && rank < n_ && fits(n), "peer all-reduce: rank or size out of range");
+  if (n == 0) return;
+  if (low_latency_) {
+    PeerRecv p{};
+    for (int q = 0; q < n_; ++q) p.recv[q] = reinterpret_cast<uint4*>(data_[static_cast<size_t>(q)]);
+    peer_all_reduce_ll_kernel<<<blocks_, kThreads, 0, stream>>>(
+        p, rank, n_, max_floats_, epochs_[static_cast<size_t>(rank)], x,
+        static_cast<int64_t>(n), abort_);
+    KVQ_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  PeerPtrs p{};
+  for (int q = 0; q < n_; ++q) {
+    p.data[q] = data_[static_cast<size_t>(q)];
+    p.flags[q] = flags_[static_cast<size_t>(q)];
+  }
+  peer_all_reduce_kernel<<<blocks_, kThreads, 0, stream>>>(
+      p, rank, n_, max_floats_, epochs_[static_cast<size_t>(rank)], x, static_cast<int64_t>(n),
+      abort_);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void PeerAllReduce::abort() {
+  if (abort_ != nullptr) *abort_ = 1;
+}
+
+}  // namespace kvq::cuda_model
