@@ -955,7 +955,8 @@ int failing_rank_child() {
 // The peer-memory all-reduce (peer_all_reduce.h) against the host's sum in rank order, bit for
 // bit, on every rank: sizes that are and are not whole float4s, an unaligned x, calls in a row
 // (the double buffer's halves alternate), then a captured graph of two calls replayed.
-// Both variants: the low-latency one (flags beside the data) and KVQ_TP_PEER_MODE=barrier.
+// Each variant alone (the low-latency one, flags beside the data; the barrier one) and both
+// mixed by size ("auto", the default, with the bound lowered to 4096 floats).
 class PeerAllReduceMode : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(PeerAllReduceMode, SumsLikeTheHost) {
@@ -963,8 +964,10 @@ TEST_P(PeerAllReduceMode, SumsLikeTheHost) {
   constexpr int kRanks = 2;
   constexpr size_t kMax = size_t{1} << 16;
   ASSERT_EQ(setenv("KVQ_TP_PEER_MODE", GetParam(), 1), 0);
+  ASSERT_EQ(setenv("KVQ_TP_PEER_LL_MAX", "4096", 1), 0);  // "auto": the sizes below take both
   std::unique_ptr<cuda_model::PeerAllReduce> ar = cuda_model::PeerAllReduce::create(kRanks, kMax);
   unsetenv("KVQ_TP_PEER_MODE");
+  unsetenv("KVQ_TP_PEER_LL_MAX");
   if (!ar) GTEST_SKIP() << "no peer access between devices 0 and 1 (or KVQ_TP_PEER_ALLREDUCE=0)";
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -1052,6 +1055,119 @@ TEST_P(PeerAllReduceMode, SumsLikeTheHost) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
+// The all-reduce fused with the RMSNorm that follows it (all_reduce_rms_norm): x gets the sum
+// as in run(), bit for bit; out, fp32 or bf16, is the same bits on every rank and the host's
+// RMSNorm of the sum (double sum of squares, float scale) within rounding. Where the rows do
+// not fit the low-latency variant it refuses, the same on every rank, with nothing launched.
+TEST_P(PeerAllReduceMode, FusedRmsNormMatchesTheHost) {
+  SKIP_WITHOUT_TWO_GPUS();
+  constexpr int kRanks = 2;
+  constexpr size_t kMax = size_t{1} << 16;
+  ASSERT_EQ(setenv("KVQ_TP_PEER_MODE", GetParam(), 1), 0);
+  ASSERT_EQ(setenv("KVQ_TP_PEER_LL_MAX", "4096", 1), 0);
+  std::unique_ptr<cuda_model::PeerAllReduce> ar = cuda_model::PeerAllReduce::create(kRanks, kMax);
+  unsetenv("KVQ_TP_PEER_MODE");
+  unsetenv("KVQ_TP_PEER_LL_MAX");
+  if (!ar) GTEST_SKIP() << "no peer access between devices 0 and 1 (or KVQ_TP_PEER_ALLREDUCE=0)";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  const float eps = 1e-5f;
+  std::vector<float*> x(kRanks), w(kRanks);
+  std::vector<void*> out(kRanks);
+  std::vector<cudaStream_t> streams(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&x[r], kMax * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&w[r], 4096 * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&out[r], kMax * 4), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), cudaSuccess);
+  }
+  int fused = 0;
+  struct Case {
+    int T, H;
+    bool bf16;
+  };
+  for (const Case c : {Case{1, 1024, false}, Case{4, 1024, true}, Case{3, 512, false},
+                       Case{2, 4096, true}, Case{16, 4096, false}, Case{1, 4096, true}}) {
+    SCOPED_TRACE("T " + std::to_string(c.T) + " H " + std::to_string(c.H) +
+                 (c.bf16 ? " bf16" : " fp32"));
+    const size_t n = static_cast<size_t>(c.T) * c.H;
+    std::vector<std::vector<float>> h(kRanks, std::vector<float>(n));
+    std::vector<float> weight(c.H);
+    for (float& v : weight) v = u(rng);
+    for (int r = 0; r < kRanks; ++r) {
+      for (float& v : h[r]) v = u(rng);
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(x[r], h[r].data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(w[r], weight.data(), c.H * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    std::vector<bool> ran(kRanks);
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      ran[r] = ar->run_rms_norm(r, x[r], c.T, c.H, w[r], eps, out[r], c.bf16, streams[r]);
+    }
+    ASSERT_EQ(ran[0], ran[1]);
+    const bool fits = std::string(GetParam()) == "ll" ? n <= kMax
+                      : std::string(GetParam()) == "barrier" ? false
+                                                             : n <= 4096;
+    EXPECT_EQ(ran[0], fits);
+    if (!ran[0]) continue;
+    ++fused;
+    std::vector<float> sum(n), want(n);
+    for (size_t i = 0; i < n; ++i) sum[i] = h[0][i] + h[1][i];
+    for (int t = 0; t < c.T; ++t) {
+      double ss = 0;
+      for (int i = 0; i < c.H; ++i) ss += double(sum[t * c.H + i]) * sum[t * c.H + i];
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss / c.H + double(eps)));
+      for (int i = 0; i < c.H; ++i) want[t * c.H + i] = (sum[t * c.H + i] * inv) * weight[i];
+    }
+    std::vector<std::vector<float>> got(kRanks, std::vector<float>(n));
+    std::vector<std::vector<uint32_t>> bits(kRanks);
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(streams[r]), cudaSuccess);
+      std::vector<float> xs(n);
+      ASSERT_EQ(cudaMemcpy(xs.data(), x[r], n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(std::memcmp(xs.data(), sum.data(), n * 4), 0) << "rank " << r << ": x is not the sum";
+      if (c.bf16) {
+        std::vector<uint16_t> b(n);
+        ASSERT_EQ(cudaMemcpy(b.data(), out[r], n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+        for (size_t i = 0; i < n; ++i) {
+          const uint32_t u32 = uint32_t{b[i]} << 16;
+          std::memcpy(&got[r][i], &u32, 4);
+          bits[r].push_back(b[i]);
+        }
+      } else {
+        ASSERT_EQ(cudaMemcpy(got[r].data(), out[r], n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        for (float v : got[r]) {
+          uint32_t u32;
+          std::memcpy(&u32, &v, 4);
+          bits[r].push_back(u32);
+        }
+      }
+    }
+    EXPECT_EQ(bits[0], bits[1]) << "the ranks' normalized rows differ";
+    // fp32: the device's double sum of squares in another order may move the scale by an ulp;
+    // bf16: one bf16 rounding (2^-8 relative) on top.
+    const double tol = c.bf16 ? 1.0 / 128 : 1e-6;
+    size_t bad = 0;
+    for (size_t i = 0; i < n; ++i)
+      bad += std::abs(double(got[0][i]) - want[i]) > tol * std::abs(double(want[i])) + 1e-30;
+    EXPECT_EQ(bad, 0u) << "normalized values off the host's";
+  }
+  EXPECT_EQ(fused > 0, std::string(GetParam()) != "barrier");
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(streams[r]), cudaSuccess);
+    EXPECT_EQ(cudaFree(x[r]), cudaSuccess);
+    EXPECT_EQ(cudaFree(w[r]), cudaSuccess);
+    EXPECT_EQ(cudaFree(out[r]), cudaSuccess);
+  }
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
+
 // A rank whose peer never comes waits, and abort() (the group's failure path) releases it:
 // its stream finishes within seconds instead of hanging.
 TEST_P(PeerAllReduceMode, WaitEndsOnAbort) {
@@ -1081,7 +1197,7 @@ TEST_P(PeerAllReduceMode, WaitEndsOnAbort) {
   EXPECT_EQ(cudaFree(x), cudaSuccess);
 }
 
-INSTANTIATE_TEST_SUITE_P(TensorParallel, PeerAllReduceMode, ::testing::Values("ll", "barrier"));
+INSTANTIATE_TEST_SUITE_P(TensorParallel, PeerAllReduceMode, ::testing::Values("ll", "barrier", "auto"));
 
 // A rank that fails mid-step stops the group with an error naming the rank, within seconds (the
 // others, waiting in a collective, are released by aborting the communicators), and the group

@@ -1539,6 +1539,19 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
   cuda_model::embed_gather(w_->embed, bf16_, w_->mask, tokens, T, H_, x_, stream_);
   cuda_model::rope_table(d_at<int32_t>(off_.positions), T, inv_freq_, d_ / 2, cs_, stream_);
   Deferred pending;  // the previous layer's down product, when its residual add was deferred
+  // Tensor parallelism: an all-reduce whose RMSNorm ran in the same kernel (h_ is ready).
+  bool normed = false;
+  const bool tp = tp_.active();
+  // The all-reduce of the residual after o / down, fused with the RMSNorm `norm` that reads it
+  // next where the group can (all_reduce_rms_norm); true when that norm is done.
+  auto all_reduce = [&](const float* norm, bool fusable) {
+    const int64_t n = static_cast<int64_t>(T) * H_;
+    if (fusable && norm != nullptr &&
+        cuda_model::all_reduce_rms_norm(tp_, x_, T, H_, norm, eps_, h_, bf16_, stream_))
+      return true;
+    cuda_model::all_reduce_sum(tp_, x_, static_cast<size_t>(n), stream_);
+    return false;
+  };
   for (int l = 0; l < num_layers_; ++l) {
     const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
     const LayerKvSpec& spec = plan_.layers[static_cast<size_t>(l)];
@@ -1546,14 +1559,17 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     // scales applied by the kernel that consumes it, where fuse_fp8() (the same bits).
     // The previous layer's down product joins the residual stream here when its add was
     // deferred (pending.add).
-    if (fuse_fp8(w.qkv))
+    if (normed) {
+      // the previous layer's down all-reduce normalized x_ into h_
+    } else if (fuse_fp8(w.qkv)) {
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.input_norm, eps_, fp8_mode(w.qkv), w.qkv.in_scale,
                                     act8_, act_scale_, stream_, pending.residual());
-    else if (pending.add)
+    } else if (pending.add) {
       cuda_model::add_rms_norm_rows(x_, pending.residual(), T, H_, w.input_norm, eps_, h_, bf16_,
                                     stream_);
-    else
+    } else {
       cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.input_norm, eps_, h_, bf16_, stream_);
+    }
     pending = {};
     const Deferred dq =
         linear(w.qkv, T, h_, H_, qkv_, qkv_dim_, 0.0f, {fuse_fp8(w.qkv), fuse_fp8(w.qkv)});
@@ -1573,20 +1589,22 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     // o's scaled product is added to the residual by the post-attention RMSNorm (no bias).
     // Tensor parallelism: rank 0 adds its partial product to the residual, the others write
     // theirs over it, and the all-reduce sums them: every rank holds the new residual.
-    const bool tp = tp_.active();
     const float residual_beta = tp && tp_.rank != 0 ? 0.0f : 1.0f;
     const Deferred dox = linear(w.o, T, att_in, q_dim_, x_, H_, residual_beta,
                                 {fuse_fp8(w.o), fuse_fp8(w.o) && !w.o_bias && !tp});
-    if (tp) cuda_model::all_reduce_sum(tp_, x_, static_cast<size_t>(T) * H_, stream_);
+    normed = tp && all_reduce(w.post_norm, !w.o_bias && !fuse_fp8(w.gate_up));
     if (w.o_bias) cuda_model::add_bias_rows(x_, w.o_bias, T, H_, stream_);
-    if (fuse_fp8(w.gate_up))
+    if (normed) {
+      // h_ is the post-attention RMSNorm of the all-reduced residual
+    } else if (fuse_fp8(w.gate_up)) {
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.post_norm, eps_, fp8_mode(w.gate_up),
                                     w.gate_up.in_scale, act8_, act_scale_, stream_, dox.residual());
-    else if (dox.add)
+    } else if (dox.add) {
       cuda_model::add_rms_norm_rows(x_, dox.residual(), T, H_, w.post_norm, eps_, h_, bf16_,
                                     stream_);
-    else
+    } else {
       cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.post_norm, eps_, h_, bf16_, stream_);
+    }
     const Deferred dg = linear(w.gate_up, T, h_, H_, mlp_, 2 * I_, 0.0f,
                                {fuse_fp8(w.gate_up), fuse_fp8(w.gate_up)});
     // SiLU-mul stays a wide kernel (one block per row of 14336 would be latency-bound at a few
@@ -1602,7 +1620,12 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     const bool fold_down =
         fuse_fp8(w.down) && !w.down_bias && l + 1 < num_layers_ && !captured && !tp;
     pending = linear(w.down, T, h_, I_, x_, H_, residual_beta, {false, fold_down});
-    if (tp) cuda_model::all_reduce_sum(tp_, x_, static_cast<size_t>(T) * H_, stream_);
+    // The next layer's input RMSNorm may run inside the all-reduce (not the last layer's: the
+    // final norm reads only the logit rows).
+    const DeviceWeights::Layer* next =
+        l + 1 < num_layers_ ? &w_->layers[static_cast<size_t>(l) + 1] : nullptr;
+    normed = tp && all_reduce(next ? next->input_norm : nullptr,
+                              next && !w.down_bias && !fuse_fp8(next->qkv));
     if (w.down_bias) cuda_model::add_bias_rows(x_, w.down_bias, T, H_, stream_);
     if (st.capture_set > 0) {
       // This layer's output rows into their column of the [T][layers][H] capture buffer.

@@ -6,6 +6,7 @@
 #include "cache/cuda/kv_codec_device.cuh"
 #include "cache/cuda/pdl.h"
 #include "model/cuda/model_kernels.h"
+#include "model/cuda/row_ops.cuh"
 
 namespace kvq::cuda_model {
 
@@ -22,17 +23,9 @@ unsigned grid_for(int64_t n, int threads = kThreads) {
   return static_cast<unsigned>(g < 65535 * 16 ? (g > 0 ? g : 1) : 65535 * 16);
 }
 
-__device__ __forceinline__ void store(void* out, int64_t i, float v, bool bf16) {
-  if (bf16)
-    static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
-  else
-    static_cast<float*>(out)[i] = v;
-}
-
-__device__ __forceinline__ float load(const void* in, int64_t i, bool bf16) {
-  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(in)[i])
-              : static_cast<const float*>(in)[i];
-}
+using rows::block_sum;
+using rows::load;
+using rows::store;
 
 __global__ void embed_kernel(const void* embed, bool bf16, const float* mask, const int32_t* tokens,
                              int H, float* x) {
@@ -46,18 +39,6 @@ __global__ void embed_kernel(const void* embed, bool bf16, const float* mask, co
   const int64_t base = static_cast<int64_t>(tok) * H;
   for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
     row[i] = load(embed, base + i, bf16);
-}
-
-template <typename T>
-__device__ T block_sum(T v, T* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  T s = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) s += scratch[w];
-  return s;
 }
 
 // x[r][i] += add[r][i] (x row_scale[r] x col_scale[i] when col_scale is set: fp8_scale_product's
@@ -92,9 +73,7 @@ __global__ void rms_norm_kernel(const float* x, const int32_t* rows, int H, cons
       ss += static_cast<double>(row[i]) * row[i];
   }
   ss = block_sum(ss, scratch);
-  const float inv = static_cast<float>(1.0 / sqrt(ss / H + static_cast<double>(eps)));
-  for (int i = static_cast<int>(threadIdx.x); i < H; i += blockDim.x)
-    store(out, static_cast<int64_t>(r) * H + i, __fmul_rn(__fmul_rn(row[i], inv), w[i]), bf16);
+  rows::store_normed_row(out, r, H, row, rows::rms_inverse(ss, H, eps), w, bf16);
 }
 
 __global__ void rope_table_kernel(const int32_t* positions, int T, const double* inv_freq, int half,
@@ -152,7 +131,7 @@ __global__ void qkv_post_kernel(const float* qkv, const float* row_scale, const 
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    inv = static_cast<float>(1.0 / sqrt(ss / d + static_cast<double>(eps)));
+    inv = rows::rms_inverse(ss, d, eps);
   }
   const int half = d / 2;
   const float* c = cs + t * d;
@@ -362,7 +341,7 @@ __global__ void rms_norm_fp8_kernel(float* x, int H, const float* w, float eps, 
       ss += static_cast<double>(row[i]) * row[i];
   }
   ss = block_sum(ss, scratch);
-  const float inv = static_cast<float>(1.0 / sqrt(ss / H + static_cast<double>(eps)));
+  const float inv = rows::rms_inverse(ss, H, eps);
   quantize_row_fp8([&](int i) { return round_bf16(__fmul_rn(__fmul_rn(row[i], inv), w[i])); }, r, H,
                    mode, scale_in, codes, scale);
 }

@@ -10,7 +10,9 @@
 #include <utility>
 
 #include "cache/cuda/cuda_check.h"
+#include "cache/cuda/pdl.h"
 #include "kvq/core/error.h"
+#include "model/cuda/row_ops.cuh"
 
 namespace kvq::cuda_model {
 namespace {
@@ -43,6 +45,10 @@ __global__ void __launch_bounds__(kThreads)
     peer_all_reduce_kernel(PeerPtrs p, int rank, int ranks, size_t max_floats,
                            uint32_t* __restrict__ epochs, float* __restrict__ x, int64_t n,
                            const volatile int* abort) {
+  // PDL (cache/cuda/pdl.h): the next kernel (the RMSNorm) may be scheduled now and waits for
+  // this one's end; every block of this grid is resident by then, so none waits behind it.
+  kvq::cuda::wait_for_previous_kernel();
+  kvq::cuda::allow_next_kernel();
   __shared__ uint32_t epoch_s;
   const int b = blockIdx.x;
   if (threadIdx.x == 0) epoch_s = epochs[b] + 1;
@@ -113,7 +119,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The low-latency variant (KVQ_TP_PEER_MODE=ll, the default), after NCCL's LL protocol: each
+// The low-latency variant (small messages; KVQ_TP_PEER_MODE=ll for all), after NCCL's LL protocol: each
 // pair of floats travels to every peer as one 16-byte store {x0, epoch, x1, epoch}, whose two
 // 8-byte halves arrive whole, so the receiver knows a value is this call's from its own flag:
 // no fences, no barrier, one NVLink crossing. Each rank's receive buffer is
@@ -143,6 +149,10 @@ __global__ void __launch_bounds__(kThreads)
     peer_all_reduce_ll_kernel(PeerRecv p, int rank, int ranks, size_t max_floats,
                               uint32_t* __restrict__ epochs, float* __restrict__ x, int64_t n,
                               const volatile int* abort) {
+  // PDL (cache/cuda/pdl.h): the next kernel (the RMSNorm) may be scheduled now and waits for
+  // this one's end; every block of this grid is resident by then, so none waits behind it.
+  kvq::cuda::wait_for_previous_kernel();
+  kvq::cuda::allow_next_kernel();
   __shared__ uint32_t epoch_s;
   const int b = blockIdx.x;
   if (threadIdx.x == 0) epoch_s = epochs[b] + 1;
@@ -196,6 +206,68 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) epochs[b] = epoch;
 }
 
+// The low-latency all-reduce of T rows of H floats fused with the RMSNorm that reads them next
+// (rms_norm_rows' arithmetic, row_ops.cuh): block b owns rows b, b + grid, ...; pair jp of a
+// row is pair r x H/2 + jp of the receive buffer, sent and awaited as in the kernel above
+// (whose double-buffer argument holds: each call ends after every peer started it). The
+// summed row stays in x (the residual) and its normalized copy goes to `out`.
+__global__ void __launch_bounds__(kThreads)
+    peer_all_reduce_rms_kernel(PeerRecv p, int rank, int ranks, size_t max_floats,
+                               uint32_t* __restrict__ epochs, float* __restrict__ x, int T, int H,
+                               const float* __restrict__ w, float eps, void* __restrict__ out,
+                               bool bf16, const volatile int* abort) {
+  kvq::cuda::wait_for_previous_kernel();
+  kvq::cuda::allow_next_kernel();
+  __shared__ uint32_t epoch_s;
+  __shared__ double scratch[32];
+  const int b = blockIdx.x;
+  if (threadIdx.x == 0) epoch_s = epochs[b] + 1;
+  __syncthreads();
+  const uint32_t epoch = epoch_s;
+  const size_t pairs_max = max_floats / 2;
+  const size_t half = (epoch & 1u) * size_t(ranks) * pairs_max;
+  const int row_pairs = H / 2;
+  bool gave_up = false;
+  for (int r = b; r < T; r += gridDim.x) {
+    float2* row = reinterpret_cast<float2*>(x + int64_t{r} * H);
+    double ss = 0.0;
+    for (int jp = static_cast<int>(threadIdx.x); jp < row_pairs; jp += kThreads) {
+      const int64_t j = int64_t{r} * row_pairs + jp;
+      const float2 mine = row[jp];
+      const uint4 sent{__float_as_uint(mine.x), epoch, __float_as_uint(mine.y), epoch};
+      for (int q = 0; q < ranks; ++q)
+        if (q != rank) store_volatile(p.recv[q] + half + size_t(rank) * pairs_max + j, sent);
+      float2 sum{0.0f, 0.0f};
+      for (int q = 0; q < ranks; ++q) {
+        float2 v = mine;
+        if (q != rank) {
+          const uint4* from = p.recv[rank] + half + size_t(q) * pairs_max + j;
+          uint4 got = load_volatile(from);
+          uint32_t spins = 0;
+          while ((got.y != epoch || got.w != epoch) && !gave_up) {
+            if ((++spins & 1023u) == 0 && *abort != 0) gave_up = true;
+            got = load_volatile(from);
+          }
+          v = make_float2(__uint_as_float(got.x), __uint_as_float(got.z));
+        }
+        if (q == 0) {
+          sum = v;
+        } else {
+          sum.x += v.x;
+          sum.y += v.y;
+        }
+      }
+      row[jp] = sum;
+      ss += static_cast<double>(sum.x) * sum.x + static_cast<double>(sum.y) * sum.y;
+    }
+    ss = rows::block_sum(ss, scratch);  // its barrier also orders the row's writes before reads
+    rows::store_normed_row(out, r, H, x + int64_t{r} * H, rows::rms_inverse(ss, H, eps), w, bf16);
+    __syncthreads();  // scratch is reused by the next row
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) epochs[b] = epoch;
+}
+
 // Restores the caller's current device on scope exit.
 struct DeviceGuard {
   int saved = 0;
@@ -221,8 +293,15 @@ std::unique_ptr<PeerAllReduce> PeerAllReduce::create(int n, size_t max_floats) {
   a->blocks_ = 64;
   if (const char* e = std::getenv("KVQ_TP_PEER_BLOCKS"); e != nullptr && std::atoi(e) > 0)
     a->blocks_ = std::min(std::atoi(e), 1024);
-  if (const char* e = std::getenv("KVQ_TP_PEER_MODE"); e != nullptr && std::strcmp(e, "barrier") == 0)
-    a->low_latency_ = false;
+  // Low latency up to 128K floats (batch 32 x hidden 4096), the barrier variant above (it moves
+  // half the bytes: measured faster at 256K floats, slower at 4K-64K; docs/notes/tensor-parallel.md).
+  a->ll_max_floats_ = std::min<size_t>(a->max_floats_, size_t{1} << 17);
+  if (const char* e = std::getenv("KVQ_TP_PEER_LL_MAX"); e != nullptr && std::atol(e) >= 0)
+    a->ll_max_floats_ = std::min<size_t>(a->max_floats_, (std::atol(e) + 3) / 4 * 4);
+  if (const char* e = std::getenv("KVQ_TP_PEER_MODE"); e != nullptr) {
+    if (std::strcmp(e, "barrier") == 0) a->ll_max_floats_ = 0;
+    if (std::strcmp(e, "ll") == 0) a->ll_max_floats_ = a->max_floats_;
+  }
   void* host = nullptr;
   KVQ_CUDA_CHECK(cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
   a->abort_ = static_cast<volatile int*>(host);
@@ -243,12 +322,16 @@ std::unique_ptr<PeerAllReduce> PeerAllReduce::create(int n, size_t max_floats) {
         KVQ_CUDA_CHECK(e);
     }
     void* d = nullptr;
-    // Barrier variant: [2][max_floats] floats; low-latency: [2][n][max_floats / 2] uint4.
-    const size_t data_bytes = a->low_latency_ ? 2 * size_t(n) * (a->max_floats_ / 2) * sizeof(uint4)
-                                              : 2 * a->max_floats_ * sizeof(float);
-    KVQ_CUDA_CHECK(cudaMalloc(&d, data_bytes));
-    if (a->low_latency_) KVQ_CUDA_CHECK(cudaMemset(d, 0, data_bytes));  // flags 0: no call yet
+    // Barrier variant: [2][max_floats] floats; low latency: [2][n][ll_max_floats / 2] uint4.
+    KVQ_CUDA_CHECK(cudaMalloc(&d, 2 * a->max_floats_ * sizeof(float)));
     a->data_.push_back(static_cast<float*>(d));
+    const size_t ll_bytes = 2 * size_t(n) * (a->ll_max_floats_ / 2) * sizeof(uint4);
+    d = nullptr;
+    if (ll_bytes > 0) {
+      KVQ_CUDA_CHECK(cudaMalloc(&d, ll_bytes));
+      KVQ_CUDA_CHECK(cudaMemset(d, 0, ll_bytes));  // flags 0: no call yet
+    }
+    a->ll_.push_back(static_cast<uint4*>(d));
     const size_t flag_bytes = static_cast<size_t>(a->blocks_) * kMaxRanks * sizeof(uint32_t);
     KVQ_CUDA_CHECK(cudaMalloc(&d, flag_bytes));
     a->flags_.push_back(static_cast<uint32_t*>(d));
@@ -266,6 +349,7 @@ PeerAllReduce::~PeerAllReduce() {
   for (size_t r = 0; r < data_.size(); ++r) {
     (void)cudaSetDevice(static_cast<int>(r));
     (void)cudaFree(data_[r]);
+    if (r < ll_.size()) (void)cudaFree(ll_[r]);
     if (r < flags_.size()) (void)cudaFree(flags_[r]);
     if (r < epochs_.size()) (void)cudaFree(epochs_[r]);
   }
@@ -275,12 +359,15 @@ PeerAllReduce::~PeerAllReduce() {
 void PeerAllReduce::run(int rank, float* x, size_t n, cudaStream_t stream) const {
   KVQ_CHECK(rank >= 0 && rank < n_ && fits(n), "peer all-reduce: rank or size out of range");
   if (n == 0) return;
-  if (low_latency_) {
+  // Both variants count calls in the same per-block epochs, and either kind of call ends only
+  // after every peer started it: so when a rank starts call c, every peer has finished call
+  // c - 2, whichever variants the calls between used (the double buffers' condition).
+  if (n <= ll_max_floats_) {
     PeerRecv p{};
-    for (int q = 0; q < n_; ++q) p.recv[q] = reinterpret_cast<uint4*>(data_[static_cast<size_t>(q)]);
-    peer_all_reduce_ll_kernel<<<blocks_, kThreads, 0, stream>>>(
-        p, rank, n_, max_floats_, epochs_[static_cast<size_t>(rank)], x,
-        static_cast<int64_t>(n), abort_);
+    for (int q = 0; q < n_; ++q) p.recv[q] = ll_[static_cast<size_t>(q)];
+    kvq::cuda::launch_pdl(peer_all_reduce_ll_kernel, blocks_, kThreads, stream, p, rank, n_,
+                          ll_max_floats_, epochs_[static_cast<size_t>(rank)], x,
+                          static_cast<int64_t>(n), abort_);
     KVQ_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -289,10 +376,25 @@ void PeerAllReduce::run(int rank, float* x, size_t n, cudaStream_t stream) const
     p.data[q] = data_[static_cast<size_t>(q)];
     p.flags[q] = flags_[static_cast<size_t>(q)];
   }
-  peer_all_reduce_kernel<<<blocks_, kThreads, 0, stream>>>(
-      p, rank, n_, max_floats_, epochs_[static_cast<size_t>(rank)], x, static_cast<int64_t>(n),
-      abort_);
+  kvq::cuda::launch_pdl(peer_all_reduce_kernel, blocks_, kThreads, stream, p, rank, n_,
+                        max_floats_, epochs_[static_cast<size_t>(rank)], x,
+                        static_cast<int64_t>(n), abort_);
   KVQ_CUDA_CHECK_LAUNCH();
+}
+
+bool PeerAllReduce::run_rms_norm(int rank, float* x, int T, int H, const float* w, float eps,
+                                 void* out, bool bf16, cudaStream_t stream) const {
+  KVQ_CHECK(rank >= 0 && rank < n_, "peer all-reduce: rank out of range");
+  const size_t n = static_cast<size_t>(T) * static_cast<size_t>(H);
+  if (T <= 0 || H % 2 != 0 || n > ll_max_floats_) return false;
+  KVQ_CHECK((reinterpret_cast<uintptr_t>(x) & 7u) == 0, "peer all-reduce: rows not 8-byte aligned");
+  PeerRecv p{};
+  for (int q = 0; q < n_; ++q) p.recv[q] = ll_[static_cast<size_t>(q)];
+  kvq::cuda::launch_pdl(peer_all_reduce_rms_kernel, blocks_, kThreads, stream, p, rank, n_,
+                        ll_max_floats_, epochs_[static_cast<size_t>(rank)], x, T, H, w, eps, out,
+                        bf16, abort_);
+  KVQ_CUDA_CHECK_LAUNCH();
+  return true;
 }
 
 void PeerAllReduce::abort() {

@@ -58,6 +58,16 @@ void all_reduce_sum(const TpRank& tp, float* x, size_t n, cudaStream_t stream) {
 #endif
 }
 
+bool all_reduce_rms_norm(const TpRank& tp, float* x, int T, int H, const float* w, float eps,
+                         void* out, bool bf16, cudaStream_t stream) {
+  static const bool off = [] {
+    const char* e = std::getenv("KVQ_TP_FUSED_NORM");
+    return e != nullptr && std::string(e) == "0";
+  }();
+  if (!tp.active() || tp.skip_all_reduce || tp.peer == nullptr || off) return false;
+  return tp.peer->run_rms_norm(tp.rank, x, T, H, w, eps, out, bf16, stream);
+}
+
 void all_gather(const TpRank& tp, const float* send, size_t n, float* recv, cudaStream_t stream) {
   KVQ_CHECK(tp.active(), "all_gather: not a tensor-parallel rank");
 #if KVQ_WITH_NCCL

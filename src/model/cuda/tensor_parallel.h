@@ -47,6 +47,13 @@ bool tensor_parallel_available();
 // Graph-capturable.
 void all_reduce_sum(const TpRank& tp, float* x, size_t n, cudaStream_t stream);
 
+// all_reduce_sum of T rows of H floats fused with the RMSNorm that follows (out = the rows'
+// rms_norm_rows with weight w, bf16 or fp32), where the group's peer all-reduce fits them;
+// false, with nothing done, otherwise (then all_reduce_sum and rms_norm_rows), and under
+// KVQ_TP_FUSED_NORM=0 or KVQ_TP_ALLREDUCE=off. Graph-capturable.
+bool all_reduce_rms_norm(const TpRank& tp, float* x, int T, int H, const float* w, float eps,
+                         void* out, bool bf16, cudaStream_t stream);
+
 // All-gather: recv[r][0..n) = rank r's send[0..n) on every rank (the vocabulary-parallel LM
 // head's logits). Graph-capturable.
 void all_gather(const TpRank& tp, const float* send, size_t n, float* recv, cudaStream_t stream);
