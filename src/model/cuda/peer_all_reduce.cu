@@ -145,6 +145,43 @@ struct PeerRecv {
   uint4* recv[kMaxRanks];  // every rank's receive buffer
 };
 
+// Pair j of this rank's floats to every peer's receive buffer (slot `rank`).
+__device__ __forceinline__ void ll_send(const PeerRecv& p, int rank, int ranks, size_t half,
+                                        size_t pairs_max, int64_t j, float2 mine,
+                                        uint32_t epoch) {
+  const uint4 out{__float_as_uint(mine.x), epoch, __float_as_uint(mine.y), epoch};
+  for (int q = 0; q < ranks; ++q)
+    if (q != rank) store_volatile(p.recv[q] + half + size_t(rank) * pairs_max + j, out);
+}
+
+// Pair j summed over the ranks in rank order (`mine` for this rank's term), each peer's term
+// awaited until its flags say this call; gives up (garbage) once the group aborts.
+__device__ __forceinline__ float2 ll_sum(const PeerRecv& p, int rank, int ranks, size_t half,
+                                         size_t pairs_max, int64_t j, float2 mine, uint32_t epoch,
+                                         const volatile int* abort, bool& gave_up) {
+  float2 sum{0.0f, 0.0f};
+  for (int q = 0; q < ranks; ++q) {
+    float2 v = mine;
+    if (q != rank) {
+      const uint4* from = p.recv[rank] + half + size_t(q) * pairs_max + j;
+      uint4 got = load_volatile(from);
+      uint32_t spins = 0;
+      while ((got.y != epoch || got.w != epoch) && !gave_up) {
+        if ((++spins & 1023u) == 0 && *abort != 0) gave_up = true;  // the group is failing
+        got = load_volatile(from);
+      }
+      v = make_float2(__uint_as_float(got.x), __uint_as_float(got.z));
+    }
+    if (q == 0) {
+      sum = v;
+    } else {
+      sum.x += v.x;
+      sum.y += v.y;
+    }
+  }
+  return sum;
+}
+
 __global__ void __launch_bounds__(kThreads)
     peer_all_reduce_ll_kernel(PeerRecv p, int rank, int ranks, size_t max_floats,
                               uint32_t* __restrict__ epochs, float* __restrict__ x, int64_t n,
@@ -164,37 +201,15 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t stride = int64_t{gridDim.x} * kThreads;
   const bool aligned = (reinterpret_cast<uintptr_t>(x) & 7u) == 0;
   bool gave_up = false;
+  // Every pair is sent before any is awaited: one NVLink crossing per call, not one per pair.
+  auto mine = [&](int64_t j) {
+    if (aligned && 2 * j + 1 < n) return reinterpret_cast<const float2*>(x)[j];
+    return make_float2(x[2 * j], 2 * j + 1 < n ? x[2 * j + 1] : 0.0f);
+  };
+  for (int64_t j = int64_t{b} * kThreads + threadIdx.x; j < pairs; j += stride)
+    ll_send(p, rank, ranks, half, pairs_max, j, mine(j), epoch);
   for (int64_t j = int64_t{b} * kThreads + threadIdx.x; j < pairs; j += stride) {
-    float2 mine;
-    if (aligned && 2 * j + 1 < n) {
-      mine = reinterpret_cast<const float2*>(x)[j];
-    } else {
-      mine.x = x[2 * j];
-      mine.y = 2 * j + 1 < n ? x[2 * j + 1] : 0.0f;
-    }
-    const uint4 out{__float_as_uint(mine.x), epoch, __float_as_uint(mine.y), epoch};
-    for (int q = 0; q < ranks; ++q)
-      if (q != rank) store_volatile(p.recv[q] + half + size_t(rank) * pairs_max + j, out);
-    float2 sum{0.0f, 0.0f};
-    for (int q = 0; q < ranks; ++q) {
-      float2 v = mine;
-      if (q != rank) {
-        const uint4* from = p.recv[rank] + half + size_t(q) * pairs_max + j;
-        uint4 got = load_volatile(from);
-        uint32_t spins = 0;
-        while ((got.y != epoch || got.w != epoch) && !gave_up) {
-          if ((++spins & 1023u) == 0 && *abort != 0) gave_up = true;  // the group is failing
-          got = load_volatile(from);
-        }
-        v = make_float2(__uint_as_float(got.x), __uint_as_float(got.z));
-      }
-      if (q == 0) {
-        sum = v;
-      } else {
-        sum.x += v.x;
-        sum.y += v.y;
-      }
-    }
+    const float2 sum = ll_sum(p, rank, ranks, half, pairs_max, j, mine(j), epoch, abort, gave_up);
     if (aligned && 2 * j + 1 < n) {
       reinterpret_cast<float2*>(x)[j] = sum;
     } else {
@@ -228,35 +243,18 @@ __global__ void __launch_bounds__(kThreads)
   const size_t half = (epoch & 1u) * size_t(ranks) * pairs_max;
   const int row_pairs = H / 2;
   bool gave_up = false;
+  // Every owned pair is sent before any is awaited (one NVLink crossing per call).
+  for (int r = b; r < T; r += gridDim.x) {
+    const float2* row = reinterpret_cast<const float2*>(x + int64_t{r} * H);
+    for (int jp = static_cast<int>(threadIdx.x); jp < row_pairs; jp += kThreads)
+      ll_send(p, rank, ranks, half, pairs_max, int64_t{r} * row_pairs + jp, row[jp], epoch);
+  }
   for (int r = b; r < T; r += gridDim.x) {
     float2* row = reinterpret_cast<float2*>(x + int64_t{r} * H);
     double ss = 0.0;
     for (int jp = static_cast<int>(threadIdx.x); jp < row_pairs; jp += kThreads) {
-      const int64_t j = int64_t{r} * row_pairs + jp;
-      const float2 mine = row[jp];
-      const uint4 sent{__float_as_uint(mine.x), epoch, __float_as_uint(mine.y), epoch};
-      for (int q = 0; q < ranks; ++q)
-        if (q != rank) store_volatile(p.recv[q] + half + size_t(rank) * pairs_max + j, sent);
-      float2 sum{0.0f, 0.0f};
-      for (int q = 0; q < ranks; ++q) {
-        float2 v = mine;
-        if (q != rank) {
-          const uint4* from = p.recv[rank] + half + size_t(q) * pairs_max + j;
-          uint4 got = load_volatile(from);
-          uint32_t spins = 0;
-          while ((got.y != epoch || got.w != epoch) && !gave_up) {
-            if ((++spins & 1023u) == 0 && *abort != 0) gave_up = true;
-            got = load_volatile(from);
-          }
-          v = make_float2(__uint_as_float(got.x), __uint_as_float(got.z));
-        }
-        if (q == 0) {
-          sum = v;
-        } else {
-          sum.x += v.x;
-          sum.y += v.y;
-        }
-      }
+      const float2 sum = ll_sum(p, rank, ranks, half, pairs_max, int64_t{r} * row_pairs + jp,
+                                row[jp], epoch, abort, gave_up);
       row[jp] = sum;
       ss += static_cast<double>(sum.x) * sum.x + static_cast<double>(sum.y) * sum.y;
     }
