@@ -49,8 +49,9 @@ void all_reduce_sum(const TpRank& tp, float* x, size_t n, cudaStream_t stream);
 
 // all_reduce_sum of T rows of H floats fused with the RMSNorm that follows (out = the rows'
 // rms_norm_rows with weight w, bf16 or fp32), where the group's peer all-reduce fits them;
-// false, with nothing done, otherwise (then all_reduce_sum and rms_norm_rows), and under
-// KVQ_TP_FUSED_NORM=0 or KVQ_TP_ALLREDUCE=off. Graph-capturable.
+// false, with nothing done, otherwise (then all_reduce_sum and rms_norm_rows), under
+// KVQ_TP_ALLREDUCE=off, and unless KVQ_TP_FUSED_NORM=1 (opt-in: measured slower so far).
+// Graph-capturable.
 bool all_reduce_rms_norm(const TpRank& tp, float* x, int T, int H, const float* w, float eps,
                          void* out, bool bf16, cudaStream_t stream);
 
