@@ -957,17 +957,25 @@ int failing_rank_child() {
 // (the double buffer's halves alternate), then a captured graph of two calls replayed.
 // Each variant alone (the low-latency one, flags beside the data; the barrier one) and both
 // mixed by size ("auto", the default, with the bound lowered to 4096 floats).
-class PeerAllReduceMode : public ::testing::TestWithParam<const char*> {};
+class PeerAllReduceMode : public ::testing::TestWithParam<const char*> {
+ protected:
+  // The variant under test (KVQ_TP_PEER_MODE=GetParam(); the "auto" bound at 4096 floats), or
+  // nullptr without peer access.
+  static std::unique_ptr<cuda_model::PeerAllReduce> make(size_t max_floats) {
+    EXPECT_EQ(setenv("KVQ_TP_PEER_MODE", GetParam(), 1), 0);
+    EXPECT_EQ(setenv("KVQ_TP_PEER_LL_MAX", "4096", 1), 0);
+    std::unique_ptr<cuda_model::PeerAllReduce> ar = cuda_model::PeerAllReduce::create(2, max_floats);
+    unsetenv("KVQ_TP_PEER_MODE");
+    unsetenv("KVQ_TP_PEER_LL_MAX");
+    return ar;
+  }
+};
 
 TEST_P(PeerAllReduceMode, SumsLikeTheHost) {
   SKIP_WITHOUT_TWO_GPUS();
   constexpr int kRanks = 2;
   constexpr size_t kMax = size_t{1} << 16;
-  ASSERT_EQ(setenv("KVQ_TP_PEER_MODE", GetParam(), 1), 0);
-  ASSERT_EQ(setenv("KVQ_TP_PEER_LL_MAX", "4096", 1), 0);  // "auto": the sizes below take both
-  std::unique_ptr<cuda_model::PeerAllReduce> ar = cuda_model::PeerAllReduce::create(kRanks, kMax);
-  unsetenv("KVQ_TP_PEER_MODE");
-  unsetenv("KVQ_TP_PEER_LL_MAX");
+  std::unique_ptr<cuda_model::PeerAllReduce> ar = make(kMax);  // "auto": the sizes below take both
   if (!ar) GTEST_SKIP() << "no peer access between devices 0 and 1 (or KVQ_TP_PEER_ALLREDUCE=0)";
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -1063,11 +1071,7 @@ TEST_P(PeerAllReduceMode, FusedRmsNormMatchesTheHost) {
   SKIP_WITHOUT_TWO_GPUS();
   constexpr int kRanks = 2;
   constexpr size_t kMax = size_t{1} << 16;
-  ASSERT_EQ(setenv("KVQ_TP_PEER_MODE", GetParam(), 1), 0);
-  ASSERT_EQ(setenv("KVQ_TP_PEER_LL_MAX", "4096", 1), 0);
-  std::unique_ptr<cuda_model::PeerAllReduce> ar = cuda_model::PeerAllReduce::create(kRanks, kMax);
-  unsetenv("KVQ_TP_PEER_MODE");
-  unsetenv("KVQ_TP_PEER_LL_MAX");
+  std::unique_ptr<cuda_model::PeerAllReduce> ar = make(kMax);
   if (!ar) GTEST_SKIP() << "no peer access between devices 0 and 1 (or KVQ_TP_PEER_ALLREDUCE=0)";
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -1172,9 +1176,7 @@ TEST_P(PeerAllReduceMode, FusedRmsNormMatchesTheHost) {
 // its stream finishes within seconds instead of hanging.
 TEST_P(PeerAllReduceMode, WaitEndsOnAbort) {
   SKIP_WITHOUT_TWO_GPUS();
-  ASSERT_EQ(setenv("KVQ_TP_PEER_MODE", GetParam(), 1), 0);
-  std::unique_ptr<cuda_model::PeerAllReduce> ar = cuda_model::PeerAllReduce::create(2, 1024);
-  unsetenv("KVQ_TP_PEER_MODE");
+  std::unique_ptr<cuda_model::PeerAllReduce> ar = make(1024);
   if (!ar) GTEST_SKIP() << "no peer access between devices 0 and 1 (or KVQ_TP_PEER_ALLREDUCE=0)";
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   float* x = nullptr;

@@ -35,6 +35,23 @@ __device__ __forceinline__ void store_release(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Every kernel's prologue: PDL (cache/cuda/pdl.h; the next kernel, the RMSNorm, may be
+// scheduled now and waits for this one's end; every block of this grid is resident by then, so
+// none waits behind it), then this block's number for this call (its previous call's + 1).
+__device__ __forceinline__ uint32_t begin_call(const uint32_t* epochs) {
+  kvq::cuda::wait_for_previous_kernel();
+  kvq::cuda::allow_next_kernel();
+  __shared__ uint32_t epoch;
+  if (threadIdx.x == 0) epoch = epochs[blockIdx.x] + 1;
+  __syncthreads();
+  return epoch;
+}
+// Stores the block's number for the next call (after every thread has read `epoch`).
+__device__ __forceinline__ void count_call(uint32_t* epochs, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) epochs[blockIdx.x] = epoch;
+}
+
 // Element group j (floats 4j..4j+3) belongs to block (j / kThreads) % gridDim.x, thread
 // j % kThreads, whatever x's alignment: every rank maps the same n the same way, so a block's
 // flag says exactly which of the rank's floats are in its buffer. The grid is the same on
@@ -45,15 +62,8 @@ __global__ void __launch_bounds__(kThreads)
     peer_all_reduce_kernel(PeerPtrs p, int rank, int ranks, size_t max_floats,
                            uint32_t* __restrict__ epochs, float* __restrict__ x, int64_t n,
                            const volatile int* abort) {
-  // PDL (cache/cuda/pdl.h): the next kernel (the RMSNorm) may be scheduled now and waits for
-  // this one's end; every block of this grid is resident by then, so none waits behind it.
-  kvq::cuda::wait_for_previous_kernel();
-  kvq::cuda::allow_next_kernel();
-  __shared__ uint32_t epoch_s;
   const int b = blockIdx.x;
-  if (threadIdx.x == 0) epoch_s = epochs[b] + 1;
-  __syncthreads();
-  const uint32_t epoch = epoch_s;
+  const uint32_t epoch = begin_call(epochs);
   const size_t half = (epoch & 1u) * max_floats;
   float* __restrict__ mine = const_cast<float*>(p.data[rank]) + half;
   const int64_t groups = (n + 3) / 4;
@@ -77,8 +87,7 @@ __global__ void __launch_bounds__(kThreads)
     while (static_cast<int32_t>(load_acquire(f) - epoch) < 0)
       if ((++spins & 1023u) == 0 && *abort != 0) break;  // the group is failing: give up
   }
-  __syncthreads();
-  if (threadIdx.x == 0) epochs[b] = epoch;
+  count_call(epochs, epoch);
   // 3. Sum every rank's slice in rank order (the same bits on every rank).
   for (int64_t j0 = int64_t{b} * kThreads + threadIdx.x; j0 < groups; j0 += stride * kUnroll) {
     float4 acc[kUnroll];
@@ -186,15 +195,8 @@ __global__ void __launch_bounds__(kThreads)
     peer_all_reduce_ll_kernel(PeerRecv p, int rank, int ranks, size_t max_floats,
                               uint32_t* __restrict__ epochs, float* __restrict__ x, int64_t n,
                               const volatile int* abort) {
-  // PDL (cache/cuda/pdl.h): the next kernel (the RMSNorm) may be scheduled now and waits for
-  // this one's end; every block of this grid is resident by then, so none waits behind it.
-  kvq::cuda::wait_for_previous_kernel();
-  kvq::cuda::allow_next_kernel();
-  __shared__ uint32_t epoch_s;
   const int b = blockIdx.x;
-  if (threadIdx.x == 0) epoch_s = epochs[b] + 1;
-  __syncthreads();
-  const uint32_t epoch = epoch_s;
+  const uint32_t epoch = begin_call(epochs);
   const size_t pairs_max = max_floats / 2;
   const size_t half = (epoch & 1u) * size_t(ranks) * pairs_max;
   const int64_t pairs = (n + 1) / 2;
@@ -217,8 +219,7 @@ __global__ void __launch_bounds__(kThreads)
       if (2 * j + 1 < n) x[2 * j + 1] = sum.y;
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) epochs[b] = epoch;
+  count_call(epochs, epoch);
 }
 
 // The low-latency all-reduce of T rows of H floats fused with the RMSNorm that reads them next
@@ -231,14 +232,9 @@ __global__ void __launch_bounds__(kThreads)
                                uint32_t* __restrict__ epochs, float* __restrict__ x, int T, int H,
                                const float* __restrict__ w, float eps, void* __restrict__ out,
                                bool bf16, const volatile int* abort) {
-  kvq::cuda::wait_for_previous_kernel();
-  kvq::cuda::allow_next_kernel();
-  __shared__ uint32_t epoch_s;
   __shared__ double scratch[32];
   const int b = blockIdx.x;
-  if (threadIdx.x == 0) epoch_s = epochs[b] + 1;
-  __syncthreads();
-  const uint32_t epoch = epoch_s;
+  const uint32_t epoch = begin_call(epochs);
   const size_t pairs_max = max_floats / 2;
   const size_t half = (epoch & 1u) * size_t(ranks) * pairs_max;
   const int row_pairs = H / 2;
@@ -262,8 +258,7 @@ __global__ void __launch_bounds__(kThreads)
     rows::store_normed_row(out, r, H, x + int64_t{r} * H, rows::rms_inverse(ss, H, eps), w, bf16);
     __syncthreads();  // scratch is reused by the next row
   }
-  __syncthreads();
-  if (threadIdx.x == 0) epochs[b] = epoch;
+  count_call(epochs, epoch);
 }
 
 // Restores the caller's current device on scope exit.
