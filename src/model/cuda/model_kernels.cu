@@ -198,38 +198,55 @@ __global__ void to_bf16_kernel(const float* in, int64_t n, __nv_bfloat16* out) {
     out[i] = __float2bfloat16_rn(in[i]);
 }
 
-__global__ void quantize_fp8_kernel(const void* x, bool bf16, int cols, int64_t ldx, Fp8Scale mode,
-                                    const float* scale_in, uint8_t* codes, float* scale) {
-  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
-  allow_next_kernel();
-  __shared__ float scratch[32];
-  const int r = static_cast<int>(blockIdx.x);
-  const int64_t base = static_cast<int64_t>(r) * ldx;
+// A row's FP8 scale, the same in every quantizing kernel: kDynamic takes the block's max of
+// the threads' partial |x| maxima (amax) / 448, or 1 for an all-zero row; kStatic the tensor's
+// scale, kGiven the row's own. Stored to scale[r] unless given. Every thread gets it.
+__device__ float row_fp8_scale(float amax, int r, Fp8Scale mode, const float* scale_in,
+                               float* scale) {
+  __shared__ float mx[32];
   float s = 1.0f;
   if (mode == Fp8Scale::kDynamic) {
-    float amax = 0.0f;
-    for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
-      amax = fmaxf(amax, fabsf(load(x, base + c, bf16)));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
-    if (lane == 0) scratch[warp] = amax;
+    if (lane == 0) mx[warp] = amax;
     __syncthreads();
     amax = 0.0f;
-    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) amax = fmaxf(amax, scratch[w]);
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) amax = fmaxf(amax, mx[w]);
     s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
   } else {
     s = mode == Fp8Scale::kStatic ? scale_in[0] : scale[r];
   }
   if (mode != Fp8Scale::kGiven && threadIdx.x == 0) scale[r] = s;
-  uint8_t* out = codes + static_cast<int64_t>(r) * cols;
-  // A zero (or negative, or NaN) given or static scale dequantizes everything to 0: codes 0,
-  // not the NaN codes x / 0 would give.
+  return s;
+}
+
+// One block quantizes row r of values val(c): the row's scale (row_fp8_scale), then each value
+// divided by it and encoded; a zero (or negative, or NaN) given or static scale dequantizes
+// everything to 0: codes 0, not the NaN codes x / 0 would give. The fused callers pass values
+// already rounded to bf16, as the unfused path stores them, so all paths give the same bits.
+template <class Val>
+__device__ void quantize_row_fp8(const Val& val, int r, int cols, Fp8Scale mode,
+                                 const float* scale_in, uint8_t* codes, float* scale) {
+  float amax = 0.0f;
+  if (mode == Fp8Scale::kDynamic)
+    for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
+      amax = fmaxf(amax, fabsf(val(c)));
+  const float s = row_fp8_scale(amax, r, mode, scale_in, scale);
   const bool dead = !(s > 0.0f);
+  uint8_t* out = codes + static_cast<int64_t>(r) * cols;
   for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
-    out[c] = dead
-                 ? uint8_t{0}
-                 : static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(load(x, base + c, bf16), s)));
+    out[c] = dead ? uint8_t{0} : static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(val(c), s)));
+}
+
+__global__ void quantize_fp8_kernel(const void* x, bool bf16, int cols, int64_t ldx, Fp8Scale mode,
+                                    const float* scale_in, uint8_t* codes, float* scale) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
+  const int r = static_cast<int>(blockIdx.x);
+  const int64_t base = static_cast<int64_t>(r) * ldx;
+  quantize_row_fp8([&](int c) { return load(x, base + c, bf16); }, r, cols, mode, scale_in, codes,
+                   scale);
 }
 
 // The same for bf16 rows whose columns come in 16-byte chunks (cols and ldx multiples of 8,
@@ -242,13 +259,11 @@ __global__ void quantize_fp8_bf16x8_kernel(const __nv_bfloat16* x, int cols, int
                                            float* scale) {
   wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
   allow_next_kernel();
-  __shared__ float scratch[32];
   const int r = static_cast<int>(blockIdx.x);
   const uint4* row = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(r) * ldx);
   const int chunks = cols / 8;
-  float s = 1.0f;
+  float amax = 0.0f;
   if (mode == Fp8Scale::kDynamic) {
-    float amax = 0.0f;
 #pragma unroll 4
     for (int c = static_cast<int>(threadIdx.x); c < chunks; c += blockDim.x) {
       const uint4 v = row[c];
@@ -259,18 +274,8 @@ __global__ void quantize_fp8_bf16x8_kernel(const __nv_bfloat16* x, int cols, int
         amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
-    if (lane == 0) scratch[warp] = amax;
-    __syncthreads();
-    amax = 0.0f;
-    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) amax = fmaxf(amax, scratch[w]);
-    s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
-  } else {
-    s = mode == Fp8Scale::kStatic ? scale_in[0] : scale[r];
   }
-  if (mode != Fp8Scale::kGiven && threadIdx.x == 0) scale[r] = s;
+  const float s = row_fp8_scale(amax, r, mode, scale_in, scale);
   const bool dead = !(s > 0.0f);
   uint2* out = reinterpret_cast<uint2*>(codes + static_cast<int64_t>(r) * cols);
 #pragma unroll 4
@@ -287,36 +292,6 @@ __global__ void quantize_fp8_bf16x8_kernel(const __nv_bfloat16* x, int cols, int
     }
     out[c] = make_uint2(packed[0], packed[1]);
   }
-}
-
-// One block quantizes row r of values val(c) (already rounded to bf16, as the unfused path
-// stores them before quantize_rows_fp8 reads them): the same max, division and encoder as
-// quantize_fp8_kernel, so the codes and scales are bit-equal to the two-kernel path.
-template <class Val>
-__device__ void quantize_row_fp8(const Val& val, int r, int cols, Fp8Scale mode,
-                                 const float* scale_in, uint8_t* codes, float* scale) {
-  __shared__ float mx[32];
-  float s = 1.0f;
-  if (mode == Fp8Scale::kDynamic) {
-    float amax = 0.0f;
-    for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
-      amax = fmaxf(amax, fabsf(val(c)));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
-    if (lane == 0) mx[warp] = amax;
-    __syncthreads();
-    amax = 0.0f;
-    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) amax = fmaxf(amax, mx[w]);
-    s = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
-  } else {
-    s = mode == Fp8Scale::kStatic ? scale_in[0] : scale[r];
-  }
-  if (mode != Fp8Scale::kGiven && threadIdx.x == 0) scale[r] = s;
-  const bool dead = !(s > 0.0f);
-  uint8_t* out = codes + static_cast<int64_t>(r) * cols;
-  for (int c = static_cast<int>(threadIdx.x); c < cols; c += blockDim.x)
-    out[c] = dead ? uint8_t{0} : static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(val(c), s)));
 }
 
 __device__ __forceinline__ float round_bf16(float v) {
