@@ -1127,10 +1127,12 @@ CudaMemoryReport CudaDecoderModel::memory() const {
   r.free_at_load = free_at_load_;
   r.weights = w_->arena.bytes();
   // A decode step reads every matrix but the embedding (a gather of a few rows), unless the
-  // LM head is the embedding.
+  // LM head is the embedding: then the head's rows (a vocabulary shard under tensor parallelism).
   r.weights_read_per_step = r.weights;
   if (!w_->tied && !w_->target)
     r.weights_read_per_step -= static_cast<size_t>(vocab_) * H_ * (bf16_ ? 2 : 4);
+  else if (w_->tied)
+    r.weights_read_per_step -= static_cast<size_t>(vocab_ - w_->lm_head.n) * H_ * (bf16_ ? 2 : 4);
   {
     std::lock_guard<std::mutex> lock(mu_);
     r.activations = buf_.bytes() + off_.total + static_cast<size_t>(T_cap_) * 4 + graph_bytes_ +

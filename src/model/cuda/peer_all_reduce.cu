@@ -42,7 +42,8 @@ __device__ __forceinline__ uint32_t begin_call(const uint32_t* epochs) {
   kvq::cuda::wait_for_previous_kernel();
   kvq::cuda::allow_next_kernel();
   __shared__ uint32_t epoch;
-  if (threadIdx.x == 0) epoch = epochs[blockIdx.x] + 1;
+  // Never 0 (the receive buffers' initial flags); 2 after 0xffffffff keeps the parity.
+  if (threadIdx.x == 0) epoch = epochs[blockIdx.x] + 1 == 0 ? 2u : epochs[blockIdx.x] + 1;
   __syncthreads();
   return epoch;
 }
@@ -84,7 +85,9 @@ __global__ void __launch_bounds__(kThreads)
     store_release(p.flags[threadIdx.x] + b * kMaxRanks + rank, epoch);
     const uint32_t* f = p.flags[rank] + b * kMaxRanks + threadIdx.x;
     uint32_t spins = 0;
-    while (static_cast<int32_t>(load_acquire(f) - epoch) < 0)
+    // The peer's flag is this call's number, or the next one's once it has passed this
+    // barrier; anything else is an earlier barrier call's (the numbers count every call).
+    while (load_acquire(f) - epoch > 1u)
       if ((++spins & 1023u) == 0 && *abort != 0) break;  // the group is failing: give up
   }
   count_call(epochs, epoch);
@@ -223,7 +226,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The low-latency all-reduce of T rows of H floats fused with the RMSNorm that reads them next
-// (rms_norm_rows' arithmetic, row_ops.cuh): block b owns rows b, b + grid, ...; pair jp of a
+// (row_ops.cuh's RMSNorm; its sum of squares adds in another order than rms_norm_rows', so
+// the two may differ in the last bit, while every rank gets the same bits): block b owns rows b, b + grid, ...; pair jp of a
 // row is pair r x H/2 + jp of the receive buffer, sent and awaited as in the kernel above
 // (whose double-buffer argument holds: each call ends after every peer started it). The
 // summed row stays in x (the residual) and its normalized copy goes to `out`.
@@ -284,8 +288,17 @@ std::unique_ptr<PeerAllReduce> PeerAllReduce::create(int n, size_t max_floats) {
   a->n_ = n;
   a->max_floats_ = (max_floats + 3) / 4 * 4;
   a->blocks_ = 64;
+  // At most one block per SM of the smallest GPU: every block of both grids resident at once,
+  // so no block's wait depends on another block of its own grid being scheduled.
+  int sms = 1 << 30;
+  for (int r = 0; r < n; ++r) {
+    int count = 0;
+    KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, r));
+    sms = std::min(sms, count);
+  }
   if (const char* e = std::getenv("KVQ_TP_PEER_BLOCKS"); e != nullptr && std::atoi(e) > 0)
-    a->blocks_ = std::min(std::atoi(e), 1024);
+    a->blocks_ = std::atoi(e);
+  a->blocks_ = std::min(a->blocks_, sms);
   // Low latency up to 128K floats (batch 32 x hidden 4096), the barrier variant above (it moves
   // half the bytes: measured faster at 256K floats, slower at 4K-64K; docs/notes/tensor-parallel.md).
   a->ll_max_floats_ = std::min<size_t>(a->max_floats_, size_t{1} << 17);
@@ -307,12 +320,13 @@ std::unique_ptr<PeerAllReduce> PeerAllReduce::create(int n, size_t max_floats) {
       static std::mutex mu;
       static std::set<std::pair<int, int>> enabled;
       std::lock_guard<std::mutex> lock(mu);
-      if (!enabled.insert({r, q}).second) continue;
+      if (enabled.count({r, q}) != 0) continue;
       const cudaError_t e = cudaDeviceEnablePeerAccess(q, 0);
       if (e == cudaErrorPeerAccessAlreadyEnabled)
         (void)cudaGetLastError();  // turned on outside kvq (NCCL)
       else
         KVQ_CUDA_CHECK(e);
+      enabled.insert({r, q});
     }
     void* d = nullptr;
     // Barrier variant: [2][max_floats] floats; low latency: [2][n][ll_max_floats / 2] uint4.
@@ -339,6 +353,11 @@ std::unique_ptr<PeerAllReduce> PeerAllReduce::create(int n, size_t max_floats) {
 
 PeerAllReduce::~PeerAllReduce() {
   DeviceGuard guard;
+  // Every device's kernels may write into any rank's buffers: all of them finish first.
+  for (size_t r = 0; r < data_.size(); ++r) {
+    (void)cudaSetDevice(static_cast<int>(r));
+    (void)cudaDeviceSynchronize();
+  }
   for (size_t r = 0; r < data_.size(); ++r) {
     (void)cudaSetDevice(static_cast<int>(r));
     (void)cudaFree(data_[r]);
@@ -379,7 +398,7 @@ bool PeerAllReduce::run_rms_norm(int rank, float* x, int T, int H, const float* 
                                  void* out, bool bf16, cudaStream_t stream) const {
   KVQ_CHECK(rank >= 0 && rank < n_, "peer all-reduce: rank out of range");
   const size_t n = static_cast<size_t>(T) * static_cast<size_t>(H);
-  if (T <= 0 || H % 2 != 0 || n > ll_max_floats_) return false;
+  if (T <= 0 || H <= 0 || H % 2 != 0 || n > ll_max_floats_) return false;
   KVQ_CHECK((reinterpret_cast<uintptr_t>(x) & 7u) == 0, "peer all-reduce: rows not 8-byte aligned");
   PeerRecv p{};
   for (int q = 0; q < n_; ++q) p.recv[q] = ll_[static_cast<size_t>(q)];

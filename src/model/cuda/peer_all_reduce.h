@@ -38,10 +38,11 @@ class PeerAllReduce {
   // Rank `rank`'s part of a sum-all-reduce of n floats in place (device `rank` current). Every
   // rank must make the same sequence of calls (as with NCCL). Graph-capturable.
   void run(int rank, float* x, size_t n, cudaStream_t stream) const;
-  // The same for T rows of H floats, fused with the RMSNorm that follows it (rms_norm_rows'
-  // arithmetic): x gets the sum, out (bf16 or fp32) its normalized rows with weight w. False,
-  // with nothing launched, when the rows do not fit the low-latency variant (then run() and a
-  // separate RMSNorm); every rank gets the same answer for the same call.
+  // The same for T rows of H floats, fused with the RMSNorm that follows it (row_ops.cuh's
+  // RMSNorm, summing squares in another order than rms_norm_rows): x gets the sum, out (bf16
+  // or fp32) its normalized rows with weight w. False, with nothing launched, when the rows do
+  // not fit the low-latency variant (then run() and a separate RMSNorm); every rank gets the
+  // same answer for the same call.
   bool run_rms_norm(int rank, float* x, int T, int H, const float* w, float eps, void* out,
                     bool bf16, cudaStream_t stream) const;
   // Makes every kernel waiting for a peer return, now and later (the group's failure path).
