@@ -8,6 +8,7 @@
 #   info   the GPUs, how they are linked (nvidia-smi topo -m), the NCCL library in use.
 #   tests  the TensorParallel* tests, then the whole CUDA model test binary.
 #   smoke  kvq serve / eval / bench (ngram speculation) at -tp 2 on the default model.
+#   sanitize  compute-sanitizer memcheck of the peer all-reduce tests.
 #   bench  `kvq bench --synthetic llama3-8b` decode at TP 1 and 2 (TPS), KV dtypes (KVS),
 #          batches (BATCHES), context CTX (default 4096); JSON lines in $OUT/tp-bench.jsonl. TP 2
 #          also runs with KVQ_TP_ALLREDUCE=off (timing only: the all-reduces' share of a step;
@@ -101,6 +102,14 @@ for part in "${@:-info tests}"; do
       --input-len 256 --output-len 64 --dataset tests/fixtures/text/short_stories.txt \
       --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' 2>&1 | tail -4
     ;;
+  sanitize)
+    # compute-sanitizer memcheck of the peer all-reduce's tests (BackToBack hangs under the tool:
+    # it does not run the two ranks' queued kernels side by side).
+    step "memcheck of the peer all-reduce"
+    timeout 300 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $B/tests/kvq_cuda_model_tests \
+      --gtest_filter='*PeerAllReduce*:-*BackToBack*' > "$OUT/sanitizer.log" 2>&1; echo "rc=$?"
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |ERROR SUMMARY" "$OUT/sanitizer.log" | head
+    ;;
   bench70)
     # Llama-3-70B shape at TP 2 (bf16 weights: 70 GB a rank, so H200s): batch 1 and 32 at 4k
     # for KV bf16 / fp8; then per KV dtype the largest batch that fits at 16k context.
@@ -123,7 +132,7 @@ for part in "${@:-info tests}"; do
       [ -n "$lb" ] && [ "$lb" -gt 0 ] && run70 $kv $(( lb < 256 ? lb : 256 )) 16384 "70b tp=2 largest@16k"
     done
     ;;
-  *) echo "gpu-tp-check: unknown part $part (info, tests, tp-tests, smoke, bench, bench70)" >&2; exit 2 ;;
+  *) echo "gpu-tp-check: unknown part $part (info, tests, tp-tests, smoke, sanitize, bench, bench70)" >&2; exit 2 ;;
   esac
 done
 step done

@@ -1074,6 +1074,9 @@ TEST_P(PeerAllReduceMode, SumsLikeTheHost) {
 // (the double buffers' "a peer has finished call c - 2" argument, with the variants mixed).
 TEST_P(PeerAllReduceMode, BackToBackCallsOfMixedSizes) {
   SKIP_WITHOUT_TWO_GPUS();
+  // Not under compute-sanitizer: there it hung (2026-11-26, H100 x 2; rank 0's queued kernels
+  // wait for rank 1's, queued 200 launches later, and the tool did not run them side by side).
+  // scripts/gpu-tp-check.sh's `sanitize` part leaves it out.
   constexpr int kRanks = 2, kCalls = 200, kH = 512;
   constexpr size_t kMax = size_t{1} << 14;
   std::unique_ptr<cuda_model::PeerAllReduce> ar = make(kMax);
