@@ -97,14 +97,16 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t j = j0 + u * stride;
-      if (j < groups && whole(j)) acc[u] = __ldcg(reinterpret_cast<const float4*>(p.data[0] + half) + j);
+      if (j < groups && whole(j))
+        acc[u] = __ldcg(reinterpret_cast<const float4*>(p.data[0] + half) + j);
     }
     for (int q = 1; q < ranks; ++q) {
       float4 v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t j = j0 + u * stride;
-        if (j < groups && whole(j)) v[u] = __ldcg(reinterpret_cast<const float4*>(p.data[q] + half) + j);
+        if (j < groups && whole(j))
+          v[u] = __ldcg(reinterpret_cast<const float4*>(p.data[q] + half) + j);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -131,8 +133,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The low-latency variant (small messages; KVQ_TP_PEER_MODE=ll for all), after NCCL's LL protocol: each
-// pair of floats travels to every peer as one 16-byte store {x0, epoch, x1, epoch}, whose two
+// The low-latency variant (small messages; KVQ_TP_PEER_MODE=ll for all), after NCCL's LL protocol:
+// each pair of floats travels to every peer as one 16-byte store {x0, epoch, x1, epoch}, whose two
 // 8-byte halves arrive whole, so the receiver knows a value is this call's from its own flag:
 // no fences, no barrier, one NVLink crossing. Each rank's receive buffer is
 // [2 halves][ranks senders][max_floats / 2 pairs] of uint4. Element pair j belongs to
@@ -159,8 +161,7 @@ struct PeerRecv {
 
 // Pair j of this rank's floats to every peer's receive buffer (slot `rank`).
 __device__ __forceinline__ void ll_send(const PeerRecv& p, int rank, int ranks, size_t half,
-                                        size_t pairs_max, int64_t j, float2 mine,
-                                        uint32_t epoch) {
+                                        size_t pairs_max, int64_t j, float2 mine, uint32_t epoch) {
   const uint4 out{__float_as_uint(mine.x), epoch, __float_as_uint(mine.y), epoch};
   for (int q = 0; q < ranks; ++q)
     if (q != rank) store_volatile(p.recv[q] + half + size_t(rank) * pairs_max + j, out);
@@ -227,10 +228,10 @@ __global__ void __launch_bounds__(kThreads)
 
 // The low-latency all-reduce of T rows of H floats fused with the RMSNorm that reads them next
 // (row_ops.cuh's RMSNorm; its sum of squares adds in another order than rms_norm_rows', so
-// the two may differ in the last bit, while every rank gets the same bits): block b owns rows b, b + grid, ...; pair jp of a
-// row is pair r x H/2 + jp of the receive buffer, sent and awaited as in the kernel above
-// (whose double-buffer argument holds: each call ends after every peer started it). The
-// summed row stays in x (the residual) and its normalized copy goes to `out`.
+// the two may differ in the last bit, while every rank gets the same bits): block b owns rows b, b
+// + grid, ...; pair jp of a row is pair r x H/2 + jp of the receive buffer, sent and awaited as in
+// the kernel above (whose double-buffer argument holds: each call ends after every peer started
+// it). The summed row stays in x (the residual) and its normalized copy goes to `out`.
 __global__ void __launch_bounds__(kThreads)
     peer_all_reduce_rms_kernel(PeerRecv p, int rank, int ranks, size_t max_floats,
                                uint32_t* __restrict__ epochs, float* __restrict__ x, int T, int H,
@@ -275,7 +276,8 @@ struct DeviceGuard {
 }  // namespace
 
 std::unique_ptr<PeerAllReduce> PeerAllReduce::create(int n, size_t max_floats) {
-  if (const char* e = std::getenv("KVQ_TP_PEER_ALLREDUCE"); e != nullptr && std::strcmp(e, "0") == 0)
+  if (const char* e = std::getenv("KVQ_TP_PEER_ALLREDUCE");
+      e != nullptr && std::strcmp(e, "0") == 0)
     return nullptr;
   if (n < 2 || n > kMaxRanks || max_floats == 0) return nullptr;
   for (int i = 0; i < n; ++i)
@@ -300,7 +302,8 @@ std::unique_ptr<PeerAllReduce> PeerAllReduce::create(int n, size_t max_floats) {
     a->blocks_ = std::atoi(e);
   a->blocks_ = std::min(a->blocks_, sms);
   // Low latency up to 128K floats (batch 32 x hidden 4096), the barrier variant above (it moves
-  // half the bytes: measured faster at 256K floats, slower at 4K-64K; docs/notes/tensor-parallel.md).
+  // half the bytes: measured faster at 256K floats, slower at 4K-64K;
+  // docs/notes/tensor-parallel.md).
   a->ll_max_floats_ = std::min<size_t>(a->max_floats_, size_t{1} << 17);
   if (const char* e = std::getenv("KVQ_TP_PEER_LL_MAX"); e != nullptr && std::atol(e) >= 0)
     a->ll_max_floats_ = std::min<size_t>(a->max_floats_, (std::atol(e) + 3) / 4 * 4);
@@ -388,9 +391,8 @@ void PeerAllReduce::run(int rank, float* x, size_t n, cudaStream_t stream) const
     p.data[q] = data_[static_cast<size_t>(q)];
     p.flags[q] = flags_[static_cast<size_t>(q)];
   }
-  kvq::cuda::launch_pdl(peer_all_reduce_kernel, blocks_, kThreads, stream, p, rank, n_,
-                        max_floats_, epochs_[static_cast<size_t>(rank)], x,
-                        static_cast<int64_t>(n), abort_);
+  kvq::cuda::launch_pdl(peer_all_reduce_kernel, blocks_, kThreads, stream, p, rank, n_, max_floats_,
+                        epochs_[static_cast<size_t>(rank)], x, static_cast<int64_t>(n), abort_);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

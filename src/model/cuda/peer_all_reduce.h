@@ -58,8 +58,8 @@ class PeerAllReduce {
   size_t ll_max_floats_ = 0;
   // Per rank (on its device): the double buffer [2][max_floats], the flags peers write
   // [blocks][n], and the per-block call counters [blocks].
-  std::vector<float*> data_;   // the barrier variant's [2][max_floats]
-  std::vector<uint4*> ll_;     // the low-latency variant's [2][n][ll_max_floats / 2]
+  std::vector<float*> data_;  // the barrier variant's [2][max_floats]
+  std::vector<uint4*> ll_;    // the low-latency variant's [2][n][ll_max_floats / 2]
   std::vector<uint32_t*> flags_;
   std::vector<uint32_t*> epochs_;
   volatile int* abort_ = nullptr;  // mapped, pinned host memory
