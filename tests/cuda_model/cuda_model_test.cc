@@ -14,8 +14,10 @@
 #include <fstream>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "kvq/cache/device_kv_cache.h"
@@ -974,6 +976,36 @@ class PeerAllReduceMode : public ::testing::TestWithParam<const char*> {
     unsetenv("KVQ_TP_PEER_LL_MAX");
     return ar;
   }
+  // A stream per rank and float buffers on each rank's device, freed on their devices when the
+  // test ends; a failed allocation fails the test (an exception gtest reports).
+  struct PerRank {
+    std::vector<cudaStream_t> streams;
+    std::vector<std::pair<int, void*>> buffers;
+    explicit PerRank(int ranks) : streams(static_cast<size_t>(ranks)) {
+      for (int r = 0; r < ranks; ++r)
+        if (cudaSetDevice(r) != cudaSuccess ||
+            cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking) != cudaSuccess)
+          throw std::runtime_error("no stream on device " + std::to_string(r));
+    }
+    float* floats(int r, size_t n) {
+      void* p = nullptr;
+      if (cudaSetDevice(r) != cudaSuccess || cudaMalloc(&p, n * sizeof(float)) != cudaSuccess)
+        throw std::runtime_error("cudaMalloc of " + std::to_string(n) + " floats failed");
+      buffers.emplace_back(r, p);
+      return static_cast<float*>(p);
+    }
+    ~PerRank() {
+      for (const auto& [r, p] : buffers) {
+        EXPECT_EQ(cudaSetDevice(r), cudaSuccess);
+        EXPECT_EQ(cudaFree(p), cudaSuccess);
+      }
+      for (size_t r = 0; r < streams.size(); ++r) {
+        EXPECT_EQ(cudaSetDevice(static_cast<int>(r)), cudaSuccess);
+        EXPECT_EQ(cudaStreamDestroy(streams[r]), cudaSuccess);
+      }
+      EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
+    }
+  };
 };
 
 TEST_P(PeerAllReduceMode, SumsLikeTheHost) {
@@ -986,13 +1018,10 @@ TEST_P(PeerAllReduceMode, SumsLikeTheHost) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  PerRank dev(kRanks);
+  const std::vector<cudaStream_t>& streams = dev.streams;
   std::vector<float*> x(kRanks);
-  std::vector<cudaStream_t> streams(kRanks);
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&x[r], (kMax + 4) * sizeof(float)), cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), cudaSuccess);
-  }
+  for (int r = 0; r < kRanks; ++r) x[r] = dev.floats(r, kMax + 4);
   auto fill = [&](size_t off, size_t n) {
     std::vector<std::vector<float>> h(kRanks, std::vector<float>(n));
     for (int r = 0; r < kRanks; ++r) {
@@ -1062,10 +1091,7 @@ TEST_P(PeerAllReduceMode, SumsLikeTheHost) {
   for (int r = 0; r < kRanks; ++r) {
     ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
     EXPECT_EQ(cudaGraphExecDestroy(exec[r]), cudaSuccess);
-    EXPECT_EQ(cudaStreamDestroy(streams[r]), cudaSuccess);
-    EXPECT_EQ(cudaFree(x[r]), cudaSuccess);
   }
-  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
 // Many calls queued back to back without a host wait, sizes on both sides of the variants'
@@ -1096,27 +1122,24 @@ TEST_P(PeerAllReduceMode, BackToBackCallsOfMixedSizes) {
     total += (n[i] + 3) / 4 * 4;
   }
   std::vector<std::vector<float>> h(kRanks, std::vector<float>(total));
-  std::vector<float*> x(kRanks);
-  std::vector<void*> out(kRanks);
-  std::vector<float*> w(kRanks);
-  std::vector<cudaStream_t> streams(kRanks);
+  PerRank dev(kRanks);
+  const std::vector<cudaStream_t>& streams = dev.streams;
+  std::vector<float*> x(kRanks), out(kRanks), w(kRanks);
   std::vector<float> weight(kH, 1.0f);
   for (int r = 0; r < kRanks; ++r) {
     for (float& v : h[r]) v = u(rng);
-    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&x[r], total * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&out[r], total * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&w[r], kH * 4), cudaSuccess);
+    x[r] = dev.floats(r, total);
+    out[r] = dev.floats(r, total);
+    w[r] = dev.floats(r, kH);
     ASSERT_EQ(cudaMemcpy(x[r], h[r].data(), total * 4, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(w[r], weight.data(), kH * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), cudaSuccess);
   }
   std::vector<std::vector<bool>> ran(kRanks, std::vector<bool>(kCalls));
   for (int r = 0; r < kRanks; ++r) {
     ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
     for (int i = 0; i < kCalls; ++i) {
       ran[r][i] = fused[i] && ar->run_rms_norm(r, x[r] + off[i], static_cast<int>(n[i] / kH), kH,
-                                               w[r], 1e-5f, static_cast<float*>(out[r]) + off[i],
+                                               w[r], 1e-5f, out[r] + off[i],
                                                false, streams[r]);
       if (!ran[r][i]) ar->run(r, x[r] + off[i], n[i], streams[r]);
     }
@@ -1140,14 +1163,6 @@ TEST_P(PeerAllReduceMode, BackToBackCallsOfMixedSizes) {
     EXPECT_EQ(bad_calls, 0) << "rank " << r << ": first wrong call " << first_bad << " of "
                             << kCalls << " (n " << (first_bad >= 0 ? n[first_bad] : 0) << ")";
   }
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-    EXPECT_EQ(cudaStreamDestroy(streams[r]), cudaSuccess);
-    EXPECT_EQ(cudaFree(x[r]), cudaSuccess);
-    EXPECT_EQ(cudaFree(out[r]), cudaSuccess);
-    EXPECT_EQ(cudaFree(w[r]), cudaSuccess);
-  }
-  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
 // The all-reduce fused with the RMSNorm that follows it (all_reduce_rms_norm): x gets the sum
@@ -1165,15 +1180,13 @@ TEST_P(PeerAllReduceMode, FusedRmsNormMatchesTheHost) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-2.0f, 2.0f);
   const float eps = 1e-5f;
-  std::vector<float*> x(kRanks), w(kRanks);
-  std::vector<void*> out(kRanks);
-  std::vector<cudaStream_t> streams(kRanks);
+  PerRank dev(kRanks);
+  const std::vector<cudaStream_t>& streams = dev.streams;
+  std::vector<float*> x(kRanks), w(kRanks), out(kRanks);
   for (int r = 0; r < kRanks; ++r) {
-    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&x[r], kMax * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&w[r], 4096 * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&out[r], kMax * 4), cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking), cudaSuccess);
+    x[r] = dev.floats(r, kMax);
+    w[r] = dev.floats(r, 4096);
+    out[r] = dev.floats(r, kMax);
   }
   int fused = 0;
   struct Case {
@@ -1249,14 +1262,6 @@ TEST_P(PeerAllReduceMode, FusedRmsNormMatchesTheHost) {
     EXPECT_EQ(bad, 0u) << "normalized values off the host's";
   }
   EXPECT_EQ(fused > 0, std::string(GetParam()) != "barrier");
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
-    EXPECT_EQ(cudaStreamDestroy(streams[r]), cudaSuccess);
-    EXPECT_EQ(cudaFree(x[r]), cudaSuccess);
-    EXPECT_EQ(cudaFree(w[r]), cudaSuccess);
-    EXPECT_EQ(cudaFree(out[r]), cudaSuccess);
-  }
-  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
 // A rank whose peer never comes waits, and abort() (the group's failure path) releases it:
