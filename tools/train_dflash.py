@@ -743,6 +743,12 @@ def main():
     ap.add_argument("--minutes", type=float, default=3.2, help="training-loop wall-clock budget")
     ap.add_argument("--steps", type=int, default=0, help="fixed step count (else planned from speed)")
     ap.add_argument("--max-steps", type=int, default=20000)
+    ap.add_argument("--state", default="",
+                    help="resumable training: load this file (drafter, optimizer, step, random streams) when it "
+                         "exists, and save it when --call-minutes runs out (then exit before the evaluation); "
+                         "needs --steps, which fixes the learning-rate schedule across calls")
+    ap.add_argument("--call-minutes", type=float, default=0.0,
+                    help="with --state: stop this call's training after this many minutes and save the state")
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-positions", type=int, default=100)
     ap.add_argument("--eval-steps", type=int, default=8, help="verify steps per held-out position")
@@ -886,13 +892,34 @@ def main():
 
     history = []
     planned = args.steps or args.max_steps
+    start_step, resumed_seconds, calls = 0, 0.0, 1
+    if args.state:
+        if not args.steps:
+            sys.exit("train_dflash.py: --state needs --steps (the schedule must not depend on one call's speed)")
+        if os.path.exists(args.state):
+            st = torch.load(args.state, map_location=device, weights_only=False)
+            dr.load_state_dict(st["drafter"])
+            opt.load_state_dict(st["optimizer"])
+            start_step, history = st["step"], st["history"]
+            resumed_seconds, calls = st["seconds"], st["calls"] + 1
+            rng.setstate(st["rng"])
+            gen.set_state(st["gen"].cpu() if hasattr(st["gen"], "cpu") else st["gen"])
+            log(f"[resume] {args.state}: step {start_step}, {resumed_seconds:.0f} s trained in {calls - 1} call(s)")
     budget = args.minutes * 60
-    t_train0 = time.time()
-    step, run_loss = 0, None
+    t_train0 = time.time() - resumed_seconds
+    step, run_loss = start_step, None
+    t_call0 = time.time()
     dr.train()
     while True:
         if args.steps and step >= args.steps:
             break
+        if args.state and args.call_minutes > 0 and time.time() - t_call0 > args.call_minutes * 60:
+            torch.save({"drafter": dr.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                        "history": history, "seconds": time.time() - t_train0, "calls": calls,
+                        "rng": rng.getstate(), "gen": gen.get_state()}, args.state)
+            log(f"[state] saved {args.state} at step {step} of {args.steps} ({time.time() - t_train0:.0f} s "
+                f"trained); run the same command again to go on")
+            return
         el = time.time() - t_train0
         if not args.steps:
             if step == 100:
@@ -996,7 +1023,7 @@ def main():
         "data": dict(data_info, prefix_lens=prefix_lens, gen_len=args.gen_len, train_sequences=n_gen,
                      val_sequences=sum(v.shape[0] for v in val_set.values()),
                      generated_train_tokens=n_gen * args.gen_len, generation_seconds=t_gen),
-        "training": {"n_per": args.n_per, "steps": step, "planned_steps": planned, "seconds": train_time, "batch": args.batch,
+        "training": {"n_per": args.n_per, "steps": step, "calls": calls, "planned_steps": planned, "seconds": train_time, "batch": args.batch,
                      "anchors_per_sequence": args.anchors, "k_mix": k_mix, "gamma": args.gamma, "lr": args.lr,
                      "warmup": args.warmup, "min_lr_frac": args.min_lr_frac, "weight_decay": args.weight_decay,
                      "final_val_loss": vl, "final_val_tau_k8_teacher_forced": vt, "final_val_row_accuracy_k8": vacc,
@@ -1032,6 +1059,8 @@ def write_readme(args, dcfg, s):
         p = os.path.join(args.out, name)
         files.append(f"    {sha256_file(p)}  {name} ({os.path.getsize(p):,} bytes)")
     dc = dcfg["dflash_config"]
+    calls_note = (f", in {tr['calls']} calls resumed from a saved state (`--state`; each call regenerates the "
+                  f"data from the same seeds)") if tr.get("calls", 1) > 1 else ""
     text = f"""# kvq-code-tiny-dflash: a DFlash (block-diffusion) drafter for kvq-code-tiny
 
 A {s['layers']}-layer drafter ({s['parameters']:,} parameters, bf16 safetensors) that proposes k tokens in
@@ -1079,7 +1108,7 @@ are evaluated below.
   warm-up steps and cosine decay to {tr['min_lr_frac']} x, weight decay {tr['weight_decay']} on matrices,
   grad clip 1.0, bf16 autocast, batch {tr['batch']} sequences. The target stays frozen in fp32; its
   hidden states are recomputed at each step.
-- {tr['steps']} steps in {tr['seconds']:.1f} s on {s['device']}; torch {s['versions'].get('torch')},
+- {tr['steps']} steps in {tr['seconds']:.1f} s on {s['device']}{calls_note}; torch {s['versions'].get('torch')},
   transformers {s['versions'].get('transformers')}, tokenizers {s['versions'].get('tokenizers')}.
   Whole script {s['script_seconds']:.0f} s.
 
