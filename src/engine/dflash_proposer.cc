@@ -12,6 +12,7 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "deferred_drafts.h"
 #include "kvq/core/error.h"
 #include "kvq/engine/speculative.h"
 
@@ -73,6 +74,13 @@ class DflashProposer final : public Proposer {
 
   bool features_on_device(const Model& target) const override {
     return drafter_->reads_features_of(target);
+  }
+
+  const Model* token_source() const override { return deferred_.source(); }
+  void collect(std::span<Draft* const> drafts) override {
+    const auto t0 = std::chrono::steady_clock::now();
+    deferred_.collect(drafts, [](std::span<const int32_t>) {});
+    pass_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
   // The context K/V of the kept positions, every sequence at once, as soon as the target has
@@ -145,6 +153,7 @@ class DflashProposer final : public Proposer {
       return std::chrono::duration<double>(b - a).count();
     };
     const Clock::time_point t0 = Clock::now();
+    deferred_.reset();
     std::vector<size_t> active;
     for (size_t r = 0; r < requests.size(); ++r) {
       out[r].tokens.clear();
@@ -202,10 +211,16 @@ class DflashProposer final : public Proposer {
     }
     const size_t vocab = static_cast<size_t>(drafter_->vocab_size());
     const Clock::time_point t3 = Clock::now();
-    // All greedy on a device that samples: only the argmax ids cross to the host.
+    // All greedy on a device that samples: only the argmax ids cross to the host, or none
+    // (they stay on the device for the target's verification, which reads them there).
     bool all_greedy = drafter_->samples_on_device();
     for (size_t r : ran) all_greedy = all_greedy && requests[r].sampler->greedy();
-    if (all_greedy) {
+    const bool defer = all_greedy && DeferredDrafts::allowed(*drafter_, requests);
+    if (defer) {
+      const DeviceSampling argmax[1] = {DeviceSampling{}};
+      drafter_->forward_sample_deferred(fb, *cache_, argmax);
+      deferred_.start(drafter_.get(), static_cast<int>(rows.size()));
+    } else if (all_greedy) {
       ids_.resize(rows.size());
       const DeviceSampling argmax[1] = {DeviceSampling{}};
       drafter_->forward_sample(fb, *cache_, argmax, ids_);
@@ -220,7 +235,13 @@ class DflashProposer final : public Proposer {
       const DraftRequest& q = requests[ran[i]];
       Draft& d = out[ran[i]];
       const int32_t k = q_indptr[i + 1] - q_indptr[i] - 1;
-      for (int32_t j = 0; j < k; ++j, ++row) {
+      if (defer) {
+        d.tokens.assign(static_cast<size_t>(k), 0);
+        d.on_device = true;
+        d.device_row = static_cast<int32_t>(row);
+        row += static_cast<size_t>(k);
+      }
+      for (int32_t j = 0; j < k && !defer; ++j, ++row) {
         if (all_greedy) {
           d.tokens.push_back(ids_[row]);
           continue;
@@ -275,6 +296,7 @@ class DflashProposer final : public Proposer {
   int32_t max_k_ = 0;
   std::unordered_map<uint64_t, State> state_;
   Waiting pending_;
+  DeferredDrafts deferred_;
   std::vector<float> logits_;
   std::vector<int32_t> ids_;
   int64_t calls_ = 0, drafts_ = 0;

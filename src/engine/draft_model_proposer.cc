@@ -2,10 +2,13 @@
 // target's). Per step and sequence it (1) rolls its cache back to the longest prefix it shares
 // with the sequence, (2) catches up on the rest (at least the last token, whose logits give the
 // first draft), (3) drafts one token at a time; every sequence of the step rides in one forward
-// pass per token.
+// pass per token. Greedy drafting runs the last catch-up pass and every drafting pass in one
+// call of the drafter (Model::forward_greedy_chain: on CUDA one host round trip, or none when
+// the drafts stay on the device for the target's verification).
 #include <algorithm>
 #include <unordered_map>
 
+#include "deferred_drafts.h"
 #include "kvq/core/error.h"
 #include "kvq/engine/speculative.h"
 
@@ -28,13 +31,27 @@ class DraftModelProposer final : public Proposer {
     cached_.erase(seq);
   }
 
+  const Model* token_source() const override { return deferred_.source(); }
+  void collect(std::span<Draft* const> drafts) override {
+    deferred_.collect(drafts, [&](std::span<const int32_t> ids) {
+      // The drafts the chain ran through the drafter's cache, in place of their placeholders.
+      for (const Unknown& u : unknown_) {
+        auto it = cached_.find(u.seq);
+        if (it == cached_.end() || it->second.size() < u.at + static_cast<size_t>(u.n)) continue;
+        for (int32_t j = 0; j < u.n; ++j)
+          it->second[u.at + static_cast<size_t>(j)] =
+              ids[static_cast<size_t>(j) * u.stride + static_cast<size_t>(u.row)];
+      }
+      unknown_.clear();
+    });
+  }
+
   void propose(std::span<const DraftRequest> requests, std::span<Draft> out) override {
     KVQ_CHECK(out.size() == requests.size(), "DraftModelProposer: one draft per request");
-    struct Active {
-      size_t r;             // index into requests / out
-      int32_t pending = 0;  // catch-up tokens still to run (from cached_ size on)
-      int32_t next = -1;    // the token to run next (after catch-up: the latest draft)
-    };
+    // Drafts never collected: their placeholders in cached_ (-1) match no token, so the
+    // sequences' caches are cut back before them below.
+    deferred_.reset();
+    unknown_.clear();
     std::vector<Active> active;
     for (size_t r = 0; r < requests.size(); ++r) {
       out[r].tokens.clear();
@@ -93,6 +110,9 @@ class DraftModelProposer final : public Proposer {
     std::vector<Active*> live;
     for (Active& a : active)
       if (a.pending > 0) live.push_back(&a);
+    bool greedy = true;
+    for (Active* a : live) greedy = greedy && requests[a->r].sampler->greedy();
+    if (greedy) return greedy_chain(requests, out, live);
     bool first = true;
     std::vector<float> logits;
     while (!live.empty()) {
@@ -154,6 +174,63 @@ class DraftModelProposer final : public Proposer {
   }
 
  private:
+  struct Active {
+    size_t r;             // index into requests / out
+    int32_t pending = 0;  // catch-up tokens still to run (from cached_ size on)
+    int32_t next = -1;    // the token to run next (after catch-up: the latest draft)
+  };
+
+  // The last catch-up pass and every drafting pass of greedy requests, in one call.
+  void greedy_chain(std::span<const DraftRequest> requests, std::span<Draft> out,
+                    std::span<Active* const> live) {
+    int32_t steps = 0;
+    for (Active* a : live) steps = std::max(steps, requests[a->r].max_drafts);
+    Batch b;
+    std::vector<std::vector<int64_t>> later;  // per sequence: its slots of passes 1..steps-1
+    std::vector<Active*> ran;
+    for (Active* a : live) {
+      const DraftRequest& q = requests[a->r];
+      std::vector<int32_t>& cached = cached_[q.seq];
+      const std::vector<int32_t> run(q.tokens.begin() + static_cast<std::ptrdiff_t>(cached.size()),
+                                     q.tokens.end());
+      std::vector<int64_t> more;
+      if (!b.add(*cache_, q.seq, run, static_cast<int32_t>(cached.size()), steps - 1, &more))
+        continue;  // no blocks in the drafter's cache: no drafts this step
+      cached.insert(cached.end(), run.begin(), run.end());
+      later.push_back(std::move(more));
+      ran.push_back(a);
+    }
+    if (ran.empty()) return;
+    const size_t S = ran.size(), passes = static_cast<size_t>(steps);
+    std::vector<int64_t> next_slots((passes - 1) * S);
+    for (size_t i = 0; i < S; ++i)
+      for (size_t j = 1; j < passes; ++j) next_slots[(j - 1) * S + i] = later[i][j - 1];
+    const ForwardBatch fb = b.view(*cache_);
+    // The block tables hold every pass's slots; the first pass's lengths are steps - 1 shorter.
+    for (int32_t& len : b.storage.seq_lens) len -= steps - 1;
+    const bool defer = DeferredDrafts::allowed(*drafter_, requests);
+    std::vector<int32_t> ids(defer ? 0 : passes * S);
+    drafter_->forward_greedy_chain(fb, *cache_, steps, next_slots, ids, defer);
+    if (defer) deferred_.start(drafter_.get(), static_cast<int>(passes * S));
+    for (size_t i = 0; i < S; ++i) {
+      const DraftRequest& q = requests[ran[i]->r];
+      Draft& d = out[ran[i]->r];
+      std::vector<int32_t>& cached = cached_[q.seq];
+      const size_t k = static_cast<size_t>(std::min(q.max_drafts, steps));
+      if (defer) {
+        d.tokens.assign(k, 0);
+        d.on_device = true;
+        d.device_row = static_cast<int32_t>(i);
+        d.device_stride = static_cast<int32_t>(S);
+        unknown_.push_back({q.seq, cached.size(), steps - 1, static_cast<int32_t>(i), S});
+        cached.resize(cached.size() + passes - 1, -1);
+        continue;
+      }
+      for (size_t j = 0; j < k; ++j) d.tokens.push_back(ids[j * S + i]);
+      for (size_t j = 0; j + 1 < passes; ++j) cached.push_back(ids[j * S + i]);
+    }
+  }
+
   // The tokens of one forward pass of the drafter.
   struct Batch {
     std::vector<int32_t> tokens, positions, q_indptr{0}, rows;
@@ -162,13 +239,18 @@ class DraftModelProposer final : public Proposer {
     PagedKvCache::BlockTableStorage storage;
     bool with_logits = true;
 
-    // Appends `run` at positions from `first_pos` (the sequence's cached length); false (and
-    // nothing changed) when the drafter's cache has no blocks for it.
-    bool add(PagedKvCache& cache, uint64_t seq, std::span<const int32_t> run, int32_t first_pos) {
+    // Appends `run` at positions from `first_pos` (the sequence's cached length), and reserves
+    // `extra` more slots after it into *more; false (and nothing changed) when the drafter's
+    // cache has no blocks for them.
+    bool add(PagedKvCache& cache, uint64_t seq, std::span<const int32_t> run, int32_t first_pos,
+             int32_t extra = 0, std::vector<int64_t>* more = nullptr) {
       if (run.empty()) return false;
       const SequenceId id = static_cast<SequenceId>(seq);
-      std::vector<int64_t> s = cache.append(id, static_cast<int32_t>(run.size()));
+      std::vector<int64_t> s = cache.append(id, static_cast<int32_t>(run.size()) + extra);
       if (s.empty()) return false;
+      if (more != nullptr)
+        more->assign(s.begin() + static_cast<std::ptrdiff_t>(run.size()), s.end());
+      s.resize(run.size());
       slots.insert(slots.end(), s.begin(), s.end());
       tokens.insert(tokens.end(), run.begin(), run.end());
       for (size_t i = 0; i < run.size(); ++i)
@@ -188,6 +270,16 @@ class DraftModelProposer final : public Proposer {
   std::unique_ptr<PagedKvCache> cache_;
   int32_t max_step_;
   std::unordered_map<uint64_t, std::vector<int32_t>> cached_;  // tokens in the drafter's cache
+  // Drafts left on the device; cached_[seq][at + j] (j < n) waits for row j * stride + row.
+  struct Unknown {
+    uint64_t seq;
+    size_t at;
+    int32_t n;
+    int32_t row;
+    size_t stride;
+  };
+  std::vector<Unknown> unknown_;
+  DeferredDrafts deferred_;
 };
 
 }  // namespace

@@ -186,8 +186,7 @@ void LlmEngine::Impl::cancel_now(RequestId id) {
 void LlmEngine::Impl::preempt(Request& r) {
   blocks.free_sequence(r.seq());
   if (config.proposer) config.proposer->release(static_cast<uint64_t>(r.seq()));
-  r.draft.tokens.clear();
-  r.draft.q.clear();
+  r.draft = Draft{};
   r.computed = 0;
   auto it =
       std::find_if(running.begin(), running.end(), [&](const auto& p) { return p.get() == &r; });
@@ -310,12 +309,19 @@ void LlmEngine::Impl::schedule_and_forward() {
   std::vector<SequenceId> ids;
   std::vector<Request*> sampled;
   std::vector<PassSequence> pass;
+  std::vector<int32_t> token_rows, token_dst;  // drafts still on the drafter's device
   for (const Scheduled& s : batch) {
     Request& r = *s.r;
     const std::vector<int32_t>& drafts = r.draft.tokens;
     const int32_t own = s.n - static_cast<int32_t>(drafts.size());  // tokens of r.tokens
     slots.insert(slots.end(), s.slots.begin(), s.slots.end());
     tokens.insert(tokens.end(), r.tokens.begin() + r.computed, r.tokens.begin() + r.computed + own);
+    if (r.draft.on_device)
+      for (size_t d = 0; d < drafts.size(); ++d) {
+        token_rows.push_back(r.draft.device_row +
+                             static_cast<int32_t>(d) * r.draft.device_stride);
+        token_dst.push_back(static_cast<int32_t>(tokens.size() + d));
+      }
     tokens.insert(tokens.end(), drafts.begin(), drafts.end());
     for (int32_t p = r.computed; p < r.computed + s.n; ++p) positions.push_back(p);
     q_indptr.push_back(static_cast<int32_t>(tokens.size()));
@@ -331,6 +337,22 @@ void LlmEngine::Impl::schedule_and_forward() {
   PagedKvCache::BlockTableStorage storage;
   const BlockTableView table = blocks.cache().block_table(ids, storage);
   ForwardBatch fb{tokens, positions, q_indptr, slots, table, rows};
+  // Drafts left on the drafter's device: the pass reads them there (and waits for the drafter
+  // even when none of them is in it), and collect() writes them into the requests' drafts
+  // before they are verified.
+  const Model* token_source = config.proposer ? config.proposer->token_source() : nullptr;
+  if (token_source != nullptr) {
+    fb.token_source = token_source;
+    fb.token_rows = token_rows;
+    fb.token_dst = token_dst;
+  }
+  const auto collect_drafts = [&] {
+    if (token_source == nullptr) return;
+    std::vector<Draft*> on_device;
+    for (auto& r : running)
+      if (r->draft.on_device) on_device.push_back(&r->draft);
+    config.proposer->collect(on_device);
+  };
   // A proposer that drafts from the target's features (DFlash) gets them for every kept token.
   const std::span<const int32_t> capture =
       config.proposer ? config.proposer->target_layers() : std::span<const int32_t>();
@@ -346,7 +368,7 @@ void LlmEngine::Impl::schedule_and_forward() {
   std::vector<PassResult> results;
   const auto t_forward = std::chrono::steady_clock::now();
   if (!capture.empty()) config.proposer->before_target_pass(*model);
-  forward_and_accept(*model, fb, blocks.cache(), pass, results, logits);
+  forward_and_accept(*model, fb, blocks.cache(), pass, results, logits, collect_drafts);
   counters.forward_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_forward).count();
   ++counters.steps;
@@ -432,8 +454,7 @@ void LlmEngine::Impl::schedule_and_forward() {
     }
     o.completion_tokens = r.generated();
     o.spec = r.spec;
-    r.draft.tokens.clear();
-    r.draft.q.clear();
+    r.draft = Draft{};
     events.push_back({&r, std::move(o)});
     if (stop) {
       finish(r, "stop");
@@ -448,8 +469,7 @@ void LlmEngine::Impl::propose_drafts() {
   step_bucket = -1;
   if (!config.proposer || config.num_speculative_tokens <= 0) return;
   for (auto& r : running) {
-    r->draft.tokens.clear();
-    r->draft.q.clear();
+    r->draft = Draft{};
   }
   if (config.speculative_disable_by_batch_size > 0 &&
       static_cast<int32_t>(running.size()) >= config.speculative_disable_by_batch_size)
@@ -463,7 +483,9 @@ void LlmEngine::Impl::propose_drafts() {
     if (!r.speculate || r.len() - r.computed != 1 || r.generated() == 0) continue;
     const int32_t k = std::min(config.num_speculative_tokens, r.max_new - r.generated() - 1);
     if (k <= 0) continue;
-    requests.push_back({static_cast<uint64_t>(r.seq()), r.tokens, k, &r.sampler});
+    // Greedy drafts may stay on the device for this step's verification (Draft::on_device).
+    requests.push_back({static_cast<uint64_t>(r.seq()), r.tokens, k, &r.sampler,
+                        config.speculative_drafts_on_device ? model.get() : nullptr});
     who.push_back(&r);
   }
   if (requests.empty()) return;

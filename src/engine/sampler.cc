@@ -110,15 +110,7 @@ size_t Sampler::filter(std::span<const float> logits, double& total, float& max_
 
 int32_t Sampler::sample(std::span<const float> logits) {
   const int32_t n = static_cast<int32_t>(logits.size());
-  if (p_.temperature == 0.0f || p_.top_k == 1) {
-    // NaN never wins (comparisons with NaN are false, so a NaN at id 0 must not seed it).
-    int32_t best = -1;
-    for (int32_t i = 0; i < n; ++i) {
-      const float l = logits[static_cast<size_t>(i)];
-      if (!std::isnan(l) && (best < 0 || l > logits[static_cast<size_t>(best)])) best = i;
-    }
-    return best < 0 ? 0 : best;
-  }
+  if (p_.temperature == 0.0f || p_.top_k == 1) return greedy_argmax(logits);
   if (p_.top_k == 0 && p_.top_p >= 1.0f && p_.min_p == 0.0f) {
     // Temperature alone: one pass for the maximum, one for the sum, one to draw, in id
     // order. No sort: the distribution is the same, and a full sort of a large vocabulary

@@ -46,7 +46,7 @@ float logprob_and_top(std::span<const float> logits, int32_t id, int n,
 
 void forward_and_accept(const Model& model, const ForwardBatch& batch, PagedKvCache& cache,
                         std::span<const PassSequence> seqs, std::vector<PassResult>& out,
-                        std::vector<float>& logits) {
+                        std::vector<float>& logits, const std::function<void()>& after_forward) {
   size_t rows = 0;
   for (const PassSequence& s : seqs) rows += s.drafts.size() + 1;
   KVQ_CHECK(rows == batch.logit_rows.size(),
@@ -69,6 +69,7 @@ void forward_and_accept(const Model& model, const ForwardBatch& batch, PagedKvCa
     }
     std::vector<int32_t> ids(rows);
     model.forward_sample(batch, cache, rules, ids);
+    if (after_forward) after_forward();
     size_t row = 0;
     for (size_t i = 0; i < seqs.size(); ++i) {
       const PassSequence& s = seqs[i];
@@ -81,6 +82,7 @@ void forward_and_accept(const Model& model, const ForwardBatch& batch, PagedKvCa
   const size_t vocab = static_cast<size_t>(model.vocab_size());
   logits.resize(rows * vocab);
   model.forward(batch, cache, logits);
+  if (after_forward) after_forward();
   size_t row = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const PassSequence& s = seqs[i];

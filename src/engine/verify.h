@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -31,10 +32,13 @@ struct PassResult {
 };
 
 // Runs `batch` (whose logit_rows are the sequences' rows, in order) and fills out[i] for
-// seqs[i]. `logits` is scratch.
+// seqs[i]. `logits` is scratch. `after_forward` (when set) runs between the pass and the
+// verification: drafts that were on the device (ForwardBatch::token_source) are collected into
+// the spans of seqs[i].drafts there.
 void forward_and_accept(const Model& model, const ForwardBatch& batch, PagedKvCache& cache,
                         std::span<const PassSequence> seqs, std::vector<PassResult>& out,
-                        std::vector<float>& logits);
+                        std::vector<float>& logits,
+                        const std::function<void()>& after_forward = {});
 
 // log-softmax of `logits` at `id`.
 float logprob_of(std::span<const float> logits, int32_t id);

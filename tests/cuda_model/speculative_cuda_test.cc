@@ -5,18 +5,23 @@
 // arithmetic may then move a near tie). Skips without a CUDA device.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kvq/cache/device_kv_cache.h"
 #include "kvq/engine/generator.h"
+#include "kvq/engine/llm_engine.h"
 #include "kvq/engine/speculative.h"
 #include "kvq/model/cuda_model.h"
 #include "kvq/plan/speculative_config.h"
@@ -141,6 +146,209 @@ TEST_P(CudaSpeculation, GreedyIdsEqualPlainGreedyUpToNearTies) {
     std::fprintf(stderr, "  %s: mean accepted length %.2f\n", names[m],
                  by_method[m].mean_accepted_length());
     EXPECT_GT(by_method[m].accepted, 0) << names[m] << " never helped; seed " << seed;
+  }
+}
+
+// The CUDA greedy chain (the first pass, then one-token passes advanced on the device and
+// replayed from one graph) gives the ids of the base class's pass-by-pass chain
+// (forward_sample per pass), bit for bit, deferred or not; over several sequences, first passes
+// of many tokens and of one, across block boundaries, on fresh caches of the same plan.
+TEST(CudaGreedyChain, EqualsPassByPassGreedy) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!std::filesystem::exists(kDraft + "/model.safetensors")) GTEST_SKIP() << kDraft << " absent";
+  const uint32_t seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  SpeculativeConfig sc;
+  sc.method = SpecMethod::kDraftModel;
+  sc.model = kDraft;
+  const KvPlan plan =
+      make_drafter_kv_plan(load_model_config(kDraft), flags(KvDtype::kInt8PerTokenHead), sc);
+  const std::unique_ptr<CudaModel> model = CudaModel::load(plan, options());
+  const int vocab = model->vocab_size();
+  const int S = 3;
+  // The three ways, each on its own cache: 0 chain, 1 deferred chain, 2 pass by pass.
+  std::unique_ptr<PagedKvCache> caches[3];
+  for (auto& c : caches) {
+    c = model->create_cache(64);
+    for (int i = 0; i < S; ++i) c->add_sequence(static_cast<SequenceId>(i));
+  }
+  std::vector<std::vector<int32_t>> run(S);  // each sequence's tokens for the next first pass
+  std::vector<int32_t> len(S, 0);             // tokens in the cache
+  for (int i = 0; i < S; ++i)
+    for (int t = std::uniform_int_distribution<int>(5, 40)(rng); t > 0; --t)
+      run[static_cast<size_t>(i)].push_back(std::uniform_int_distribution<int>(0, vocab - 1)(rng));
+  for (int round = 0; round < 4; ++round) {
+    const int steps = round == 0 ? 5 : 3 + round;
+    std::vector<int32_t> out[3];
+    for (int way = 0; way < 3; ++way) {
+      PagedKvCache& cache = *caches[way];
+      std::vector<int32_t> tokens, positions, q_indptr{0}, rows;
+      std::vector<int64_t> slots, next_slots(static_cast<size_t>((steps - 1) * S));
+      std::vector<SequenceId> ids;
+      for (int i = 0; i < S; ++i) {
+        const auto& r = run[static_cast<size_t>(i)];
+        const std::vector<int64_t> got =
+            cache.append(static_cast<SequenceId>(i), static_cast<int32_t>(r.size()) + steps - 1);
+        ASSERT_EQ(got.size(), r.size() + static_cast<size_t>(steps - 1));
+        slots.insert(slots.end(), got.begin(), got.begin() + static_cast<std::ptrdiff_t>(r.size()));
+        for (int j = 1; j < steps; ++j)
+          next_slots[static_cast<size_t>((j - 1) * S + i)] = got[r.size() + static_cast<size_t>(j - 1)];
+        tokens.insert(tokens.end(), r.begin(), r.end());
+        for (size_t t = 0; t < r.size(); ++t)
+          positions.push_back(len[static_cast<size_t>(i)] + static_cast<int32_t>(t));
+        q_indptr.push_back(static_cast<int32_t>(tokens.size()));
+        rows.push_back(static_cast<int32_t>(tokens.size()) - 1);
+        ids.push_back(static_cast<SequenceId>(i));
+      }
+      PagedKvCache::BlockTableStorage storage;
+      const ForwardBatch b{tokens, positions, q_indptr, slots, cache.block_table(ids, storage), rows};
+      for (int32_t& l : storage.seq_lens) l -= steps - 1;
+      out[way].resize(static_cast<size_t>(steps * S));
+      if (way == 0) {
+        model->forward_greedy_chain(b, cache, steps, next_slots, out[way]);
+      } else if (way == 1) {
+        model->forward_greedy_chain(b, cache, steps, next_slots, {}, true);
+        model->collect_sampled(out[way]);
+      } else {
+        model->Model::forward_greedy_chain(b, cache, steps, next_slots, out[way]);
+      }
+    }
+    EXPECT_EQ(out[0], out[2]) << "round " << round << ", seed " << seed;
+    EXPECT_EQ(out[1], out[2]) << "round " << round << ", seed " << seed;
+    // Next round: the last pass's ids are the one new token of each sequence (a first pass of
+    // one token per sequence); in round 2, a few more tokens for sequence 0.
+    for (int i = 0; i < S; ++i) {
+      len[static_cast<size_t>(i)] += static_cast<int32_t>(run[static_cast<size_t>(i)].size()) + steps - 1;
+      run[static_cast<size_t>(i)] = {out[2][static_cast<size_t>((steps - 1) * S + i)]};
+    }
+    if (round == 1) run[0].insert(run[0].end(), {1, 2, 3});
+  }
+}
+
+// Token ids and final events of an engine's requests, waited for on the test thread.
+class Outputs {
+ public:
+  OutputCallback callback() {
+    return [this](const RequestOutput& o) {
+      std::lock_guard lock(mu_);
+      auto& ids = ids_[o.id];
+      ids.insert(ids.end(), o.token_ids.begin(), o.token_ids.end());
+      if (o.finished) {
+        ++finished_;
+        cv_.notify_all();
+      }
+    };
+  }
+  bool wait(int finished) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, std::chrono::minutes(2), [&] { return finished_ >= finished; });
+  }
+  std::vector<int32_t> ids(RequestId id) {
+    std::lock_guard lock(mu_);
+    return ids_[id];
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<RequestId, std::vector<int32_t>> ids_;
+  int finished_ = 0;
+};
+
+// Drafts left on the drafter's device for the verification to read there
+// (EngineConfig::speculative_drafts_on_device) give the ids of drafts brought to the host first,
+// bit for bit: requests one at a time run the same kernels on the same inputs either way. Then
+// a concurrent batch (several sequences' drafts in one pass, their rows interleaved for the
+// draft model's chain) matches the one-at-a-time ids up to near ties, and frees every block.
+TEST(CudaEngineSpeculation, DraftsOnTheDeviceGiveTheIdsOfDraftsOnTheHost) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!std::filesystem::exists(kDraft + "/model.safetensors")) GTEST_SKIP() << kDraft << " absent";
+  if (!std::filesystem::exists(kDflash + "/model.safetensors"))
+    GTEST_SKIP() << kDflash << " absent";
+  const Tokenizer tok = Tokenizer::load(kTiny);
+  std::ifstream f(kTiny + "/heldout.txt");
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const std::vector<int32_t> ids = tok.encode(text.substr(0, 40000), false);
+  const uint32_t seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 5; ++i) {
+    const size_t at = std::uniform_int_distribution<size_t>(0, ids.size() - 200)(rng);
+    const size_t n = std::uniform_int_distribution<size_t>(20, 150)(rng);
+    prompts.emplace_back(ids.begin() + static_cast<std::ptrdiff_t>(at),
+                         ids.begin() + static_cast<std::ptrdiff_t>(at + n));
+  }
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = 40;
+  p.ignore_eos = true;
+  const KvDtype kv = KvDtype::kFp8E4M3;
+  const KvPlan plan = make_kv_plan(load_model_config(kTiny), flags(kv));
+  for (SpecMethod method : {SpecMethod::kDraftModel, SpecMethod::kDflash}) {
+    SpeculativeConfig sc;
+    sc.method = method;
+    sc.model = method == SpecMethod::kDflash ? kDflash : kDraft;
+    const KvPlan dplan = make_drafter_kv_plan(load_model_config(sc.model), flags(kv), sc);
+    std::vector<std::vector<int32_t>> solo[2];
+    for (int on = 0; on < 2; ++on) {
+      std::unique_ptr<Model> target = CudaModel::load(plan, options());
+      std::shared_ptr<const Model> drafter =
+          method == SpecMethod::kDflash ? std::shared_ptr<const Model>(
+                                              CudaModel::load_dflash_drafter(dplan, *target, options()))
+                                        : std::shared_ptr<const Model>(CudaModel::load(dplan, options()));
+      EngineConfig c;
+      c.num_blocks = 256;
+      c.max_num_seqs = 8;
+      c.max_num_batched_tokens = 512;
+      c.num_speculative_tokens = method == SpecMethod::kDflash ? 8 : 4;
+      c.proposer = method == SpecMethod::kDflash
+                       ? std::shared_ptr<Proposer>(make_dflash_proposer(drafter, 256))
+                       : std::shared_ptr<Proposer>(make_draft_model_proposer(drafter, 256));
+      c.speculative_drafts_on_device = on == 1;
+      Outputs out;
+      LlmEngine engine(std::move(target), std::make_unique<Tokenizer>(Tokenizer::load(kTiny)), c);
+      int finished = 0;
+      for (const auto& prompt : prompts) {
+        const RequestId id = engine.add_request(prompt, p, out.callback());
+        ASSERT_TRUE(out.wait(++finished)) << "seed " << seed;
+        solo[on].push_back(out.ids(id));
+      }
+      const EngineStats one = engine.stats();
+      EXPECT_GT(one.spec.accepted, 0) << "seed " << seed;
+      if (on == 0) continue;
+      // Concurrently, drafts on the device.
+      std::vector<RequestId> batch;
+      for (const auto& prompt : prompts) batch.push_back(engine.add_request(prompt, p, out.callback()));
+      ASSERT_TRUE(out.wait(finished + static_cast<int>(prompts.size()))) << "seed " << seed;
+      std::unique_ptr<Model> scorer = CudaModel::load(plan, options());
+      int near_ties = 0;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        const std::vector<int32_t> got = out.ids(batch[i]), want = solo[1][i];
+        ASSERT_EQ(got.size(), want.size());
+        size_t n = 0;
+        while (n < want.size() && want[n] == got[n]) ++n;
+        if (n == want.size()) continue;
+        std::vector<int32_t> prefix = prompts[i];
+        prefix.insert(prefix.end(), want.begin(), want.begin() + static_cast<std::ptrdiff_t>(n));
+        std::vector<float> last;
+        score_tokens(*scorer, prefix, 512, [&](int32_t pos, std::span<const float> l) {
+          if (pos + 1 == static_cast<int32_t>(prefix.size())) last.assign(l.begin(), l.end());
+        });
+        const float a = last[static_cast<size_t>(want[n])], b = last[static_cast<size_t>(got[n])];
+        EXPECT_LE(std::abs(a - b), 0.08f * (1.0f + std::abs(a)))
+            << to_string(method) << " request " << i << " parts at " << n << ", not a near tie; seed "
+            << seed;
+        ++near_ties;
+      }
+      EXPECT_LE(near_ties, 2) << "seed " << seed;
+      const EngineStats all = engine.stats();
+      EXPECT_GT(all.spec.accepted, one.spec.accepted);
+      EXPECT_EQ(all.blocks_used, 0) << "blocks still held after every request ended";
+    }
+    for (size_t i = 0; i < prompts.size(); ++i)
+      EXPECT_EQ(solo[1][i], solo[0][i])
+          << to_string(method) << " request " << i << ": drafts on the device changed the ids; seed "
+          << seed;
   }
 }
 

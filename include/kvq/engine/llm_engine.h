@@ -41,6 +41,11 @@ struct EngineConfig {
   // decode-only steps with drafts and without, measures each (a few steps of each first), then
   // runs the faster, and re-measures the other one step in every kSpecProbeInterval.
   bool speculative_auto_disable = false;
+  // Greedy drafts of a drafter on the target's GPU stay there for the step's verification,
+  // which reads them on the device (ForwardBatch::token_source): drafting and verifying run
+  // back to back with one host round trip for both. false (or KVQ_SPEC_DEFER=0): the drafts
+  // come to the host first. The ids are the same either way.
+  bool speculative_drafts_on_device = true;
 };
 
 inline constexpr int kSpecProbeInterval = 32;

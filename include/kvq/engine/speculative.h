@@ -32,11 +32,20 @@ struct DraftRequest {
   std::span<const int32_t> tokens;  // every token so far; the last is not yet in the target's cache
   int32_t max_drafts = 0;           // at most this many drafts (may be 0)
   Sampler* sampler = nullptr;       // the request's rule and random stream (draws of drafts)
+  // Set: greedy drafts may stay on the device for this target's next pass (Draft::on_device)
+  // when it accepts_tokens_from the drafter. The caller then passes token_source() in that
+  // pass (ForwardBatch::token_source, with each draft's rows) and calls collect() after it.
+  // Every request of one propose() call names the same target or none.
+  const Model* target = nullptr;
 };
 
 struct Draft {
   std::vector<int32_t> tokens;
   std::vector<SparseDist> q;  // per token, the distribution it was drawn from; empty: one-hot
+  // The tokens are placeholders until Proposer::collect(): draft j is row
+  // device_row + j * device_stride of the proposer's token_source() deferred ids, on the device.
+  bool on_device = false;
+  int32_t device_row = 0, device_stride = 1;
 };
 
 class Proposer {
@@ -48,6 +57,13 @@ class Proposer {
   virtual void propose(std::span<const DraftRequest> requests, std::span<Draft> out) = 0;
   // The sequence is gone (finished, cancelled or preempted): drop its state.
   virtual void release(uint64_t seq) { (void)seq; }
+  // The model whose deferred ids hold the drafts left on the device (Draft::on_device) by the
+  // last propose(), until collect(); nullptr when none are.
+  virtual const Model* token_source() const { return nullptr; }
+  // After the target's pass that read them: waits for the drafts left on the device and writes
+  // their tokens into `drafts` (those of the last propose() still in use; a caller may have
+  // shortened them). Does nothing when none were left there.
+  virtual void collect(std::span<Draft* const> drafts) { (void)drafts; }
   // Target layers whose outputs this proposer needs for every position the target keeps (a
   // DFlash drafter's features); empty: none. The caller captures them in each target forward.
   virtual std::span<const int32_t> target_layers() const { return {}; }

@@ -102,7 +102,19 @@ struct ForwardBatch {
   const Model* feature_source = nullptr;
   std::span<const int32_t> feature_rows = {}, feature_positions = {};
   std::span<const int64_t> feature_slots = {};
+  // Tokens still on the device (a drafter's greedy drafts that were not waited for): token
+  // token_dst[i] of this batch is row token_rows[i] of token_source's deferred ids
+  // (Model::forward_sample_deferred, forward_greedy_chain with defer); the values in `tokens` at
+  // those indices are placeholders (any id of the vocabulary). Only for a model that
+  // accepts_tokens_from(*token_source). With a token source set, the pass waits on the device
+  // for the source's deferred work to finish before it runs, even with no rows.
+  const Model* token_source = nullptr;
+  std::span<const int32_t> token_rows = {}, token_dst = {};
 };
+
+// The greedy pick of one logit row: the highest logit, the lowest id among ties; NaN never
+// wins (0 when every logit is NaN). Sampler's greedy rule and the device's argmax are the same.
+int32_t greedy_argmax(std::span<const float> logits);
 
 // A token id that a DFlash drafter embeds as its learned mask vector (block rows 1..k).
 inline constexpr int32_t kMaskToken = -1;
@@ -202,6 +214,33 @@ class Model {
   virtual void forward_sample(const ForwardBatch& batch, PagedKvCache& cache,
                               std::span<const DeviceSampling> per_row,
                               std::span<int32_t> next_tokens) const;
+
+  // Greedy drafting of `steps` tokens per sequence in one call (a draft model's k steps): runs
+  // `batch`, whose logit rows are each sequence's last token in order, then steps - 1 passes of
+  // one token per sequence, each sequence's argmax of the pass before at the next position, in
+  // slot next_slots[(j - 1) * num_seqs + i] for pass j and sequence i. The caller reserved those
+  // slots: the block tables hold them, while batch's seq_lens are the first pass's.
+  // out[j * num_seqs + i]: sequence i's argmax of pass j. With `defer` (a model that
+  // accepts_tokens_from() can read them: CUDA), nothing is waited for and `out` stays empty:
+  // collect_sampled() returns the ids later, and a ForwardBatch may read them on the device
+  // first (token_source). The base class runs forward() (or forward_sample()) pass by pass.
+  virtual void forward_greedy_chain(const ForwardBatch& batch, PagedKvCache& cache, int steps,
+                                    std::span<const int64_t> next_slots, std::span<int32_t> out,
+                                    bool defer = false) const;
+  // forward_sample() without waiting for the ids: they stay on the device until
+  // collect_sampled() (see forward_greedy_chain's defer). Models that accept tokens from
+  // another model's device only (InternalError otherwise).
+  virtual void forward_sample_deferred(const ForwardBatch& batch, PagedKvCache& cache,
+                                       std::span<const DeviceSampling> per_row) const;
+  // Waits for the deferred ids of the last deferred call and copies them to `out` (exactly as
+  // many as it produced). InternalError without one.
+  virtual void collect_sampled(std::span<int32_t> out) const;
+  // True when a ForwardBatch of this model may take tokens from `source`'s deferred ids on the
+  // device (ForwardBatch::token_source): both CUDA models on the same GPU.
+  virtual bool accepts_tokens_from(const Model& source) const {
+    (void)source;
+    return false;
+  }
 };
 
 }  // namespace kvq

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <string>
@@ -40,6 +41,7 @@
 #include "kvq/cache/device_kv_cache.h"
 #include "kvq/core/error.h"
 #include "kvq/model/cuda_model.h"
+#include "kvq/plan/speculative_config.h"
 #include "model/checkpoint_reader.h"
 #include "model/cuda/cublas_check.h"
 #include "model/cuda/gemm_tuner.h"
@@ -618,6 +620,13 @@ class CudaDecoderModel final : public CudaModel {
   void forward_sample(const ForwardBatch& batch, PagedKvCache& cache,
                       std::span<const DeviceSampling> per_row,
                       std::span<int32_t> next_tokens) const override;
+  void forward_sample_deferred(const ForwardBatch& batch, PagedKvCache& cache,
+                               std::span<const DeviceSampling> per_row) const override;
+  void collect_sampled(std::span<int32_t> out) const override;
+  void forward_greedy_chain(const ForwardBatch& batch, PagedKvCache& cache, int steps,
+                            std::span<const int64_t> next_slots, std::span<int32_t> out,
+                            bool defer) const override;
+  bool accepts_tokens_from(const Model& source) const override;
   void copy_blocks(PagedKvCache& cache,
                    std::span<const std::pair<int32_t, int32_t>> src_dst) const override;
 
@@ -661,6 +670,22 @@ class CudaDecoderModel final : public CudaModel {
   Step stage(const ForwardBatch& b, PagedKvCache& cache,
              std::span<const DeviceSampling> per_row) const;
   void run_step(const Step& st, PagedKvCache& cache) const;
+  // Checks of forward_sample's arguments; the number of logit rows.
+  size_t check_sample_args(const ForwardBatch& b, std::span<const DeviceSampling> per_row) const;
+  // Stages and runs the batch and samples its logit rows into d_out on the device (lock held).
+  void run_and_sample(const ForwardBatch& b, PagedKvCache& cache,
+                      std::span<const DeviceSampling> per_row, int32_t* d_out) const;
+  // Samples logits_ rows [0, n) with the staged rules of rows [first, first + n) into d_out.
+  void sample_rows(int first, int n, int32_t* d_out) const;
+  // Deferred ids (forward_sample_deferred, a deferred greedy chain) of this model are given up:
+  // the next pass reuses their buffers (waits for the work that wrote them first).
+  void drop_deferred() const;
+  // Marks n ids at d_ids (copied to pinned h_ids) as this model's deferred ids, ready on the
+  // device at ids_ready_.
+  void defer_ids(const int32_t* d_ids, int32_t* h_ids, int n,
+                 std::chrono::steady_clock::time_point t0) const;
+  // The chain buffers for `steps` passes (allocated on first use, grown when needed).
+  void reserve_chain(int steps) const;
   // The captured rows of the batch's real tokens to b.captured (host), on the stream.
   void copy_captured(const ForwardBatch& b) const;
   // Checks of a feature write's positions and slots against `cache`; its layer views.
@@ -787,13 +812,32 @@ class CudaDecoderModel final : public CudaModel {
   // slots [C] (int64), positions [C], rows [C]; copied only by steps that have them.
   struct Offsets {
     size_t tokens, positions, slots, q_indptr, bt_indptr, seq_lens, exp_indptr, exp_seq_lens,
-        logit_rows, params, indices, features, total;
+        logit_rows, params, gather, indices, features, total;
   } off_{};
   std::byte* h_step_ = nullptr;
   std::byte* d_step_ = nullptr;
   int32_t* h_ids_ = nullptr;
 
   mutable std::mutex mu_;
+  // The host staging stage() fills: h_step_, or h_chain_step_ for a greedy chain's first
+  // one-token pass (its copy may still be pending while the chain stages that pass).
+  mutable std::byte* h_stage_ = nullptr;
+  // Deferred ids: where they are on the device and in pinned memory (after the stream's work
+  // up to now), how many (0: none outstanding), and the event after which the device copy is
+  // complete (a pass of another model that reads them waits on it).
+  mutable const int32_t* deferred_ids_ = nullptr;
+  mutable const int32_t* deferred_host_ = nullptr;
+  mutable int deferred_n_ = 0;
+  mutable std::chrono::steady_clock::time_point deferred_t0_{};
+  cudaEvent_t ids_ready_ = nullptr;
+  // Greedy chains: every pass's ids [steps][S_cap] on the device and pinned, the later
+  // passes' slots [steps][S_cap] on the device (staged from the end of h_chain_step_), and the
+  // staging of the first one-token pass; sized for chain_steps_ passes.
+  mutable int chain_steps_ = 0;
+  mutable int32_t* d_chain_ids_ = nullptr;
+  mutable int32_t* h_chain_ids_ = nullptr;
+  mutable int64_t* d_chain_slots_ = nullptr;
+  mutable std::byte* h_chain_step_ = nullptr;
   // KVQ_GPU_TIMING=1: device time of every forward (events from after the staging to after
   // the copies back: body, sampling, launch gaps) against the host wall time of the whole
   // call, printed at destruction.
@@ -820,7 +864,7 @@ class CudaDecoderModel final : public CudaModel {
 
   template <typename T>
   T* h_at(size_t off) const {
-    return reinterpret_cast<T*>(h_step_ + off);
+    return reinterpret_cast<T*>(h_stage_ + off);
   }
   template <typename T>
   T* d_at(size_t off) const {
@@ -938,6 +982,11 @@ CudaDecoderModel::~CudaDecoderModel() {
   if (h_step_) (void)cudaFreeHost(h_step_);
   if (h_ids_) (void)cudaFreeHost(h_ids_);
   if (h_feat_step_) (void)cudaFreeHost(h_feat_step_);
+  if (h_chain_step_) (void)cudaFreeHost(h_chain_step_);
+  if (h_chain_ids_) (void)cudaFreeHost(h_chain_ids_);
+  if (d_chain_ids_) (void)cudaFree(d_chain_ids_);
+  if (d_chain_slots_) (void)cudaFree(d_chain_slots_);
+  if (ids_ready_) (void)cudaEventDestroy(ids_ready_);
 }
 
 cuda::DecodePlan CudaDecoderModel::decode_plan(int group, int num_seqs, int context) const {
@@ -1066,6 +1115,7 @@ void CudaDecoderModel::allocate_buffers() {
   off_.exp_seq_lens = region(T * 4);
   off_.logit_rows = region(T * 4);
   off_.params = region(T * sizeof(DeviceSampling));
+  off_.gather = region(T * 8);  // ForwardBatch::token_rows [T], then token_dst [T]
   off_.indices = region(idx_cap_ * 4);
   off_.features = region(arch_.dflash ? T * 16 : 0);
   off_.total = o;
@@ -1073,6 +1123,8 @@ void CudaDecoderModel::allocate_buffers() {
   void* hp = nullptr;
   KVQ_CUDA_CHECK(cudaHostAlloc(&hp, off_.total, cudaHostAllocDefault));
   h_step_ = static_cast<std::byte*>(hp);
+  h_stage_ = h_step_;
+  KVQ_CUDA_CHECK(cudaEventCreateWithFlags(&ids_ready_, cudaEventDisableTiming));
   KVQ_CUDA_CHECK(cudaHostAlloc(&hp, T * 4, cudaHostAllocDefault));
   h_ids_ = static_cast<int32_t*>(hp);
   if (arch_.dflash) {
@@ -1251,6 +1303,23 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
                      std::to_string(options_.max_num_seqs));
   for (int32_t r : b.logit_rows)
     KVQ_CHECK(r >= 0 && r < T, "forward: logit row " + std::to_string(r) + " out of range");
+  KVQ_CHECK(b.token_rows.size() == b.token_dst.size(),
+            "forward: token_rows and token_dst differ in length");
+  if (b.token_source != nullptr) {
+    KVQ_CHECK(accepts_tokens_from(*b.token_source),
+              "forward: the token source is not a CUDA model on this device");
+    const auto& src = static_cast<const CudaDecoderModel&>(*b.token_source);
+    KVQ_CHECK(src.deferred_n_ > 0, "forward: the token source has no deferred ids");
+    for (size_t i = 0; i < b.token_rows.size(); ++i)
+      KVQ_CHECK(b.token_rows[i] >= 0 && b.token_rows[i] < src.deferred_n_ && b.token_dst[i] >= 0 &&
+                    b.token_dst[i] < T,
+                "forward: token row " + std::to_string(b.token_rows[i]) + " -> " +
+                    std::to_string(b.token_dst[i]) + " outside the source's " +
+                    std::to_string(src.deferred_n_) + " ids or the batch's " + std::to_string(T) +
+                    " tokens");
+  } else {
+    KVQ_CHECK(b.token_rows.empty(), "forward: token rows without a token source");
+  }
   for (int32_t t : b.tokens)
     if ((t < 0 || t >= vocab_) && !(t == kMaskToken && arch_.dflash))
       throw InputError("token id " + std::to_string(t) + " is outside the vocabulary (0.." +
@@ -1395,9 +1464,24 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
   }
   std::copy(b.block_table.indices, b.block_table.indices + num_indices,
             h_at<int32_t>(off_.indices));
-  KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_, h_step_, off_.indices + num_indices * 4,
+  const size_t n_gather = b.token_dst.size();
+  if (n_gather > 0) {
+    std::copy(b.token_rows.begin(), b.token_rows.end(), h_at<int32_t>(off_.gather));
+    std::copy(b.token_dst.begin(), b.token_dst.end(), h_at<int32_t>(off_.gather) + n_gather);
+  }
+  KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_, h_stage_, off_.indices + num_indices * 4,
                                  cudaMemcpyHostToDevice, stream_));
   stage_features(b, cache, st);
+  if (b.token_source != nullptr) {
+    // The source's deferred ids are complete on its stream at ids_ready_; nothing of this pass
+    // runs before them (the source may still be reading buffers this pass writes, e.g. a
+    // DFlash drafter reading this model's captured features).
+    const auto& src = static_cast<const CudaDecoderModel&>(*b.token_source);
+    KVQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, src.ids_ready_, 0));
+    const auto* gather = d_at<int32_t>(off_.gather);
+    cuda_model::scatter_tokens(src.deferred_ids_, gather, gather + n_gather,
+                               static_cast<int>(n_gather), d_at<int32_t>(off_.tokens), stream_);
+  }
   return st;
 }
 
@@ -1431,7 +1515,7 @@ void CudaDecoderModel::stage_features(const ForwardBatch& b, PagedKvCache& cache
   std::copy(b.feature_positions.begin(), b.feature_positions.end(), positions);
   std::copy(b.feature_rows.begin(), b.feature_rows.end(), rows);
   for (int i = n; i < st.C; ++i) slots[i] = -1, positions[i] = 0, rows[i] = 0;
-  KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_ + off_.features, h_step_ + off_.features,
+  KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_ + off_.features, h_stage_ + off_.features,
                                  static_cast<size_t>(st.C) * 16, cudaMemcpyHostToDevice, stream_));
 }
 
@@ -1907,6 +1991,7 @@ void CudaDecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
             "forward: feature rows need a pass with at least one token");
   std::lock_guard<std::mutex> lock(mu_);
   if (b.tokens.empty()) return;
+  drop_deferred();
   const auto t0 = std::chrono::steady_clock::now();
   const Step st = stage(b, cache, {});
   timing_begin();
@@ -1924,13 +2009,9 @@ void CudaDecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
   timing_end(t0);
 }
 
-void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache,
-                                      std::span<const DeviceSampling> per_row,
-                                      std::span<int32_t> next_tokens) const {
+size_t CudaDecoderModel::check_sample_args(const ForwardBatch& b,
+                                           std::span<const DeviceSampling> per_row) const {
   const size_t R = b.logit_rows.size();
-  KVQ_CHECK(next_tokens.size() == R, "forward_sample: next_tokens has " +
-                                         std::to_string(next_tokens.size()) + " entries, " +
-                                         std::to_string(R) + " logit rows");
   KVQ_CHECK(per_row.size() == R || per_row.size() == 1,
             "forward_sample: per_row needs one entry per logit row or exactly one");
 #if !KVQ_MODEL_CUDA_SAMPLING
@@ -1942,22 +2023,62 @@ void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache
 #endif
   KVQ_CHECK(!b.tokens.empty() || b.feature_rows.empty(),
             "forward: feature rows need a pass with at least one token");
-  std::lock_guard<std::mutex> lock(mu_);
-  if (b.tokens.empty()) return;
-  const auto t0 = std::chrono::steady_clock::now();
+  return R;
+}
+
+void CudaDecoderModel::run_and_sample(const ForwardBatch& b, PagedKvCache& cache,
+                                      std::span<const DeviceSampling> per_row,
+                                      int32_t* d_out) const {
   const Step st = stage(b, cache, per_row);
   timing_begin();
   run_step(st, cache);
   for (int r0 = 0; r0 < st.R; r0 += R_cap_) {
     const int n = std::min(R_cap_, st.R - r0);
     if (!st.decode && !st.verify) logits_rows(r0, n);
-#if KVQ_MODEL_CUDA_SAMPLING
-    cuda::sample_tokens(logits_, n, vocab_, d_at<DeviceSampling>(off_.params) + r0, d_ids_ + r0,
-                        sample_ws_, stream_);
-#else
-    cuda_model::argmax_rows(logits_, n, vocab_, d_ids_ + r0, stream_);
-#endif
+    sample_rows(r0, n, d_out + r0);
   }
+}
+
+void CudaDecoderModel::sample_rows(int first, int n, int32_t* d_out) const {
+#if KVQ_MODEL_CUDA_SAMPLING
+  cuda::sample_tokens(logits_, n, vocab_, d_at<DeviceSampling>(off_.params) + first, d_out,
+                      sample_ws_, stream_);
+#else
+  (void)first;
+  cuda_model::argmax_rows(logits_, n, vocab_, d_out, stream_);
+#endif
+}
+
+void CudaDecoderModel::drop_deferred() const {
+  if (deferred_n_ == 0) return;
+  KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  deferred_n_ = 0;
+}
+
+void CudaDecoderModel::defer_ids(const int32_t* d_ids, int32_t* h_ids, int n,
+                                 std::chrono::steady_clock::time_point t0) const {
+  KVQ_CUDA_CHECK(cudaEventRecord(ids_ready_, stream_));
+  KVQ_CUDA_CHECK(cudaMemcpyAsync(h_ids, d_ids, static_cast<size_t>(n) * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, stream_));
+  if (timing_.on) KVQ_CUDA_CHECK(cudaEventRecord(timing_.end, stream_));
+  deferred_ids_ = d_ids;
+  deferred_host_ = h_ids;
+  deferred_n_ = n;
+  deferred_t0_ = t0;
+}
+
+void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache,
+                                      std::span<const DeviceSampling> per_row,
+                                      std::span<int32_t> next_tokens) const {
+  const size_t R = check_sample_args(b, per_row);
+  KVQ_CHECK(next_tokens.size() == R, "forward_sample: next_tokens has " +
+                                         std::to_string(next_tokens.size()) + " entries, " +
+                                         std::to_string(R) + " logit rows");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (b.tokens.empty()) return;
+  drop_deferred();
+  const auto t0 = std::chrono::steady_clock::now();
+  run_and_sample(b, cache, per_row, d_ids_);
   KVQ_CUDA_CHECK(
       cudaMemcpyAsync(h_ids_, d_ids_, R * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
   copy_captured(b);
@@ -1965,6 +2086,161 @@ void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache
   KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
   timing_end(t0);
   std::copy(h_ids_, h_ids_ + R, next_tokens.begin());
+}
+
+void CudaDecoderModel::forward_sample_deferred(const ForwardBatch& b, PagedKvCache& cache,
+                                               std::span<const DeviceSampling> per_row) const {
+  const size_t R = check_sample_args(b, per_row);
+  KVQ_CHECK(R > 0 && b.captured.empty(),
+            "forward_sample_deferred: a pass with logit rows and no host captures");
+  std::lock_guard<std::mutex> lock(mu_);
+  drop_deferred();
+  const auto t0 = std::chrono::steady_clock::now();
+  run_and_sample(b, cache, per_row, d_ids_);
+  defer_ids(d_ids_, h_ids_, static_cast<int>(R), t0);
+}
+
+void CudaDecoderModel::collect_sampled(std::span<int32_t> out) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (deferred_n_ == 0) throw InternalError("collect_sampled: no deferred ids to collect");
+  KVQ_CHECK(out.size() == static_cast<size_t>(deferred_n_),
+            "collect_sampled: out has " + std::to_string(out.size()) + " entries, " +
+                std::to_string(deferred_n_) + " ids were deferred");
+  KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::copy(deferred_host_, deferred_host_ + deferred_n_, out.begin());
+  deferred_n_ = 0;
+  timing_end(deferred_t0_);
+}
+
+bool CudaDecoderModel::accepts_tokens_from(const Model& source) const {
+  const auto* src = dynamic_cast<const CudaDecoderModel*>(&source);
+  // One GPU: a tensor-parallel rank's stream and the source's are on different devices.
+  return src != nullptr && src != this && !tp_.active() && !src->tp_.active();
+}
+
+void CudaDecoderModel::reserve_chain(int steps) const {
+  if (steps <= chain_steps_) return;
+  KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));  // nothing in flight reads the old buffers
+  if (h_chain_step_) KVQ_CUDA_CHECK(cudaFreeHost(h_chain_step_));
+  if (h_chain_ids_) KVQ_CUDA_CHECK(cudaFreeHost(h_chain_ids_));
+  if (d_chain_ids_) KVQ_CUDA_CHECK(cudaFree(d_chain_ids_));
+  if (d_chain_slots_) KVQ_CUDA_CHECK(cudaFree(d_chain_slots_));
+  h_chain_step_ = nullptr, h_chain_ids_ = nullptr, d_chain_ids_ = nullptr,
+  d_chain_slots_ = nullptr, chain_steps_ = 0;
+  const size_t n = static_cast<size_t>(steps) * static_cast<size_t>(S_cap_);
+  void* p = nullptr;
+  KVQ_CUDA_CHECK(cudaHostAlloc(&p, align_up(off_.total) + n * 8, cudaHostAllocDefault));
+  h_chain_step_ = static_cast<std::byte*>(p);
+  KVQ_CUDA_CHECK(cudaHostAlloc(&p, n * 4, cudaHostAllocDefault));
+  h_chain_ids_ = static_cast<int32_t*>(p);
+  KVQ_CUDA_CHECK(cudaMalloc(&p, n * 4));
+  d_chain_ids_ = static_cast<int32_t*>(p);
+  KVQ_CUDA_CHECK(cudaMalloc(&p, n * 8));
+  d_chain_slots_ = static_cast<int64_t*>(p);
+  chain_steps_ = steps;
+}
+
+void CudaDecoderModel::forward_greedy_chain(const ForwardBatch& b, PagedKvCache& cache, int steps,
+                                            std::span<const int64_t> next_slots,
+                                            std::span<int32_t> out, bool defer) const {
+  const BlockTableView& bt = b.block_table;
+  const int S = bt.num_seqs;
+  KVQ_CHECK(steps >= 1 && steps <= kMaxSpeculativeTokens + 1 && S >= 1 && S <= S_cap_,
+            "forward_greedy_chain: steps or sequences out of range");
+  KVQ_CHECK(b.logit_rows.size() == static_cast<size_t>(S) &&
+                b.q_indptr.size() == static_cast<size_t>(S) + 1,
+            "forward_greedy_chain: one logit row per sequence");
+  for (int i = 0; i < S; ++i)
+    KVQ_CHECK(b.logit_rows[static_cast<size_t>(i)] == b.q_indptr[static_cast<size_t>(i) + 1] - 1,
+              "forward_greedy_chain: a logit row is not its sequence's last token");
+  const size_t n_out = static_cast<size_t>(steps) * static_cast<size_t>(S);
+  KVQ_CHECK(next_slots.size() == n_out - static_cast<size_t>(S) &&
+                out.size() == (defer ? 0 : n_out),
+            "forward_greedy_chain: next_slots or out of the wrong size");
+  KVQ_CHECK(b.captured.empty() && b.capture_layers.empty() && b.feature_rows.empty() &&
+                b.token_source == nullptr,
+            "forward_greedy_chain: a plain pass (no captures, features or token source)");
+  const int64_t num_slots =
+      static_cast<int64_t>(cache.layer_view(0).num_blocks) * bt.block_tokens;
+  for (int64_t s : next_slots)
+    KVQ_CHECK(s >= 0 && s < num_slots, "forward_greedy_chain: slot " + std::to_string(s) +
+                                           " outside the cache's " + std::to_string(num_slots) +
+                                           " slots");
+  int max_last = 0;  // the longest sequence after the last pass
+  for (int i = 0; i < S; ++i) {
+    const int last = bt.seq_lens[i] + steps - 1;
+    KVQ_CHECK(static_cast<int64_t>(bt.indptr[i + 1] - bt.indptr[i]) * bt.block_tokens >= last,
+              "forward_greedy_chain: a block table does not hold the chain's slots");
+    max_last = std::max(max_last, last);
+  }
+  if (max_last > max_seq_len_)
+    throw InputError("a sequence of " + std::to_string(max_last) +
+                     " tokens is longer than the model's context of " +
+                     std::to_string(max_seq_len_) + " tokens (max_position_embeddings)");
+
+  std::lock_guard<std::mutex> lock(mu_);
+  drop_deferred();
+  reserve_chain(steps);
+  const auto t0 = std::chrono::steady_clock::now();
+  const DeviceSampling greedy[1] = {DeviceSampling{}};
+  run_and_sample(b, cache, greedy, d_chain_ids_);
+  if (steps > 1) {
+    // Pass 1 is staged on the host (into the chain's own staging: the first pass's copy may
+    // not have run yet), with placeholder tokens that pass 0's ids replace on the device;
+    // passes 2.. advance its staging on the device. All of them replay one decode graph, sized
+    // for the last pass's lengths.
+    std::vector<int32_t> tokens(static_cast<size_t>(S), 0), positions(static_cast<size_t>(S)),
+        q_indptr(static_cast<size_t>(S) + 1), seq_lens(bt.seq_lens, bt.seq_lens + S);
+    std::iota(q_indptr.begin(), q_indptr.end(), 0);
+    for (int i = 0; i < S; ++i) {
+      positions[static_cast<size_t>(i)] =
+          b.positions[static_cast<size_t>(b.q_indptr[static_cast<size_t>(i) + 1] - 1)] + 1;
+      ++seq_lens[static_cast<size_t>(i)];
+    }
+    BlockTableView table = bt;
+    table.seq_lens = seq_lens.data();
+    const std::span<const int32_t> rows(q_indptr.data(), static_cast<size_t>(S));
+    const ForwardBatch b1{tokens, positions, q_indptr, next_slots.first(static_cast<size_t>(S)),
+                          table, rows};
+    h_stage_ = h_chain_step_;
+    Step st;
+    try {
+      st = stage(b1, cache, greedy);
+    } catch (...) {
+      h_stage_ = h_step_;
+      throw;
+    }
+    h_stage_ = h_step_;
+    KVQ_CHECK(st.decode, "forward_greedy_chain: a one-token pass was not staged as decode");
+    st.context = std::max(kMinContextBucket, context_bucket(max_last));
+    auto* h_slots = reinterpret_cast<int64_t*>(h_chain_step_ + align_up(off_.total));
+    std::copy(next_slots.begin(), next_slots.end(), h_slots);
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(d_chain_slots_, h_slots, next_slots.size() * sizeof(int64_t),
+                                   cudaMemcpyHostToDevice, stream_));
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(d_at<int32_t>(off_.tokens), d_chain_ids_,
+                                   static_cast<size_t>(S) * sizeof(int32_t),
+                                   cudaMemcpyDeviceToDevice, stream_));
+    for (int j = 1; j < steps; ++j) {
+      if (j > 1)
+        cuda_model::advance_decode_step(
+            d_chain_ids_ + static_cast<size_t>(j - 1) * S,
+            d_chain_slots_ + static_cast<size_t>(j - 1) * S, S, d_at<int32_t>(off_.tokens),
+            d_at<int32_t>(off_.positions), d_at<int32_t>(off_.seq_lens),
+            d_at<int64_t>(off_.slots), stream_);
+      run_step(st, cache);
+      sample_rows(0, S, d_chain_ids_ + static_cast<size_t>(j) * S);
+    }
+  }
+  if (defer) {
+    defer_ids(d_chain_ids_, h_chain_ids_, static_cast<int>(n_out), t0);
+    return;
+  }
+  KVQ_CUDA_CHECK(cudaMemcpyAsync(h_chain_ids_, d_chain_ids_, n_out * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, stream_));
+  if (timing_.on) KVQ_CUDA_CHECK(cudaEventRecord(timing_.end, stream_));
+  KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  timing_end(t0);
+  std::copy(h_chain_ids_, h_chain_ids_ + n_out, out.begin());
 }
 
 void CudaDecoderModel::timing_begin() const {

@@ -410,6 +410,23 @@ __global__ void argmax_kernel(const float* logits, int vocab, int32_t* out) {
   }
 }
 
+__global__ void scatter_tokens_kernel(const int32_t* ids, const int32_t* rows, const int32_t* dst,
+                                      int n, int32_t* tokens) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) tokens[dst[i]] = ids[rows[i]];
+}
+
+__global__ void advance_decode_kernel(const int32_t* ids, const int64_t* next_slots, int n,
+                                      int32_t* tokens, int32_t* positions, int32_t* seq_lens,
+                                      int64_t* slots) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= n) return;
+  tokens[i] = ids[i];
+  positions[i] += 1;
+  seq_lens[i] += 1;
+  slots[i] = next_slots[i];
+}
+
 }  // namespace
 
 void embed_gather(const void* embed, bool bf16, const float* mask, const int32_t* tokens, int T,
@@ -548,6 +565,22 @@ void interleave_shards(const float* parts, int shards, int n, int vs, float* out
 void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream) {
   if (rows == 0) return;
   launch_pdl(argmax_kernel, rows, kThreads, stream, logits, vocab, out);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void scatter_tokens(const int32_t* ids, const int32_t* rows, const int32_t* dst, int n,
+                    int32_t* tokens, cudaStream_t stream) {
+  if (n == 0) return;
+  scatter_tokens_kernel<<<grid_for(n), kThreads, 0, stream>>>(ids, rows, dst, n, tokens);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+void advance_decode_step(const int32_t* ids, const int64_t* next_slots, int n, int32_t* tokens,
+                         int32_t* positions, int32_t* seq_lens, int64_t* slots,
+                         cudaStream_t stream) {
+  if (n == 0) return;
+  advance_decode_kernel<<<grid_for(n), kThreads, 0, stream>>>(ids, next_slots, n, tokens,
+                                                              positions, seq_lens, slots);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

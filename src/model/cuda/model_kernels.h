@@ -102,4 +102,16 @@ void interleave_shards(const float* parts, int shards, int n, int vs, float* out
 // out[r] = argmax of logits row r (lowest id on ties).
 void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream);
 
+// tokens[dst[i]] = ids[rows[i]] for i < n: tokens that another model left on the device (a
+// drafter's deferred drafts) into a step's staged tokens.
+void scatter_tokens(const int32_t* ids, const int32_t* rows, const int32_t* dst, int n,
+                    int32_t* tokens, cudaStream_t stream);
+
+// The next pass of a greedy chain of one-token decode steps, in the step's staging on the
+// device: for i < n, tokens[i] = ids[i], positions[i] += 1, seq_lens[i] += 1 and
+// slots[i] = next_slots[i].
+void advance_decode_step(const int32_t* ids, const int64_t* next_slots, int n, int32_t* tokens,
+                         int32_t* positions, int32_t* seq_lens, int64_t* slots,
+                         cudaStream_t stream);
+
 }  // namespace kvq::cuda_model
