@@ -11,6 +11,7 @@
 #            device: KVQ_BUNDLE_FILE=... bash scripts/gpu-bundle.sh --run 'bash scripts/gpu-verify-shape.sh verify8b'
 #   model-tests  the CUDA model's speculative / DFlash tests from the bundle.
 #   grid     `kvq bench --speculative-config` on the default model, k = 8, dflash and ngram,
+#            (or draft_model, k = 4),
 #            batch 1 / 8 / 32 (KVS, BATCHES, METHODS narrow it; AB="VAR=a VAR=b" runs each
 #            point under each setting; WAVES=n runs n x batch prompts, so the batch stays full
 #            while requests queue, instead of max(16, batch) prompts).
@@ -71,18 +72,23 @@ model-tests)
   ;;
 grid)
   # The default model, held-out text, k = 8: dflash and ngram at batch 1 / 8 / 32 (bundle).
-  DFLASH='"method":"dflash","model":"models/kvq-code-tiny-dflash"'
+  # METHODS may name draft_model too (models/kvq-code-tiny-draft, k = K_DRAFT, default 4);
+  # K sets dflash's and ngram's k (default 8); DFLASH_MODEL another DFlash drafter.
+  DFLASH="\"method\":\"dflash\",\"model\":\"${DFLASH_MODEL:-models/kvq-code-tiny-dflash}\""
   NGRAM='"method":"ngram","prompt_lookup_min":1,"prompt_lookup_max":3'
+  DRAFT='"method":"draft_model","model":"models/kvq-code-tiny-draft"'
   for kv in ${KVS:-bfloat16}; do
     for batch in ${BATCHES:-1 8 32}; do
       for method in ${METHODS:-dflash ngram}; do
-       spec=$DFLASH; [ "$method" = ngram ] && spec=$NGRAM
+       spec=$DFLASH k=${K:-8}
+       [ "$method" = ngram ] && spec=$NGRAM
+       [ "$method" = draft_model ] && spec=$DRAFT k=${K_DRAFT:-4}
        # AB: settings to compare in the same run, e.g. AB="KVQ_DFLASH_FUSE=1 KVQ_DFLASH_FUSE=0".
        for ab in ${AB:-KVQ_AB=none}; do
         env "$ab" timeout 60 bundle/build/kvq bench --model models/kvq-code-tiny --device cuda --kv-cache-dtype $kv \
           --batch $batch --input-len 256 --output-len 128 --num-prompts $((${WAVES:-0} > 0 ? batch * ${WAVES:-0} : (batch < 16 ? 16 : batch))) \
           --dataset models/kvq-code-tiny/heldout.txt \
-          --speculative-config "{$spec,\"num_speculative_tokens\":8}" --json 2>/dev/null |
+          --speculative-config "{$spec,\"num_speculative_tokens\":$k}" --json 2>/dev/null |
           AB="$ab" python3 -c "import json,os,sys; j=json.load(sys.stdin); j['ab']=os.environ['AB']; print(json.dumps(j)); print(f\"{j['ab']:18s} {j['plan'][:10]:10s} {j['method']:6s} B={j['batch']:2d} plain {j['plain_tokens_per_s']:8.0f} spec {j['speculative_tokens_per_s']:8.0f} x{j['speedup']:.2f} len {j['mean_accepted_length']:.2f} same {j['greedy_outputs_identical']}/{j['num_prompts']} ms/step {j['plain_ms_per_step']:.3f} / {j['spec_ms_per_step']:.3f} ({j['spec_draft_ms_per_step']:.3f} + {j['spec_forward_ms_per_step']:.3f})\", file=sys.stderr)" \
             >> "$OUT/spec-grid.jsonl"
        done

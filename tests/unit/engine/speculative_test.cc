@@ -329,6 +329,45 @@ std::shared_ptr<const Model> drafter_for(KvDtype kv) {
       reference_model()->with_plan(default_plan(KvDtype::kInt4PerTokenHead)));
 }
 
+// A draft model's greedy drafts (the catch-up pass and k - 1 one-token passes in one
+// forward_greedy_chain call) are the drafter's own greedy continuation, as plain generate()
+// gives it; after some drafts are accepted and the target's token follows, the proposer rolls
+// its cache back to the shared prefix and drafts that continuation again; several sequences in
+// one call draft what each alone would.
+TEST(DraftModelProposer, GreedyDraftsAreTheDraftersGreedyContinuation) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  const std::shared_ptr<const Model> drafter = drafter_for(KvDtype::kInt8PerTokenHead);
+  const std::unique_ptr<Proposer> proposer = make_draft_model_proposer(drafter, 64);
+  const auto prompts = code_prompts(rng, 3, 10, 40);
+  const int k = 5;
+  auto continuation = [&](const std::vector<int32_t>& tokens, int n) {
+    return generate(*drafter, reference_tokenizer(), tokens, greedy(n), {}).output_ids;
+  };
+  std::vector<std::vector<int32_t>> seqs(prompts.begin(), prompts.end());
+  std::vector<Sampler> samplers(seqs.size(), Sampler(greedy(k)));
+  for (int round = 0; round < 3; ++round) {
+    std::vector<DraftRequest> requests;
+    for (size_t i = 0; i < seqs.size(); ++i)
+      requests.push_back({i + 1, seqs[i], k - static_cast<int32_t>(i % 2), &samplers[i]});
+    std::vector<Draft> drafts(requests.size());
+    proposer->propose(requests, drafts);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const int32_t want_n = requests[i].max_drafts;
+      EXPECT_EQ(drafts[i].tokens, continuation(seqs[i], want_n))
+          << "round " << round << ", sequence " << i << ", seed " << seed;
+      EXPECT_FALSE(drafts[i].on_device);
+      // Accept a prefix of the drafts (none, some, all), then a token of the "target's".
+      const size_t accept = (i + static_cast<size_t>(round)) % 3 == 0 ? 0 : static_cast<size_t>(round + 1);
+      seqs[i].insert(seqs[i].end(), drafts[i].tokens.begin(),
+                     drafts[i].tokens.begin() +
+                         static_cast<std::ptrdiff_t>(std::min(accept, drafts[i].tokens.size())));
+      seqs[i].push_back(std::uniform_int_distribution<int32_t>(3, 200)(rng));
+    }
+  }
+}
+
 struct GreedyCase {
   SpecMethod method;
   KvDtype kv;
