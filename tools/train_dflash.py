@@ -746,7 +746,9 @@ def main():
     ap.add_argument("--state", default="",
                     help="resumable training: load this file (drafter, optimizer, step, random streams) when it "
                          "exists, and save it when --call-minutes runs out (then exit before the evaluation); "
-                         "needs --steps, which fixes the learning-rate schedule across calls")
+                         "needs --steps, which fixes the learning-rate schedule across calls. The file holds the "
+                         "drafter and AdamW's moments in fp32 (about 12 bytes per parameter: 32 MB for the default "
+                         "drafter), more than the device tool returns in one file (16 MiB): split it to carry it")
     ap.add_argument("--call-minutes", type=float, default=0.0,
                     help="with --state: stop this call's training after this many minutes and save the state")
     ap.add_argument("--eval-every", type=int, default=500)

@@ -305,6 +305,9 @@ TEST(CudaEngineSpeculation, DraftsOnTheDeviceGiveTheIdsOfDraftsOnTheHost) {
                        ? std::shared_ptr<Proposer>(make_dflash_proposer(drafter, 256))
                        : std::shared_ptr<Proposer>(make_draft_model_proposer(drafter, 256));
       c.speculative_drafts_on_device = on == 1;
+      // The concurrent batch repeats the prompts: no prefix-cache hits (a DFlash drafter has no
+      // features for cached positions, so it would draft nothing).
+      c.enable_prefix_caching = false;
       Outputs out;
       LlmEngine engine(std::move(target), std::make_unique<Tokenizer>(Tokenizer::load(kTiny)), c);
       int finished = 0;
