@@ -47,8 +47,8 @@ class DeferredDrafts {
     for (Draft* d : drafts) {
       if (d == nullptr || !d->on_device) continue;
       for (size_t j = 0; j < d->tokens.size(); ++j)
-        d->tokens[j] = ids_.at(static_cast<size_t>(d->device_row) +
-                               j * static_cast<size_t>(d->device_stride));
+        d->tokens[j] =
+            ids_.at(static_cast<size_t>(d->device_row) + j * static_cast<size_t>(d->device_stride));
       d->on_device = false;
     }
     each(std::span<const int32_t>(ids_));

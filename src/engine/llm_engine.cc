@@ -318,8 +318,7 @@ void LlmEngine::Impl::schedule_and_forward() {
     tokens.insert(tokens.end(), r.tokens.begin() + r.computed, r.tokens.begin() + r.computed + own);
     if (r.draft.on_device)
       for (size_t d = 0; d < drafts.size(); ++d) {
-        token_rows.push_back(r.draft.device_row +
-                             static_cast<int32_t>(d) * r.draft.device_stride);
+        token_rows.push_back(r.draft.device_row + static_cast<int32_t>(d) * r.draft.device_stride);
         token_dst.push_back(static_cast<int32_t>(tokens.size() + d));
       }
     tokens.insert(tokens.end(), drafts.begin(), drafts.end());

@@ -44,8 +44,29 @@ void Model::write_feature_kv_from_target(const Model&, std::span<const int32_t>,
       "write_feature_kv_from_target called on a model that cannot read its target's features");
 }
 
+void check_greedy_chain(const ForwardBatch& batch, int steps, size_t next_slots, size_t out,
+                        bool defer) {
+  const BlockTableView& bt = batch.block_table;
+  const int S = bt.num_seqs;
+  KVQ_CHECK(steps >= 1 && S >= 1, "forward_greedy_chain: no steps or no sequences");
+  KVQ_CHECK(batch.logit_rows.size() == static_cast<size_t>(S) &&
+                batch.q_indptr.size() == static_cast<size_t>(S) + 1,
+            "forward_greedy_chain: one logit row per sequence");
+  for (int i = 0; i < S; ++i)
+    KVQ_CHECK(
+        batch.logit_rows[static_cast<size_t>(i)] == batch.q_indptr[static_cast<size_t>(i) + 1] - 1,
+        "forward_greedy_chain: a logit row is not its sequence's last token");
+  const size_t n = static_cast<size_t>(steps) * static_cast<size_t>(S);
+  KVQ_CHECK(next_slots == n - static_cast<size_t>(S) && out == (defer ? 0 : n),
+            "forward_greedy_chain: next_slots or out of the wrong size");
+  for (int i = 0; i < S; ++i)
+    KVQ_CHECK(static_cast<int64_t>(bt.indptr[i + 1] - bt.indptr[i]) * bt.block_tokens >=
+                  bt.seq_lens[i] + steps - 1,
+              "forward_greedy_chain: a block table does not hold the chain's slots");
+}
+
 void Model::forward_sample_deferred(const ForwardBatch&, PagedKvCache&,
-                                   std::span<const DeviceSampling>) const {
+                                    std::span<const DeviceSampling>) const {
   throw InternalError("forward_sample_deferred called on a model that cannot defer its ids");
 }
 
@@ -59,16 +80,7 @@ void Model::forward_greedy_chain(const ForwardBatch& batch, PagedKvCache& cache,
   const BlockTableView& bt = batch.block_table;
   const int S = bt.num_seqs;
   KVQ_CHECK(!defer, "forward_greedy_chain: this model cannot defer its ids");
-  KVQ_CHECK(steps >= 1 && S >= 1, "forward_greedy_chain: no steps or no sequences");
-  KVQ_CHECK(batch.logit_rows.size() == static_cast<size_t>(S) &&
-                batch.q_indptr.size() == static_cast<size_t>(S) + 1,
-            "forward_greedy_chain: one logit row per sequence");
-  for (int i = 0; i < S; ++i)
-    KVQ_CHECK(batch.logit_rows[static_cast<size_t>(i)] == batch.q_indptr[static_cast<size_t>(i) + 1] - 1,
-              "forward_greedy_chain: a logit row is not its sequence's last token");
-  KVQ_CHECK(next_slots.size() == static_cast<size_t>(steps - 1) * static_cast<size_t>(S) &&
-                out.size() == static_cast<size_t>(steps) * static_cast<size_t>(S),
-            "forward_greedy_chain: next_slots or out of the wrong size");
+  check_greedy_chain(batch, steps, next_slots.size(), out.size(), defer);
   std::vector<int32_t> ids(static_cast<size_t>(S));
   std::vector<float> logits;
   const DeviceSampling greedy[1] = {DeviceSampling{}};
@@ -99,8 +111,8 @@ void Model::forward_greedy_chain(const ForwardBatch& batch, PagedKvCache& cache,
     }
     BlockTableView table = bt;
     table.seq_lens = seq_lens.data();
-    const std::span<const int64_t> slots =
-        next_slots.subspan(static_cast<size_t>(j - 1) * static_cast<size_t>(S), static_cast<size_t>(S));
+    const std::span<const int64_t> slots = next_slots.subspan(
+        static_cast<size_t>(j - 1) * static_cast<size_t>(S), static_cast<size_t>(S));
     const std::vector<int32_t> tokens = ids;
     const std::span<const int32_t> rows(q_indptr.data(), static_cast<size_t>(S));
     pass(ForwardBatch{tokens, positions, q_indptr, slots, table, rows});

@@ -5,13 +5,13 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
-#include <future>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -774,9 +774,9 @@ TEST(CudaModelTiming, SyntheticLlama3DecodeStep) {
 
 // ---- tensor parallelism (#17): the model split over 2 GPUs against the same model on one ----
 
-#define SKIP_WITHOUT_TWO_GPUS()                                                \
-  SKIP_WITHOUT_GPU();                                                          \
-  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 CUDA devices";         \
+#define SKIP_WITHOUT_TWO_GPUS()                                        \
+  SKIP_WITHOUT_GPU();                                                  \
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 CUDA devices"; \
   if (!cuda_model::tensor_parallel_available()) GTEST_SKIP() << "built without NCCL"
 
 CudaModelOptions tp_options(int n, WeightPrecision w) {
@@ -798,8 +798,10 @@ TEST_P(TensorParallelKv, TwoRanksMatchOneRankOnKvqCodeTiny) {
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const KvPlan plan = plan_with(kTiny, GetParam());
-  std::shared_ptr<const CudaModel> one = CudaModel::load(plan, tp_options(1, WeightPrecision::kFloat32));
-  std::shared_ptr<const CudaModel> two = CudaModel::load(plan, tp_options(2, WeightPrecision::kFloat32));
+  std::shared_ptr<const CudaModel> one =
+      CudaModel::load(plan, tp_options(1, WeightPrecision::kFloat32));
+  std::shared_ptr<const CudaModel> two =
+      CudaModel::load(plan, tp_options(2, WeightPrecision::kFloat32));
   EXPECT_EQ(two->plan().layers.front().num_kv_heads, plan.layers.front().num_kv_heads);
   int same = 0, total = 0, ties = 0;
   const Diff d = compare_models(one, two, seed, 24, &same, &total, 1e-4, &ties);
@@ -828,8 +830,10 @@ TEST(TensorParallel, TwoRanksMatchOneWithBf16Weights) {
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const KvPlan plan = plan_with(kTiny, KvDtype::kFp8E4M3);
-  std::shared_ptr<const CudaModel> one = CudaModel::load(plan, tp_options(1, WeightPrecision::kBFloat16));
-  std::shared_ptr<const CudaModel> two = CudaModel::load(plan, tp_options(2, WeightPrecision::kBFloat16));
+  std::shared_ptr<const CudaModel> one =
+      CudaModel::load(plan, tp_options(1, WeightPrecision::kBFloat16));
+  std::shared_ptr<const CudaModel> two =
+      CudaModel::load(plan, tp_options(2, WeightPrecision::kBFloat16));
   // bf16 activations between layers put TP 2 within ~1-3% of TP 1, so a greedy parting where
   // TP 1's two logits differ by less than twice the largest logit difference the teacher-forced
   // steps showed is a near tie; at least one of the three sequences must run to the end.
@@ -885,8 +889,9 @@ TEST(TensorParallel, SyntheticLlama3ShapeTwoRanksMatchOne) {
             {static_cast<int32_t>(argmax(lr.data() + V, V))}};
   }
   for (size_t i = 0; i < runs.size(); ++i)
-    std::printf("[ synthetic llama3-8b x2 layers, %s vs bf16 TP 1 ] seed %u: rel %.3g, top-1 %d/%d\n",
-                runs[i].first.c_str(), seed, diffs[i].rel(), diffs[i].same_top1, diffs[i].rows);
+    std::printf(
+        "[ synthetic llama3-8b x2 layers, %s vs bf16 TP 1 ] seed %u: rel %.3g, top-1 %d/%d\n",
+        runs[i].first.c_str(), seed, diffs[i].rel(), diffs[i].same_top1, diffs[i].rows);
   EXPECT_LE(diffs[0].rel(), 0.03);
   EXPECT_GE(diffs[0].same_top1, diffs[0].rows - 1);
   if (fp8) {
@@ -903,15 +908,17 @@ TEST(TensorParallel, MovedCacheAndAnotherPlanRunLikeOneRank) {
   const uint32_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const KvPlan plan = plan_with(kTiny, KvDtype::kBFloat16);
-  std::shared_ptr<const CudaModel> one = CudaModel::load(plan, tp_options(1, WeightPrecision::kFloat32));
-  std::shared_ptr<const CudaModel> two = CudaModel::load(plan, tp_options(2, WeightPrecision::kFloat32));
+  std::shared_ptr<const CudaModel> one =
+      CudaModel::load(plan, tp_options(1, WeightPrecision::kFloat32));
+  std::shared_ptr<const CudaModel> two =
+      CudaModel::load(plan, tp_options(2, WeightPrecision::kFloat32));
   const KvPlan fp8 = plan_with(kTiny, KvDtype::kFp8E4M3);
   std::shared_ptr<const Model> one8 = one->with_plan(fp8);
   std::shared_ptr<const Model> two8 = two->with_plan(fp8);
   EXPECT_EQ(two8->plan().layers.front().k_dtype, KvDtype::kFp8E4M3);
-  for (const auto& [ref, got] : {std::make_pair(std::shared_ptr<const Model>(one),
-                                                std::shared_ptr<const Model>(two)),
-                                 std::make_pair(one8, two8)}) {
+  for (const auto& [ref, got] :
+       {std::make_pair(std::shared_ptr<const Model>(one), std::shared_ptr<const Model>(two)),
+        std::make_pair(one8, two8)}) {
     std::mt19937 rng(seed);
     Driver a(ref, 32), b(got, 32, /*moved_cache=*/true);
     const int V = ref->vocab_size();
@@ -971,7 +978,8 @@ class PeerAllReduceMode : public ::testing::TestWithParam<const char*> {
   static std::unique_ptr<cuda_model::PeerAllReduce> make(size_t max_floats) {
     EXPECT_EQ(setenv("KVQ_TP_PEER_MODE", GetParam(), 1), 0);
     EXPECT_EQ(setenv("KVQ_TP_PEER_LL_MAX", "4096", 1), 0);
-    std::unique_ptr<cuda_model::PeerAllReduce> ar = cuda_model::PeerAllReduce::create(2, max_floats);
+    std::unique_ptr<cuda_model::PeerAllReduce> ar =
+        cuda_model::PeerAllReduce::create(2, max_floats);
     unsetenv("KVQ_TP_PEER_MODE");
     unsetenv("KVQ_TP_PEER_LL_MAX");
     return ar;
@@ -1053,7 +1061,8 @@ TEST_P(PeerAllReduceMode, SumsLikeTheHost) {
                        Case{0, kMax}, Case{0, 4096}}) {
     for (int rep = 0; rep < 3; ++rep) {
       const auto h = fill(c.off, c.n);
-      for (int r = 0; r < kRanks; ++r) {  // launched from one thread: the kernels wait for each other
+      for (int r = 0; r < kRanks;
+           ++r) {  // launched from one thread: the kernels wait for each other
         ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
         ar->run(r, x[r] + c.off, c.n, streams[r]);
       }
@@ -1139,8 +1148,7 @@ TEST_P(PeerAllReduceMode, BackToBackCallsOfMixedSizes) {
     ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
     for (int i = 0; i < kCalls; ++i) {
       ran[r][i] = fused[i] && ar->run_rms_norm(r, x[r] + off[i], static_cast<int>(n[i] / kH), kH,
-                                               w[r], 1e-5f, out[r] + off[i],
-                                               false, streams[r]);
+                                               w[r], 1e-5f, out[r] + off[i], false, streams[r]);
       if (!ran[r][i]) ar->run(r, x[r] + off[i], n[i], streams[r]);
     }
     if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -1213,7 +1221,7 @@ TEST_P(PeerAllReduceMode, FusedRmsNormMatchesTheHost) {
       ran[r] = ar->run_rms_norm(r, x[r], c.T, c.H, w[r], eps, out[r], c.bf16, streams[r]);
     }
     ASSERT_EQ(ran[0], ran[1]);
-    const bool fits = std::string(GetParam()) == "ll" ? n <= kMax
+    const bool fits = std::string(GetParam()) == "ll"        ? n <= kMax
                       : std::string(GetParam()) == "barrier" ? false
                                                              : n <= 4096;
     EXPECT_EQ(ran[0], fits);
@@ -1234,7 +1242,8 @@ TEST_P(PeerAllReduceMode, FusedRmsNormMatchesTheHost) {
       ASSERT_EQ(cudaStreamSynchronize(streams[r]), cudaSuccess);
       std::vector<float> xs(n);
       ASSERT_EQ(cudaMemcpy(xs.data(), x[r], n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-      EXPECT_EQ(std::memcmp(xs.data(), sum.data(), n * 4), 0) << "rank " << r << ": x is not the sum";
+      EXPECT_EQ(std::memcmp(xs.data(), sum.data(), n * 4), 0)
+          << "rank " << r << ": x is not the sum";
       if (c.bf16) {
         std::vector<uint16_t> b(n);
         ASSERT_EQ(cudaMemcpy(b.data(), out[r], n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -1288,13 +1297,15 @@ TEST_P(PeerAllReduceMode, WaitEndsOnAbort) {
     std::_Exit(1);
   }
   EXPECT_EQ(done.get(), cudaSuccess);
-  std::printf("[ peer all-reduce ] abort released the waiting rank in %.1f ms\n",
-              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  std::printf(
+      "[ peer all-reduce ] abort released the waiting rank in %.1f ms\n",
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
   EXPECT_EQ(cudaFree(x), cudaSuccess);
 }
 
-INSTANTIATE_TEST_SUITE_P(TensorParallel, PeerAllReduceMode, ::testing::Values("ll", "barrier", "auto"));
+INSTANTIATE_TEST_SUITE_P(TensorParallel, PeerAllReduceMode,
+                         ::testing::Values("ll", "barrier", "auto"));
 
 // A rank that fails mid-step stops the group with an error naming the rank, within seconds (the
 // others, waiting in a collective, are released by aborting the communicators), and the group

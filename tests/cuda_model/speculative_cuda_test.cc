@@ -50,6 +50,13 @@ KvPlanOptions flags(KvDtype kv) {
   return o;
 }
 
+// The first 40,000 characters of the default model's held-out text, tokenized.
+std::vector<int32_t> heldout_ids(const Tokenizer& tok) {
+  std::ifstream f(kTiny + "/heldout.txt");
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  return tok.encode(text.substr(0, 40000), false);
+}
+
 class CudaSpeculation : public ::testing::TestWithParam<KvDtype> {};
 
 TEST_P(CudaSpeculation, GreedyIdsEqualPlainGreedyUpToNearTies) {
@@ -79,9 +86,7 @@ TEST_P(CudaSpeculation, GreedyIdsEqualPlainGreedyUpToNearTies) {
     EXPECT_EQ(l.attention, AttentionKind::kNonCausal);
   }
   const Tokenizer tok = Tokenizer::load(kTiny);
-  std::ifstream f(kTiny + "/heldout.txt");
-  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  const std::vector<int32_t> ids = tok.encode(text.substr(0, 40000), false);
+  const std::vector<int32_t> ids = heldout_ids(tok);
   const uint32_t seed = std::random_device{}();
   std::mt19937 rng(seed);
   SamplingParams p;
@@ -173,7 +178,7 @@ TEST(CudaGreedyChain, EqualsPassByPassGreedy) {
     for (int i = 0; i < S; ++i) c->add_sequence(static_cast<SequenceId>(i));
   }
   std::vector<std::vector<int32_t>> run(S);  // each sequence's tokens for the next first pass
-  std::vector<int32_t> len(S, 0);             // tokens in the cache
+  std::vector<int32_t> len(S, 0);            // tokens in the cache
   for (int i = 0; i < S; ++i)
     for (int t = std::uniform_int_distribution<int>(5, 40)(rng); t > 0; --t)
       run[static_cast<size_t>(i)].push_back(std::uniform_int_distribution<int>(0, vocab - 1)(rng));
@@ -192,7 +197,8 @@ TEST(CudaGreedyChain, EqualsPassByPassGreedy) {
         ASSERT_EQ(got.size(), r.size() + static_cast<size_t>(steps - 1));
         slots.insert(slots.end(), got.begin(), got.begin() + static_cast<std::ptrdiff_t>(r.size()));
         for (int j = 1; j < steps; ++j)
-          next_slots[static_cast<size_t>((j - 1) * S + i)] = got[r.size() + static_cast<size_t>(j - 1)];
+          next_slots[static_cast<size_t>((j - 1) * S + i)] =
+              got[r.size() + static_cast<size_t>(j - 1)];
         tokens.insert(tokens.end(), r.begin(), r.end());
         for (size_t t = 0; t < r.size(); ++t)
           positions.push_back(len[static_cast<size_t>(i)] + static_cast<int32_t>(t));
@@ -201,7 +207,8 @@ TEST(CudaGreedyChain, EqualsPassByPassGreedy) {
         ids.push_back(static_cast<SequenceId>(i));
       }
       PagedKvCache::BlockTableStorage storage;
-      const ForwardBatch b{tokens, positions, q_indptr, slots, cache.block_table(ids, storage), rows};
+      const ForwardBatch b{tokens, positions, q_indptr, slots, cache.block_table(ids, storage),
+                           rows};
       for (int32_t& l : storage.seq_lens) l -= steps - 1;
       out[way].resize(static_cast<size_t>(steps * S));
       if (way == 0) {
@@ -218,7 +225,8 @@ TEST(CudaGreedyChain, EqualsPassByPassGreedy) {
     // Next round: the last pass's ids are the one new token of each sequence (a first pass of
     // one token per sequence); in round 2, a few more tokens for sequence 0.
     for (int i = 0; i < S; ++i) {
-      len[static_cast<size_t>(i)] += static_cast<int32_t>(run[static_cast<size_t>(i)].size()) + steps - 1;
+      len[static_cast<size_t>(i)] +=
+          static_cast<int32_t>(run[static_cast<size_t>(i)].size()) + steps - 1;
       run[static_cast<size_t>(i)] = {out[2][static_cast<size_t>((steps - 1) * S + i)]};
     }
     if (round == 1) run[0].insert(run[0].end(), {1, 2, 3});
@@ -266,9 +274,7 @@ TEST(CudaEngineSpeculation, DraftsOnTheDeviceGiveTheIdsOfDraftsOnTheHost) {
   if (!std::filesystem::exists(kDflash + "/model.safetensors"))
     GTEST_SKIP() << kDflash << " absent";
   const Tokenizer tok = Tokenizer::load(kTiny);
-  std::ifstream f(kTiny + "/heldout.txt");
-  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  const std::vector<int32_t> ids = tok.encode(text.substr(0, 40000), false);
+  const std::vector<int32_t> ids = heldout_ids(tok);
   const uint32_t seed = std::random_device{}();
   std::mt19937 rng(seed);
   std::vector<std::vector<int32_t>> prompts;
@@ -293,9 +299,10 @@ TEST(CudaEngineSpeculation, DraftsOnTheDeviceGiveTheIdsOfDraftsOnTheHost) {
     for (int on = 0; on < 2; ++on) {
       std::unique_ptr<Model> target = CudaModel::load(plan, options());
       std::shared_ptr<const Model> drafter =
-          method == SpecMethod::kDflash ? std::shared_ptr<const Model>(
-                                              CudaModel::load_dflash_drafter(dplan, *target, options()))
-                                        : std::shared_ptr<const Model>(CudaModel::load(dplan, options()));
+          method == SpecMethod::kDflash
+              ? std::shared_ptr<const Model>(
+                    CudaModel::load_dflash_drafter(dplan, *target, options()))
+              : std::shared_ptr<const Model>(CudaModel::load(dplan, options()));
       EngineConfig c;
       c.num_blocks = 256;
       c.max_num_seqs = 8;
@@ -321,7 +328,8 @@ TEST(CudaEngineSpeculation, DraftsOnTheDeviceGiveTheIdsOfDraftsOnTheHost) {
       if (on == 0) continue;
       // Concurrently, drafts on the device.
       std::vector<RequestId> batch;
-      for (const auto& prompt : prompts) batch.push_back(engine.add_request(prompt, p, out.callback()));
+      for (const auto& prompt : prompts)
+        batch.push_back(engine.add_request(prompt, p, out.callback()));
       ASSERT_TRUE(out.wait(finished + static_cast<int>(prompts.size()))) << "seed " << seed;
       std::unique_ptr<Model> scorer = CudaModel::load(plan, options());
       int near_ties = 0;
@@ -339,8 +347,8 @@ TEST(CudaEngineSpeculation, DraftsOnTheDeviceGiveTheIdsOfDraftsOnTheHost) {
         });
         const float a = last[static_cast<size_t>(want[n])], b = last[static_cast<size_t>(got[n])];
         EXPECT_LE(std::abs(a - b), 0.08f * (1.0f + std::abs(a)))
-            << to_string(method) << " request " << i << " parts at " << n << ", not a near tie; seed "
-            << seed;
+            << to_string(method) << " request " << i << " parts at " << n
+            << ", not a near tie; seed " << seed;
         ++near_ties;
       }
       EXPECT_LE(near_ties, 2) << "seed " << seed;
@@ -349,9 +357,8 @@ TEST(CudaEngineSpeculation, DraftsOnTheDeviceGiveTheIdsOfDraftsOnTheHost) {
       EXPECT_EQ(all.blocks_used, 0) << "blocks still held after every request ended";
     }
     for (size_t i = 0; i < prompts.size(); ++i)
-      EXPECT_EQ(solo[1][i], solo[0][i])
-          << to_string(method) << " request " << i << ": drafts on the device changed the ids; seed "
-          << seed;
+      EXPECT_EQ(solo[1][i], solo[0][i]) << to_string(method) << " request " << i
+                                        << ": drafts on the device changed the ids; seed " << seed;
   }
 }
 

@@ -116,6 +116,10 @@ struct ForwardBatch {
 // wins (0 when every logit is NaN). Sampler's greedy rule and the device's argmax are the same.
 int32_t greedy_argmax(std::span<const float> logits);
 
+// The argument checks of Model::forward_greedy_chain (InternalError naming what is wrong).
+void check_greedy_chain(const ForwardBatch& batch, int steps, size_t next_slots, size_t out,
+                        bool defer);
+
 // A token id that a DFlash drafter embeds as its learned mask vector (block rows 1..k).
 inline constexpr int32_t kMaskToken = -1;
 

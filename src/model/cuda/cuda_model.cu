@@ -23,7 +23,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <string_view>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -31,6 +30,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -187,10 +187,10 @@ struct DeviceWeights {
     }
   }
   static size_t elem_bytes(model::WeightKind kind, Linear::Dtype dtype) {
-    return !is_matrix(kind)                 ? 4
+    return !is_matrix(kind)                ? 4
            : dtype == Linear::Dtype::kFP8  ? 1
            : dtype == Linear::Dtype::kBF16 ? 2
-                                            : 4;
+                                           : 4;
   }
   // Allocates tensor t (a matrix: `cols` inputs, in `dtype`) and records where it is; in
   // `where` instead of the weights' arena for a tensor shard() cuts down afterwards.
@@ -274,8 +274,8 @@ struct DeviceWeights {
                                   src + first * row_bytes, count * row_bytes,
                                   cudaMemcpyDeviceToDevice));
         if (scale != nullptr)
-          KVQ_CUDA_CHECK(cudaMemcpy(out_scale + at, scale + first, count * 4,
-                                    cudaMemcpyDeviceToDevice));
+          KVQ_CUDA_CHECK(
+              cudaMemcpy(out_scale + at, scale + first, count * 4, cudaMemcpyDeviceToDevice));
         at += count;
       }
     } else {
@@ -299,10 +299,12 @@ struct DeviceWeights {
       return;
     }
     Layer& l = layers[static_cast<size_t>(t.layer)];
-    if (t.kind == model::WeightKind::kQkvBias) l.qkv_bias = static_cast<const float*>(out);
+    if (t.kind == model::WeightKind::kQkvBias)
+      l.qkv_bias = static_cast<const float*>(out);
     else if (t.kind == model::WeightKind::kGateUpBias)
       l.gate_up_bias = static_cast<const float*>(out);
-    else KVQ_CHECK(false, "shard: tensor kind is not split");
+    else
+      KVQ_CHECK(false, "shard: tensor kind is not split");
   }
   // `vocab_rows`: a tensor-parallel rank's rows of a tied LM head (first, count); count 0:
   // all of them.
@@ -540,10 +542,9 @@ std::shared_ptr<DeviceWeights> synthetic_weights(const KvPlan& plan, const Archi
     // Every rank draws the whole tensor (the same values as one GPU) and keeps its shard.
     const std::optional<TpShard> sh = shard_of(t, plan, arch, tp);
     DeviceArena full;
-    const bool q8 =
-        fp8 && DeviceWeights::is_projection(t.kind) && fp8_shape_ok(rows, cols) &&
-        (!sh || fp8_shape_ok(sh->rows.empty() ? rows : static_cast<int>(sh->num_rows()),
-                             sh->cols > 0 ? static_cast<int>(sh->cols) : cols));
+    const bool q8 = fp8 && DeviceWeights::is_projection(t.kind) && fp8_shape_ok(rows, cols) &&
+                    (!sh || fp8_shape_ok(sh->rows.empty() ? rows : static_cast<int>(sh->num_rows()),
+                                         sh->cols > 0 ? static_cast<int>(sh->cols) : cols));
     void* p = w->place(t, cols, q8 ? Dtype::kFP8 : Dtype::kBF16, sh ? &full : nullptr);
     if (matrix) {
       // Unit-variance inputs give unit-variance outputs: scale 1 / sqrt(fan_in).
@@ -891,8 +892,8 @@ ArchitectureConfig CudaDecoderModel::validate(const KvPlan& plan, const CudaMode
   const int want_q = tp.active() ? tp.split.q_heads_per_rank : c.num_q_heads;
   const int want_kv = tp.active() ? tp.split.kv_heads_per_rank : c.num_kv_heads;
   for (const LayerKvSpec& s : plan.layers) {
-    KVQ_CHECK(s.num_q_heads == want_q && s.num_kv_heads == want_kv &&
-                  s.head_dim_k == c.head_dim && s.head_dim_v == c.head_dim,
+    KVQ_CHECK(s.num_q_heads == want_q && s.num_kv_heads == want_kv && s.head_dim_k == c.head_dim &&
+                  s.head_dim_v == c.head_dim,
               "layer " + std::to_string(s.layer) + "'s spec does not match the model's heads");
     const auto reasons = layer_cuda_reasons(s);
     if (!reasons.empty()) {
@@ -2125,8 +2126,8 @@ void CudaDecoderModel::reserve_chain(int steps) const {
   if (h_chain_ids_) KVQ_CUDA_CHECK(cudaFreeHost(h_chain_ids_));
   if (d_chain_ids_) KVQ_CUDA_CHECK(cudaFree(d_chain_ids_));
   if (d_chain_slots_) KVQ_CUDA_CHECK(cudaFree(d_chain_slots_));
-  h_chain_step_ = nullptr, h_chain_ids_ = nullptr, d_chain_ids_ = nullptr,
-  d_chain_slots_ = nullptr, chain_steps_ = 0;
+  h_chain_step_ = nullptr, h_chain_ids_ = nullptr, d_chain_ids_ = nullptr, d_chain_slots_ = nullptr,
+  chain_steps_ = 0;
   const size_t n = static_cast<size_t>(steps) * static_cast<size_t>(S_cap_);
   void* p = nullptr;
   KVQ_CUDA_CHECK(cudaHostAlloc(&p, align_up(off_.total) + n * 8, cudaHostAllocDefault));
@@ -2145,34 +2146,20 @@ void CudaDecoderModel::forward_greedy_chain(const ForwardBatch& b, PagedKvCache&
                                             std::span<int32_t> out, bool defer) const {
   const BlockTableView& bt = b.block_table;
   const int S = bt.num_seqs;
-  KVQ_CHECK(steps >= 1 && steps <= kMaxSpeculativeTokens + 1 && S >= 1 && S <= S_cap_,
-            "forward_greedy_chain: steps or sequences out of range");
-  KVQ_CHECK(b.logit_rows.size() == static_cast<size_t>(S) &&
-                b.q_indptr.size() == static_cast<size_t>(S) + 1,
-            "forward_greedy_chain: one logit row per sequence");
-  for (int i = 0; i < S; ++i)
-    KVQ_CHECK(b.logit_rows[static_cast<size_t>(i)] == b.q_indptr[static_cast<size_t>(i) + 1] - 1,
-              "forward_greedy_chain: a logit row is not its sequence's last token");
+  check_greedy_chain(b, steps, next_slots.size(), out.size(), defer);
+  KVQ_CHECK(steps <= kMaxSpeculativeTokens + 1 && S <= S_cap_,
+            "forward_greedy_chain: more steps or sequences than the model takes");
   const size_t n_out = static_cast<size_t>(steps) * static_cast<size_t>(S);
-  KVQ_CHECK(next_slots.size() == n_out - static_cast<size_t>(S) &&
-                out.size() == (defer ? 0 : n_out),
-            "forward_greedy_chain: next_slots or out of the wrong size");
   KVQ_CHECK(b.captured.empty() && b.capture_layers.empty() && b.feature_rows.empty() &&
                 b.token_source == nullptr,
             "forward_greedy_chain: a plain pass (no captures, features or token source)");
-  const int64_t num_slots =
-      static_cast<int64_t>(cache.layer_view(0).num_blocks) * bt.block_tokens;
+  const int64_t num_slots = static_cast<int64_t>(cache.layer_view(0).num_blocks) * bt.block_tokens;
   for (int64_t s : next_slots)
     KVQ_CHECK(s >= 0 && s < num_slots, "forward_greedy_chain: slot " + std::to_string(s) +
                                            " outside the cache's " + std::to_string(num_slots) +
                                            " slots");
   int max_last = 0;  // the longest sequence after the last pass
-  for (int i = 0; i < S; ++i) {
-    const int last = bt.seq_lens[i] + steps - 1;
-    KVQ_CHECK(static_cast<int64_t>(bt.indptr[i + 1] - bt.indptr[i]) * bt.block_tokens >= last,
-              "forward_greedy_chain: a block table does not hold the chain's slots");
-    max_last = std::max(max_last, last);
-  }
+  for (int i = 0; i < S; ++i) max_last = std::max(max_last, bt.seq_lens[i] + steps - 1);
   if (max_last > max_seq_len_)
     throw InputError("a sequence of " + std::to_string(max_last) +
                      " tokens is longer than the model's context of " +
@@ -2201,7 +2188,7 @@ void CudaDecoderModel::forward_greedy_chain(const ForwardBatch& b, PagedKvCache&
     table.seq_lens = seq_lens.data();
     const std::span<const int32_t> rows(q_indptr.data(), static_cast<size_t>(S));
     const ForwardBatch b1{tokens, positions, q_indptr, next_slots.first(static_cast<size_t>(S)),
-                          table, rows};
+                          table,  rows};
     h_stage_ = h_chain_step_;
     Step st;
     try {
@@ -2222,11 +2209,11 @@ void CudaDecoderModel::forward_greedy_chain(const ForwardBatch& b, PagedKvCache&
                                    cudaMemcpyDeviceToDevice, stream_));
     for (int j = 1; j < steps; ++j) {
       if (j > 1)
-        cuda_model::advance_decode_step(
-            d_chain_ids_ + static_cast<size_t>(j - 1) * S,
-            d_chain_slots_ + static_cast<size_t>(j - 1) * S, S, d_at<int32_t>(off_.tokens),
-            d_at<int32_t>(off_.positions), d_at<int32_t>(off_.seq_lens),
-            d_at<int64_t>(off_.slots), stream_);
+        cuda_model::advance_decode_step(d_chain_ids_ + static_cast<size_t>(j - 1) * S,
+                                        d_chain_slots_ + static_cast<size_t>(j - 1) * S, S,
+                                        d_at<int32_t>(off_.tokens), d_at<int32_t>(off_.positions),
+                                        d_at<int32_t>(off_.seq_lens), d_at<int64_t>(off_.slots),
+                                        stream_);
       run_step(st, cache);
       sample_rows(0, S, d_chain_ids_ + static_cast<size_t>(j) * S);
     }
@@ -2294,8 +2281,8 @@ std::unique_ptr<CudaModel> CudaModel::load(const KvPlan& plan, const CudaModelOp
       (void)select_attention_backend(s, Device::kCuda, options.forced_backend);
     WeightPrecision chosen = options.weights;
     auto weights = load_checkpoint_weights(p, arch, options.weights, chosen, nullptr, tp);
-    return std::make_unique<CudaDecoderModel>(p, options, std::move(weights), chosen,
-                                              free_at_load, tp);
+    return std::make_unique<CudaDecoderModel>(p, options, std::move(weights), chosen, free_at_load,
+                                              tp);
   };
   if (options.tensor_parallel_size > 1)
     return cuda_model::make_tensor_parallel_model(plan, options, load_rank);

@@ -459,7 +459,8 @@ void qkv_post(const float* qkv, const float* bias, const float* q_norm, const fl
               float* v, cudaStream_t stream, const float* row_scale, const float* col_scale) {
   if (T == 0) return;
   const int64_t warps = int64_t{T} * (nq + 2 * nkv);
-  launch_pdl(qkv_post_kernel, static_cast<unsigned>((warps + 3) / 4), 128, stream, qkv, row_scale, col_scale, bias, q_norm, k_norm, cs, T, nq, nkv, d, eps, q, k, v);
+  launch_pdl(qkv_post_kernel, static_cast<unsigned>((warps + 3) / 4), 128, stream, qkv, row_scale,
+             col_scale, bias, q_norm, k_norm, cs, T, nq, nkv, d, eps, q, k, v);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -474,16 +475,16 @@ void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool 
               cudaStream_t stream, const float* row_scale, const float* col_scale) {
   const int64_t total = int64_t{T} * I;
   if (total == 0) return;
-  launch_pdl(silu_mul_kernel, grid_for(total), kThreads, stream, gu, row_scale, col_scale, bias, total,
-                                                            I, out, bf16);
+  launch_pdl(silu_mul_kernel, grid_for(total), kThreads, stream, gu, row_scale, col_scale, bias,
+             total, I, out, bf16);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
 void add_rms_norm_rows(float* x, const ResidualAdd& ra, int n, int H, const float* w, float eps,
                        void* out, bool bf16, cudaStream_t stream) {
   if (n == 0) return;
-  launch_pdl(rms_norm_kernel, n, H >= 2048 ? 1024 : kThreads, stream, x, nullptr, H, w, eps, out, bf16,
-                                                                 ra);
+  launch_pdl(rms_norm_kernel, n, H >= 2048 ? 1024 : kThreads, stream, x, nullptr, H, w, eps, out,
+             bf16, ra);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -491,8 +492,8 @@ void rms_norm_rows_fp8(float* x, int n, int H, const float* w, float eps, Fp8Sca
                        const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream,
                        const ResidualAdd& ra) {
   if (n == 0) return;
-  launch_pdl(rms_norm_fp8_kernel, n, H >= 2048 ? 1024 : kThreads, stream, x, H, w, eps, mode, scale_in,
-                                                                     codes, scale, ra);
+  launch_pdl(rms_norm_fp8_kernel, n, H >= 2048 ? 1024 : kThreads, stream, x, H, w, eps, mode,
+             scale_in, codes, scale, ra);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -500,7 +501,8 @@ void quantize_rows_fp8_rounded(const float* x, int rows, int cols, int64_t ldx, 
                                const float* scale_in, uint8_t* codes, float* scale,
                                cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
-  launch_pdl(quantize_fp8_rounded_kernel, rows, cols >= 2048 ? 1024 : kThreads, stream, x, cols, ldx, mode, scale_in, codes, scale);
+  launch_pdl(quantize_fp8_rounded_kernel, rows, cols >= 2048 ? 1024 : kThreads, stream, x, cols,
+             ldx, mode, scale_in, codes, scale);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -514,7 +516,8 @@ void gather_rows(const float* src, const int32_t* rows, int n, int F, float* out
 
 void to_bf16(const float* in, int64_t n, void* out, cudaStream_t stream) {
   if (n == 0) return;
-  launch_pdl(to_bf16_kernel, grid_for(n), kThreads, stream, in, n, static_cast<__nv_bfloat16*>(out));
+  launch_pdl(to_bf16_kernel, grid_for(n), kThreads, stream, in, n,
+             static_cast<__nv_bfloat16*>(out));
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -537,10 +540,11 @@ void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx
   const int threads = cols >= 2048 ? 512 : 128;
   if (bf16 && cols % 8 == 0 && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(codes) % 8 == 0) {
-    launch_pdl(quantize_fp8_bf16x8_kernel, rows, threads, stream, static_cast<const __nv_bfloat16*>(x), cols, ldx, mode, scale_in, codes, scale);
+    launch_pdl(quantize_fp8_bf16x8_kernel, rows, threads, stream,
+               static_cast<const __nv_bfloat16*>(x), cols, ldx, mode, scale_in, codes, scale);
   } else {
-    launch_pdl(quantize_fp8_kernel, rows, threads, stream, x, bf16, cols, ldx, mode, scale_in, codes,
-                                                      scale);
+    launch_pdl(quantize_fp8_kernel, rows, threads, stream, x, bf16, cols, ldx, mode, scale_in,
+               codes, scale);
   }
   KVQ_CUDA_CHECK_LAUNCH();
 }
@@ -550,7 +554,7 @@ void fp8_scale_product(const float* raw, int m, int n, int ld, const float* row_
   const int64_t total = static_cast<int64_t>(m) * n;
   if (total == 0) return;
   launch_pdl(fp8_scale_product_kernel, grid_for(total), kThreads, stream, raw, m, n, ld, row_scale,
-                                                                     col_scale, beta, out);
+             col_scale, beta, out);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -579,8 +583,8 @@ void advance_decode_step(const int32_t* ids, const int64_t* next_slots, int n, i
                          int32_t* positions, int32_t* seq_lens, int64_t* slots,
                          cudaStream_t stream) {
   if (n == 0) return;
-  advance_decode_kernel<<<grid_for(n), kThreads, 0, stream>>>(ids, next_slots, n, tokens,
-                                                              positions, seq_lens, slots);
+  advance_decode_kernel<<<grid_for(n), kThreads, 0, stream>>>(ids, next_slots, n, tokens, positions,
+                                                              seq_lens, slots);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

@@ -359,7 +359,8 @@ TEST(DraftModelProposer, GreedyDraftsAreTheDraftersGreedyContinuation) {
           << "round " << round << ", sequence " << i << ", seed " << seed;
       EXPECT_FALSE(drafts[i].on_device);
       // Accept a prefix of the drafts (none, some, all), then a token of the "target's".
-      const size_t accept = (i + static_cast<size_t>(round)) % 3 == 0 ? 0 : static_cast<size_t>(round + 1);
+      const size_t accept =
+          (i + static_cast<size_t>(round)) % 3 == 0 ? 0 : static_cast<size_t>(round + 1);
       seqs[i].insert(seqs[i].end(), drafts[i].tokens.begin(),
                      drafts[i].tokens.begin() +
                          static_cast<std::ptrdiff_t>(std::min(accept, drafts[i].tokens.size())));
