@@ -28,9 +28,13 @@ class DeferredDrafts {
     return requests.front().target->accepts_tokens_from(drafter);
   }
 
-  // A propose() starts: drafts of an earlier one that were never collected are given up (the
-  // drafter's next pass waits for the work that made them).
-  void reset() { source_ = nullptr, n_ = 0; }
+  // A propose() starts: drafts of an earlier one that were never collected (an exception
+  // between propose and collect) are given up, after their work is done (it may still read
+  // the target's buffers, and the target's next pass would not wait for it).
+  void reset() {
+    if (source_ != nullptr) source_->drop_deferred();
+    source_ = nullptr, n_ = 0;
+  }
   // `n` ids were deferred on `drafter` (forward_sample_deferred, a deferred greedy chain).
   void start(const Model* drafter, int n) { source_ = drafter, n_ = n; }
   const Model* source() const { return source_; }
@@ -42,7 +46,7 @@ class DeferredDrafts {
     if (source_ == nullptr) return;
     ids_.resize(static_cast<size_t>(n_));
     const Model* source = source_;
-    reset();
+    source_ = nullptr, n_ = 0;
     source->collect_sampled(ids_);
     for (Draft* d : drafts) {
       if (d == nullptr || !d->on_device) continue;

@@ -158,8 +158,7 @@ class DflashProposer final : public Proposer {
     deferred_.reset();
     std::vector<size_t> active;
     for (size_t r = 0; r < requests.size(); ++r) {
-      out[r].tokens.clear();
-      out[r].q.clear();
+      out[r] = Draft{};
       const DraftRequest& q = requests[r];
       auto it = state_.find(q.seq);
       if (q.max_drafts <= 0 || it == state_.end() || it->second.broken) continue;

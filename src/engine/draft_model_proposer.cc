@@ -6,6 +6,7 @@
 // call of the drafter (Model::forward_greedy_chain: on CUDA one host round trip, or none when
 // the drafts stay on the device for the target's verification).
 #include <algorithm>
+#include <limits>
 #include <unordered_map>
 
 #include "deferred_drafts.h"
@@ -54,8 +55,7 @@ class DraftModelProposer final : public Proposer {
     unknown_.clear();
     std::vector<Active> active;
     for (size_t r = 0; r < requests.size(); ++r) {
-      out[r].tokens.clear();
-      out[r].q.clear();
+      out[r] = Draft{};
       const DraftRequest& q = requests[r];
       if (q.max_drafts <= 0 || q.tokens.empty()) continue;
       const SequenceId id = static_cast<SequenceId>(q.seq);
@@ -185,6 +185,11 @@ class DraftModelProposer final : public Proposer {
                     std::span<Active* const> live) {
     int32_t steps = 0;
     for (Active* a : live) steps = std::max(steps, requests[a->r].max_drafts);
+    // Every sequence runs every pass: one that would pass the drafter's context (a short k near
+    // the end of it, next to a longer k) drafts nothing this step.
+    const int64_t context = drafter_->plan().model.max_position_embeddings > 0
+                                ? drafter_->plan().model.max_position_embeddings
+                                : std::numeric_limits<int64_t>::max();
     Batch b;
     std::vector<std::vector<int64_t>> later;  // per sequence: its slots of passes 1..steps-1
     std::vector<Active*> ran;
@@ -193,6 +198,7 @@ class DraftModelProposer final : public Proposer {
       std::vector<int32_t>& cached = cached_[q.seq];
       const std::vector<int32_t> run(q.tokens.begin() + static_cast<std::ptrdiff_t>(cached.size()),
                                      q.tokens.end());
+      if (static_cast<int64_t>(q.tokens.size()) + steps - 1 > context) continue;
       std::vector<int64_t> more;
       if (!b.add(*cache_, q.seq, run, static_cast<int32_t>(cached.size()), steps - 1, &more))
         continue;  // no blocks in the drafter's cache: no drafts this step

@@ -61,23 +61,28 @@ EvalReport evaluate_kv_dtypes(const Model& reference, std::span<const EvalCandid
     ++report.windows;
     const size_t predicted = window.size() - 1;
     ref_logits.assign(predicted * vocab, 0.0f);
-    score_tokens(reference, window, options.prefill_chunk, [&](int32_t pos, std::span<const float> l) {
-      if (static_cast<size_t>(pos) >= predicted) return;
-      std::copy(l.begin(), l.end(), ref_logits.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(pos) * vocab));
-      log_softmax(l, lp_ref);
-      ref.nll -= lp_ref[static_cast<size_t>(window[static_cast<size_t>(pos) + 1])];
-      ++ref.n;
-    });
+    score_tokens(
+        reference, window, options.prefill_chunk, [&](int32_t pos, std::span<const float> l) {
+          if (static_cast<size_t>(pos) >= predicted) return;
+          std::copy(
+              l.begin(), l.end(),
+              ref_logits.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(pos) * vocab));
+          log_softmax(l, lp_ref);
+          ref.nll -= lp_ref[static_cast<size_t>(window[static_cast<size_t>(pos) + 1])];
+          ++ref.n;
+        });
     for (size_t c = 0; c < candidates.size(); ++c) {
       if (!candidates[c].model) continue;
       score_tokens(*candidates[c].model, window, options.prefill_chunk,
                    [&](int32_t pos, std::span<const float> l) {
                      if (static_cast<size_t>(pos) >= predicted) return;
-                     const std::span<const float> r(ref_logits.data() + static_cast<size_t>(pos) * vocab, vocab);
+                     const std::span<const float> r(
+                         ref_logits.data() + static_cast<size_t>(pos) * vocab, vocab);
                      log_softmax(r, lp_ref);
                      log_softmax(l, lp);
                      double kl = 0.0;
-                     for (size_t v = 0; v < vocab; ++v) kl += std::exp(lp_ref[v]) * (lp_ref[v] - lp[v]);
+                     for (size_t v = 0; v < vocab; ++v)
+                       kl += std::exp(lp_ref[v]) * (lp_ref[v] - lp[v]);
                      Accum& a = acc[c];
                      a.kl += std::max(kl, 0.0);
                      a.nll -= lp[static_cast<size_t>(window[static_cast<size_t>(pos) + 1])];

@@ -91,14 +91,16 @@ Verified accept_drafts(Sampler& sampler, std::span<const int32_t> drafts,
     dense_q.assign(row.size(), 0.0);
     if (i < q.size() && !q[i].empty()) {
       for (const auto& [id, pr] : q[i])
-        if (id >= 0 && static_cast<size_t>(id) < dense_q.size()) dense_q[static_cast<size_t>(id)] = pr;
+        if (id >= 0 && static_cast<size_t>(id) < dense_q.size())
+          dense_q[static_cast<size_t>(id)] = pr;
     } else if (x >= 0 && static_cast<size_t>(x) < dense_q.size()) {
       dense_q[static_cast<size_t>(x)] = 1.0;
     }
     double px = 0.0;
     for (const auto& [id, pr] : p)
       if (id == x) px = pr;
-    const double qx = x >= 0 && static_cast<size_t>(x) < dense_q.size() ? dense_q[static_cast<size_t>(x)] : 0.0;
+    const double qx =
+        x >= 0 && static_cast<size_t>(x) < dense_q.size() ? dense_q[static_cast<size_t>(x)] : 0.0;
     // Accept with probability min(1, p(x) / q(x)); no random number is used when it is 0 or 1.
     const bool accept = px > 0.0 && (px >= qx || sampler.uniform() * qx < px);
     if (accept) {

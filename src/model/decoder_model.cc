@@ -297,6 +297,8 @@ void DecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
   KVQ_CHECK(!b.capture_on_device, "forward: a CPU model keeps no captures on a device");
   KVQ_CHECK(b.feature_source == nullptr && b.feature_rows.empty(),
             "forward: a CPU model reads no features on a device (use write_feature_kv)");
+  KVQ_CHECK(b.token_source == nullptr && b.token_rows.empty(),
+            "forward: a CPU model reads no tokens on a device (accepts_tokens_from is false)");
   KVQ_CHECK(b.captured.size() == ncap * static_cast<size_t>(T) * static_cast<size_t>(hidden_),
             "forward: captured span does not hold tokens x capture_layers x hidden floats");
   for (int32_t p : b.positions) KVQ_CHECK(p >= 0, "forward: negative position");

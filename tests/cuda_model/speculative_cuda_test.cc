@@ -233,6 +233,66 @@ TEST(CudaGreedyChain, EqualsPassByPassGreedy) {
   }
 }
 
+// A draft model's drafts left on the device (for a target that reads them there) are, once
+// collected, the drafts it gives on the host: several sequences with different k, their rows
+// interleaved pass by pass, across rollbacks.
+TEST(CudaDraftModelProposer, DraftsOnTheDeviceEqualDraftsOnTheHost) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  if (!std::filesystem::exists(kDraft + "/model.safetensors")) GTEST_SKIP() << kDraft << " absent";
+  const KvDtype kv = KvDtype::kFp8E4M3;
+  const std::unique_ptr<CudaModel> target =
+      CudaModel::load(make_kv_plan(load_model_config(kTiny), flags(kv)), options());
+  SpeculativeConfig sc;
+  sc.method = SpecMethod::kDraftModel;
+  sc.model = kDraft;
+  std::shared_ptr<const Model> drafter =
+      CudaModel::load(make_drafter_kv_plan(load_model_config(kDraft), flags(kv), sc), options());
+  ASSERT_TRUE(target->accepts_tokens_from(*drafter));
+  const std::unique_ptr<Proposer> on_device = make_draft_model_proposer(drafter, 64);
+  const std::unique_ptr<Proposer> on_host = make_draft_model_proposer(drafter, 64);
+  const Tokenizer tok = Tokenizer::load(kTiny);
+  const std::vector<int32_t> ids = heldout_ids(tok);
+  const uint32_t seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int32_t>> seqs;
+  for (int i = 0; i < 3; ++i) {
+    const size_t at = std::uniform_int_distribution<size_t>(0, ids.size() - 200)(rng);
+    seqs.emplace_back(ids.begin() + static_cast<std::ptrdiff_t>(at),
+                      ids.begin() + static_cast<std::ptrdiff_t>(at) + 20 + 15 * i);
+  }
+  SamplingParams p;
+  p.temperature = 0.0f;
+  std::vector<Sampler> samplers(seqs.size(), Sampler(p));
+  for (int round = 0; round < 3; ++round) {
+    std::vector<DraftRequest> device_requests, host_requests;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const int32_t k = 4 - static_cast<int32_t>((i + static_cast<size_t>(round)) % 3);
+      device_requests.push_back({i + 1, seqs[i], k, &samplers[i], target.get()});
+      host_requests.push_back({i + 1, seqs[i], k, &samplers[i]});
+    }
+    std::vector<Draft> got(seqs.size()), want(seqs.size());
+    on_device->propose(device_requests, got);
+    ASSERT_EQ(on_device->token_source(), drafter.get());
+    std::vector<Draft*> pending;
+    for (Draft& d : got) {
+      EXPECT_TRUE(d.on_device);
+      pending.push_back(&d);
+    }
+    on_device->collect(pending);
+    EXPECT_EQ(on_device->token_source(), nullptr);
+    on_host->propose(host_requests, want);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      EXPECT_FALSE(want[i].on_device);
+      EXPECT_EQ(got[i].tokens, want[i].tokens)
+          << "round " << round << ", sequence " << i << ", seed " << seed;
+      const size_t accept = std::min(want[i].tokens.size(), static_cast<size_t>(round));
+      seqs[i].insert(seqs[i].end(), want[i].tokens.begin(),
+                     want[i].tokens.begin() + static_cast<std::ptrdiff_t>(accept));
+      seqs[i].push_back(std::uniform_int_distribution<int32_t>(3, 200)(rng));
+    }
+  }
+}
+
 // Token ids and final events of an engine's requests, waited for on the test thread.
 class Outputs {
  public:

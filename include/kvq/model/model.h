@@ -239,6 +239,10 @@ class Model {
   // Waits for the deferred ids of the last deferred call and copies them to `out` (exactly as
   // many as it produced). InternalError without one.
   virtual void collect_sampled(std::span<int32_t> out) const;
+  // Waits for the last deferred call's work, if any, and gives its ids up (a caller that will
+  // not collect them, e.g. after an exception between the deferred call and the pass that
+  // read them). Does nothing without one.
+  virtual void drop_deferred() const {}
   // True when a ForwardBatch of this model may take tokens from `source`'s deferred ids on the
   // device (ForwardBatch::token_source): both CUDA models on the same GPU.
   virtual bool accepts_tokens_from(const Model& source) const {

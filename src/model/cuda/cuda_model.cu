@@ -624,6 +624,7 @@ class CudaDecoderModel final : public CudaModel {
   void forward_sample_deferred(const ForwardBatch& batch, PagedKvCache& cache,
                                std::span<const DeviceSampling> per_row) const override;
   void collect_sampled(std::span<int32_t> out) const override;
+  void drop_deferred() const override;
   void forward_greedy_chain(const ForwardBatch& batch, PagedKvCache& cache, int steps,
                             std::span<const int64_t> next_slots, std::span<int32_t> out,
                             bool defer) const override;
@@ -680,7 +681,12 @@ class CudaDecoderModel final : public CudaModel {
   void sample_rows(int first, int n, int32_t* d_out) const;
   // Deferred ids (forward_sample_deferred, a deferred greedy chain) of this model are given up:
   // the next pass reuses their buffers (waits for the work that wrote them first).
-  void drop_deferred() const;
+  void drop_deferred_locked() const;
+  // After an exception in a call that queued work reading the pinned staging: wait for it, so
+  // the next call may refill that staging.
+  void settle_after_throw() const {
+    (void)cudaStreamSynchronize(stream_);
+  }
   // Marks n ids at d_ids (copied to pinned h_ids) as this model's deferred ids, ready on the
   // device at ids_ready_.
   void defer_ids(const int32_t* d_ids, int32_t* h_ids, int n,
@@ -961,6 +967,7 @@ CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& o
     if (h_step_) (void)cudaFreeHost(h_step_);
     if (h_ids_) (void)cudaFreeHost(h_ids_);
     if (h_feat_step_) (void)cudaFreeHost(h_feat_step_);
+    if (ids_ready_) (void)cudaEventDestroy(ids_ready_);
     throw;
   }
 }
@@ -1304,8 +1311,8 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
                      std::to_string(options_.max_num_seqs));
   for (int32_t r : b.logit_rows)
     KVQ_CHECK(r >= 0 && r < T, "forward: logit row " + std::to_string(r) + " out of range");
-  KVQ_CHECK(b.token_rows.size() == b.token_dst.size(),
-            "forward: token_rows and token_dst differ in length");
+  KVQ_CHECK(b.token_rows.size() == b.token_dst.size() && b.token_dst.size() <= b.tokens.size(),
+            "forward: token_rows and token_dst differ in length or exceed the tokens");
   if (b.token_source != nullptr) {
     KVQ_CHECK(accepts_tokens_from(*b.token_source),
               "forward: the token source is not a CUDA model on this device");
@@ -1992,7 +1999,7 @@ void CudaDecoderModel::forward(const ForwardBatch& b, PagedKvCache& cache,
             "forward: feature rows need a pass with at least one token");
   std::lock_guard<std::mutex> lock(mu_);
   if (b.tokens.empty()) return;
-  drop_deferred();
+  drop_deferred_locked();
   const auto t0 = std::chrono::steady_clock::now();
   const Step st = stage(b, cache, {});
   timing_begin();
@@ -2051,6 +2058,11 @@ void CudaDecoderModel::sample_rows(int first, int n, int32_t* d_out) const {
 }
 
 void CudaDecoderModel::drop_deferred() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  drop_deferred_locked();
+}
+
+void CudaDecoderModel::drop_deferred_locked() const {
   if (deferred_n_ == 0) return;
   KVQ_CUDA_CHECK(cudaStreamSynchronize(stream_));
   deferred_n_ = 0;
@@ -2077,7 +2089,7 @@ void CudaDecoderModel::forward_sample(const ForwardBatch& b, PagedKvCache& cache
                                          std::to_string(R) + " logit rows");
   std::lock_guard<std::mutex> lock(mu_);
   if (b.tokens.empty()) return;
-  drop_deferred();
+  drop_deferred_locked();
   const auto t0 = std::chrono::steady_clock::now();
   run_and_sample(b, cache, per_row, d_ids_);
   KVQ_CUDA_CHECK(
@@ -2095,9 +2107,14 @@ void CudaDecoderModel::forward_sample_deferred(const ForwardBatch& b, PagedKvCac
   KVQ_CHECK(R > 0 && b.captured.empty(),
             "forward_sample_deferred: a pass with logit rows and no host captures");
   std::lock_guard<std::mutex> lock(mu_);
-  drop_deferred();
+  drop_deferred_locked();
   const auto t0 = std::chrono::steady_clock::now();
-  run_and_sample(b, cache, per_row, d_ids_);
+  try {
+    run_and_sample(b, cache, per_row, d_ids_);
+  } catch (...) {
+    settle_after_throw();
+    throw;
+  }
   defer_ids(d_ids_, h_ids_, static_cast<int>(R), t0);
 }
 
@@ -2116,7 +2133,9 @@ void CudaDecoderModel::collect_sampled(std::span<int32_t> out) const {
 bool CudaDecoderModel::accepts_tokens_from(const Model& source) const {
   const auto* src = dynamic_cast<const CudaDecoderModel*>(&source);
   // One GPU: a tensor-parallel rank's stream and the source's are on different devices.
-  return src != nullptr && src != this && !tp_.active() && !src->tp_.active();
+  // The same vocabulary: the ids skip the host's range check on their way.
+  return src != nullptr && src != this && !tp_.active() && !src->tp_.active() &&
+         src->vocab_ == vocab_;
 }
 
 void CudaDecoderModel::reserve_chain(int steps) const {
@@ -2147,8 +2166,7 @@ void CudaDecoderModel::forward_greedy_chain(const ForwardBatch& b, PagedKvCache&
   const BlockTableView& bt = b.block_table;
   const int S = bt.num_seqs;
   check_greedy_chain(b, steps, next_slots.size(), out.size(), defer);
-  KVQ_CHECK(steps <= kMaxSpeculativeTokens + 1 && S <= S_cap_,
-            "forward_greedy_chain: more steps or sequences than the model takes");
+  KVQ_CHECK(S <= S_cap_, "forward_greedy_chain: more sequences than max_num_seqs");
   const size_t n_out = static_cast<size_t>(steps) * static_cast<size_t>(S);
   KVQ_CHECK(b.captured.empty() && b.capture_layers.empty() && b.feature_rows.empty() &&
                 b.token_source == nullptr,
@@ -2166,57 +2184,63 @@ void CudaDecoderModel::forward_greedy_chain(const ForwardBatch& b, PagedKvCache&
                      std::to_string(max_seq_len_) + " tokens (max_position_embeddings)");
 
   std::lock_guard<std::mutex> lock(mu_);
-  drop_deferred();
+  drop_deferred_locked();
   reserve_chain(steps);
   const auto t0 = std::chrono::steady_clock::now();
-  const DeviceSampling greedy[1] = {DeviceSampling{}};
-  run_and_sample(b, cache, greedy, d_chain_ids_);
-  if (steps > 1) {
-    // Pass 1 is staged on the host (into the chain's own staging: the first pass's copy may
-    // not have run yet), with placeholder tokens that pass 0's ids replace on the device;
-    // passes 2.. advance its staging on the device. All of them replay one decode graph, sized
-    // for the last pass's lengths.
-    std::vector<int32_t> tokens(static_cast<size_t>(S), 0), positions(static_cast<size_t>(S)),
-        q_indptr(static_cast<size_t>(S) + 1), seq_lens(bt.seq_lens, bt.seq_lens + S);
-    std::iota(q_indptr.begin(), q_indptr.end(), 0);
-    for (int i = 0; i < S; ++i) {
-      positions[static_cast<size_t>(i)] =
-          b.positions[static_cast<size_t>(b.q_indptr[static_cast<size_t>(i) + 1] - 1)] + 1;
-      ++seq_lens[static_cast<size_t>(i)];
-    }
-    BlockTableView table = bt;
-    table.seq_lens = seq_lens.data();
-    const std::span<const int32_t> rows(q_indptr.data(), static_cast<size_t>(S));
-    const ForwardBatch b1{tokens, positions, q_indptr, next_slots.first(static_cast<size_t>(S)),
-                          table,  rows};
-    h_stage_ = h_chain_step_;
-    Step st;
-    try {
-      st = stage(b1, cache, greedy);
-    } catch (...) {
+  try {
+    const DeviceSampling greedy[1] = {DeviceSampling{}};
+    run_and_sample(b, cache, greedy, d_chain_ids_);
+    if (steps > 1) {
+      // Pass 1 is staged on the host (into the chain's own staging: the first pass's copy may
+      // not have run yet), with placeholder tokens that pass 0's ids replace on the device;
+      // passes 2.. advance its staging on the device. All of them replay one decode graph, sized
+      // for the last pass's lengths.
+      std::vector<int32_t> tokens(static_cast<size_t>(S), 0), positions(static_cast<size_t>(S)),
+          q_indptr(static_cast<size_t>(S) + 1), seq_lens(bt.seq_lens, bt.seq_lens + S);
+      std::iota(q_indptr.begin(), q_indptr.end(), 0);
+      for (int i = 0; i < S; ++i) {
+        positions[static_cast<size_t>(i)] =
+            b.positions[static_cast<size_t>(b.q_indptr[static_cast<size_t>(i) + 1] - 1)] + 1;
+        ++seq_lens[static_cast<size_t>(i)];
+      }
+      BlockTableView table = bt;
+      table.seq_lens = seq_lens.data();
+      const std::span<const int32_t> rows(q_indptr.data(), static_cast<size_t>(S));
+      const ForwardBatch b1{tokens, positions, q_indptr, next_slots.first(static_cast<size_t>(S)),
+                            table,  rows};
+      h_stage_ = h_chain_step_;
+      Step st;
+      try {
+        st = stage(b1, cache, greedy);
+      } catch (...) {
+        h_stage_ = h_step_;
+        throw;
+      }
       h_stage_ = h_step_;
-      throw;
+      KVQ_CHECK(st.decode, "forward_greedy_chain: a one-token pass was not staged as decode");
+      st.context = std::max(kMinContextBucket, context_bucket(max_last));
+      auto* h_slots = reinterpret_cast<int64_t*>(h_chain_step_ + align_up(off_.total));
+      std::copy(next_slots.begin(), next_slots.end(), h_slots);
+      KVQ_CUDA_CHECK(cudaMemcpyAsync(d_chain_slots_, h_slots, next_slots.size() * sizeof(int64_t),
+                                     cudaMemcpyHostToDevice, stream_));
+      KVQ_CUDA_CHECK(cudaMemcpyAsync(d_at<int32_t>(off_.tokens), d_chain_ids_,
+                                     static_cast<size_t>(S) * sizeof(int32_t),
+                                     cudaMemcpyDeviceToDevice, stream_));
+      for (int j = 1; j < steps; ++j) {
+        if (j > 1)
+          cuda_model::advance_decode_step(d_chain_ids_ + static_cast<size_t>(j - 1) * S,
+                                          d_chain_slots_ + static_cast<size_t>(j - 1) * S, S,
+                                          d_at<int32_t>(off_.tokens), d_at<int32_t>(off_.positions),
+                                          d_at<int32_t>(off_.seq_lens), d_at<int64_t>(off_.slots),
+                                          stream_);
+        run_step(st, cache);
+        sample_rows(0, S, d_chain_ids_ + static_cast<size_t>(j) * S);
+      }
     }
+  } catch (...) {
     h_stage_ = h_step_;
-    KVQ_CHECK(st.decode, "forward_greedy_chain: a one-token pass was not staged as decode");
-    st.context = std::max(kMinContextBucket, context_bucket(max_last));
-    auto* h_slots = reinterpret_cast<int64_t*>(h_chain_step_ + align_up(off_.total));
-    std::copy(next_slots.begin(), next_slots.end(), h_slots);
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(d_chain_slots_, h_slots, next_slots.size() * sizeof(int64_t),
-                                   cudaMemcpyHostToDevice, stream_));
-    KVQ_CUDA_CHECK(cudaMemcpyAsync(d_at<int32_t>(off_.tokens), d_chain_ids_,
-                                   static_cast<size_t>(S) * sizeof(int32_t),
-                                   cudaMemcpyDeviceToDevice, stream_));
-    for (int j = 1; j < steps; ++j) {
-      if (j > 1)
-        cuda_model::advance_decode_step(d_chain_ids_ + static_cast<size_t>(j - 1) * S,
-                                        d_chain_slots_ + static_cast<size_t>(j - 1) * S, S,
-                                        d_at<int32_t>(off_.tokens), d_at<int32_t>(off_.positions),
-                                        d_at<int32_t>(off_.seq_lens), d_at<int64_t>(off_.slots),
-                                        stream_);
-      run_step(st, cache);
-      sample_rows(0, S, d_chain_ids_ + static_cast<size_t>(j) * S);
-    }
+    settle_after_throw();
+    throw;
   }
   if (defer) {
     defer_ids(d_chain_ids_, h_chain_ids_, static_cast<int>(n_out), t0);

@@ -369,6 +369,31 @@ TEST(DraftModelProposer, GreedyDraftsAreTheDraftersGreedyContinuation) {
   }
 }
 
+// Every sequence runs every pass of a greedy chain, so a short-k sequence at the end of the
+// drafter's context, next to a longer k, would pass it: it drafts nothing that step while the
+// others draft as usual.
+TEST(DraftModelProposer, AChainNeverPassesTheDraftersContext) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  const std::shared_ptr<const Model> drafter = drafter_for(KvDtype::kBFloat16);
+  const int32_t context = drafter->plan().model.max_position_embeddings;
+  ASSERT_GT(context, 16);
+  const std::unique_ptr<Proposer> proposer =
+      make_draft_model_proposer(drafter, (context + 64) / 16 * 2);
+  std::vector<int32_t> near_end(static_cast<size_t>(context - 2)),
+      short_seq = code_prompts(rng, 1, 20, 30).front();
+  for (int32_t& t : near_end) t = std::uniform_int_distribution<int32_t>(3, 200)(rng);
+  Sampler s0(greedy(8)), s1(greedy(8));
+  const std::vector<DraftRequest> requests = {{1, near_end, 1, &s0}, {2, short_seq, 5, &s1}};
+  std::vector<Draft> drafts(2);
+  proposer->propose(requests, drafts);
+  EXPECT_TRUE(drafts[0].tokens.empty()) << "seed " << seed;
+  EXPECT_EQ(drafts[1].tokens,
+            generate(*drafter, reference_tokenizer(), short_seq, greedy(5), {}).output_ids)
+      << "seed " << seed;
+}
+
 struct GreedyCase {
   SpecMethod method;
   KvDtype kv;
