@@ -761,6 +761,8 @@ class CudaDecoderModel final : public CudaModel {
   // KVQ_PREFILL_SMALL_Q=0: verification and short-chunk steps keep the default prefill block
   // shape (an A/B switch for benchmarks; see cuda::PrefillOptions::small_q).
   bool prefill_small_q_ = true;
+  // KVQ_VERIFY_CONTEXT_BUCKETS=1: verification graphs per context bucket (A/B switch).
+  bool verify_context_buckets_ = false;
   std::vector<const AttentionBackend*> backends_;
   std::vector<int> layer_group_;         // layers with the same attention kind and window
   std::vector<LayerKvSpec> group_spec_;  // one representative per group
@@ -959,6 +961,9 @@ CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& o
   KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, dev));
   if (const char* e = std::getenv("KVQ_PREFILL_SMALL_Q"); e != nullptr && std::string(e) == "0")
     prefill_small_q_ = false;
+  if (const char* e = std::getenv("KVQ_VERIFY_CONTEXT_BUCKETS");
+      e != nullptr && std::string(e) == "1")
+    verify_context_buckets_ = true;
   try {
     allocate_buffers();
   } catch (...) {
@@ -1453,7 +1458,13 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
     cuda::PrefillOptions po;
     po.num_sms = num_sms_;
     po.small_q = prefill_small_q_;
-    if (st.verify) po.max_kv_len = max_seq_len_;
+    if (st.verify) {
+      // The plan of the step's context bucket (a graph per bucket: fewer or no kv splits, and no
+      // merge, at short context), or of the longest sequence the model takes (one graph).
+      st.context =
+          verify_context_buckets_ ? std::max(kMinContextBucket, context_bucket(max_len)) : 0;
+      po.max_kv_len = verify_context_buckets_ ? st.context : max_seq_len_;
+    }
     for (const LayerKvSpec& s : group_spec_) {
       if (cuda::uses_generic_attention(s)) {
         st.prefill_plans.emplace_back();  // the generic kernel needs only the batch shape
@@ -1958,8 +1969,11 @@ void CudaDecoderModel::run_step(const Step& st, PagedKvCache& cache) const {
     }
     graph_feature_src_ = st.feature_src;
   }
-  // Verify graphs are keyed by (batch bucket, -Q): their attention reads lengths on the device.
-  const GraphKey key{st.S, st.verify ? -st.Q : st.context, st.capture_set, st.C};
+  // Verify graphs are keyed by (batch bucket, -(Q + 64 x context bucket)); the bucket is 0 (one
+  // graph for every length) unless KVQ_VERIFY_CONTEXT_BUCKETS=1. Their attention reads lengths
+  // on the device.
+  const GraphKey key{st.S, st.verify ? -(st.Q + 64 * st.context) : st.context, st.capture_set,
+                     st.C};
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     if (seen_.insert(key).second) {  // first time: run eagerly (loads modules, warms cuBLAS)
