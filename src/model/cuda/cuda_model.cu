@@ -821,7 +821,7 @@ class CudaDecoderModel final : public CudaModel {
   // slots [C] (int64), positions [C], rows [C]; copied only by steps that have them.
   struct Offsets {
     size_t tokens, positions, slots, q_indptr, bt_indptr, seq_lens, exp_indptr, exp_seq_lens,
-        logit_rows, params, gather, indices, features, total;
+        logit_rows, params, indices, features, gather, total;
   } off_{};
   std::byte* h_step_ = nullptr;
   std::byte* d_step_ = nullptr;
@@ -1128,9 +1128,11 @@ void CudaDecoderModel::allocate_buffers() {
   off_.exp_seq_lens = region(T * 4);
   off_.logit_rows = region(T * 4);
   off_.params = region(T * sizeof(DeviceSampling));
-  off_.gather = region(T * 8);  // ForwardBatch::token_rows [T], then token_dst [T]
   off_.indices = region(idx_cap_ * 4);
   off_.features = region(arch_.dflash ? T * 16 : 0);
+  // ForwardBatch::token_rows [n], then token_dst [n]: after the step's main copy, copied only
+  // by steps that have them.
+  off_.gather = region(T * 8);
   off_.total = o;
   d_step_ = static_cast<std::byte*>(buf_.alloc(off_.total));
   void* hp = nullptr;
@@ -1490,6 +1492,9 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
   }
   KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_, h_stage_, off_.indices + num_indices * 4,
                                  cudaMemcpyHostToDevice, stream_));
+  if (n_gather > 0)
+    KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_ + off_.gather, h_stage_ + off_.gather, n_gather * 8,
+                                   cudaMemcpyHostToDevice, stream_));
   stage_features(b, cache, st);
   if (b.token_source != nullptr) {
     // The source's deferred ids are complete on its stream at ids_ready_; nothing of this pass
