@@ -13,7 +13,8 @@
 // --verify: the speculative verification shape instead. B sequences (B in 1, 8, 32, 64) of C
 // cached tokens (C in 1024, 8192) each with the last Q = 8 positions as queries (1 + 7 drafts),
 // split-KV planned like the model does (num_sms); timed with the small-q block shape and with
-// the default one, and beside it the decode kernel on the same batch (one query per sequence).
+// the default one and through the decode kernel (the Q queries as rows of its warps), and
+// beside them the decode kernel on the same batch (one query per sequence).
 // Reported: time, KV bytes read / time as % of the measured device copy bandwidth (bytes read
 // + written of a 1 GiB cudaMemcpy), and verify / decode.
 //
@@ -167,9 +168,10 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
       std::max(cuda::kPrefillSplitWorkspaceBytes, size_t{256} << 20);  // decode's too
   KVQ_CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
   nlohmann::json results = nlohmann::json::array();
-  std::printf("%-20s %3s %5s | %28s | %28s | %20s | %s\n", "dtype", "B", "ctx",
-              "verify small-q: us (% bw)", "verify default: us (% bw)", "decode: us (% bw)",
-              "verify/decode small, default");
+  std::printf("%-20s %3s %5s | %28s | %28s | %26s | %20s | %s\n", "dtype", "B", "ctx",
+              "verify small-q: us (% bw)", "verify default: us (% bw)",
+              "verify decode-k.: us (% bw)", "decode: us (% bw)",
+              "verify/decode small, default, decode-k.");
   for (KvDtype dtype : dtypes) {
     const LayerKvSpec spec = bench_spec(dtype);
     DeviceKvCache cache({spec}, num_blocks);
@@ -257,14 +259,23 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
         const auto dms =
             time_ms([&] { cuda::run_decode(spec, dplan, da, nullptr); }, iters, e0, e1);
         const double decode_us = dms[dms.size() / 2] * 1e3;
+        // The verification through the decode kernel (kQ queries per sequence as rows).
+        dopt.q_per_seq = kQ;
+        const cuda::DecodePlan mplan = cuda::plan_decode(spec, lens, dopt);
+        KVQ_CHECK(mplan.workspace_bytes <= ws_bytes, "verify bench: decode workspace too small");
+        da.q_indptr = d_q_indptr;
+        const auto mms =
+            time_ms([&] { cuda::run_decode(spec, mplan, da, nullptr); }, iters, e0, e1);
+        const double multi_us = mms[mms.size() / 2] * 1e3;
         const double bytes = kv_bytes(spec, static_cast<int64_t>(B) * C);
         auto pct = [&](double us) { return 100.0 * bytes / (us * 1e-6) / bw; };
         std::printf(
             "%-20s %3d %5d | %12.1f (%5.1f%%) s%-3d | %12.1f (%5.1f%%) s%-3d | %10.1f (%5.1f%%) "
-            "| %.2fx, %.2fx\n",
+            "s%-3d | %10.1f (%5.1f%%) | %.2fx, %.2fx, %.2fx\n",
             std::string(to_string(dtype)).c_str(), B, C, verify_us[1], pct(verify_us[1]), splits[1],
-            verify_us[0], pct(verify_us[0]), splits[0], decode_us, pct(decode_us),
-            verify_us[1] / decode_us, verify_us[0] / decode_us);
+            verify_us[0], pct(verify_us[0]), splits[0], multi_us, pct(multi_us), mplan.max_splits,
+            decode_us, pct(decode_us), verify_us[1] / decode_us, verify_us[0] / decode_us,
+            multi_us / decode_us);
         std::fflush(stdout);
         results.push_back({{"dtype", std::string(to_string(dtype))},
                            {"batch", B},
@@ -276,6 +287,8 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
                            {"verify_small_q_splits", splits[1]},
                            {"verify_default_us", verify_us[0]},
                            {"verify_default_splits", splits[0]},
+                           {"verify_decode_kernel_us", multi_us},
+                           {"verify_decode_kernel_splits", mplan.max_splits},
                            {"decode_us", decode_us},
                            {"copy_bandwidth", bw},
                            {"iters", iters}});

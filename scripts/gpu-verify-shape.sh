@@ -6,8 +6,9 @@
 #            memcheck / racecheck on the small shapes, and `cuda_prefill_bench --verify`.
 #            device: run(command="bash scripts/gpu-verify-shape.sh kernels", carry=[".carry"])
 #   verify8b inside a gpu-bundle holding build/kvq: `kvq bench --synthetic llama3-8b` decode
-#            steps and 1 + 7-token verification steps with the small-q shape and without it
-#            (KVQ_PREFILL_SMALL_Q=0), in one run. KVS, CTXS, BATCHES narrow it.
+#            steps and 1 + 7-token verification steps on the decode kernel and on the prefill
+#            kernel's small-q block (KVQ_VERIFY_KERNEL), in one run. KVS, CTXS, BATCHES narrow
+#            it; RUNS="TOKENS SMALL_Q KERNEL ..." replaces the runs.
 #            device: KVQ_BUNDLE_FILE=... bash scripts/gpu-bundle.sh --run 'bash scripts/gpu-verify-shape.sh verify8b'
 #   model-tests  the CUDA model's speculative / DFlash tests from the bundle.
 #   grid     `kvq bench --speculative-config` on the default model, k = 8, dflash and ngram,
@@ -51,12 +52,13 @@ verify8b)
   for kv in ${KVS:-bfloat16 fp8}; do
     for ctx in ${CTXS:-1024 8000}; do
       for b in ${BATCHES:-1 8 32}; do
-        for run in "0 1" "7 1" "7 0"; do
+        # (verify tokens, small-q prefill block, verification kernel)
+        for run in ${RUNS:-"0 1 decode" "7 1 decode" "7 1 prefill"}; do
           set -- $run
-          KVQ_PREFILL_SMALL_Q=$2 timeout 60 $K bench --synthetic llama3-8b --device cuda \
-            --kv-cache-dtype $kv --batch $b --input-len $ctx --output-len 24 --prefill-sequences 1 \
-            --verify-tokens $1 --json 2>/dev/null |
-            python3 -c "import json,sys; j=json.load(sys.stdin); j['small_q']=$2; print(json.dumps(j)); print(f\"{j['plan'][:10]:10s} ctx {j['input_len']:5d} B={j['batch']:2d} verify {j['verify_tokens']} small_q $2: {j['decode_step_ms_median']:.3f} ms/step\", file=sys.stderr)" \
+          KVQ_PREFILL_SMALL_Q=$2 KVQ_VERIFY_KERNEL=$3 timeout 60 $K bench --synthetic llama3-8b \
+            --device cuda --kv-cache-dtype $kv --batch $b --input-len $ctx --output-len 24 \
+            --prefill-sequences 1 --verify-tokens $1 --json 2>/dev/null |
+            python3 -c "import json,sys; j=json.load(sys.stdin); j['small_q']=$2; j['verify_kernel']='$3'; print(json.dumps(j)); print(f\"{j['plan'][:10]:10s} ctx {j['input_len']:5d} B={j['batch']:2d} verify {j['verify_tokens']} small_q $2 kernel $3: {j['decode_step_ms_median']:.3f} ms/step\", file=sys.stderr)" \
               >> "$OUT/verify8b.jsonl"
         done
       done

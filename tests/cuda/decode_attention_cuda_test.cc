@@ -29,6 +29,7 @@ using test::CudaAttnCase;
 using test::CudaAttnProblem;
 using test::DeviceBuffer;
 using test::spec_for;
+using KvPair = std::pair<KvDtype, KvDtype>;
 
 // A decode batch (one query per sequence) of K and V dtype `dtype`, layer 2, 2 kv heads.
 CudaAttnCase decode_case(KvDtype dtype, std::vector<int> lens) {
@@ -168,8 +169,6 @@ std::vector<float> run_device(const CudaAttnProblem& p, float soft_cap) {
   return dev.out.download();
 }
 
-using KvPair = std::pair<KvDtype, KvDtype>;
-
 class CudaDecodeMixedPairs : public ::testing::TestWithParam<KvPair> {};
 
 TEST_P(CudaDecodeMixedPairs, MatchesCpuReference) {
@@ -268,7 +267,115 @@ TEST(CudaDecodeBackend, RegisteredWithHonestWhitelists) {
   EXPECT_FALSE(b->reasons_unsupported(small_blocks).empty());
 }
 
-// Batches with q_len > 1 run the prefill kernel: tests/cuda/prefill_attention_cuda_test.cc.
+// Several queries per sequence through the decode kernel (speculative verification, a DFlash
+// block): ragged q_len 0 .. kDecodeMaxQueries at the end of ragged contexts, causal / sliding
+// window / non-causal, GQA 1 / 2 / 4 / 12 (rows of several query tokens in one warp, and a
+// query's heads across two warps), forced one-tile splits (rows whose queries see none of a
+// split) and the plan's own split; every K/V pair of kv_pairs.h.
+
+std::vector<KvPair> every_cuda_pair() {
+  std::vector<KvPair> r;
+  for (KvDtype d : concrete_dtypes()) r.push_back({d, d});
+  for (const auto& pr : cuda::kCudaMixedKvPairs) r.push_back(pr);
+  return r;
+}
+
+class CudaDecodeMultiQuery : public ::testing::TestWithParam<KvPair> {};
+
+TEST_P(CudaDecodeMultiQuery, MatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const auto [kd, vd] = GetParam();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  int index = 0;
+  for (int hd : {64, 128, 256}) {
+    for (int ratio : {1, 2, 4, 12}) {
+      CudaAttnCase c = decode_case(kd, {});
+      c.v_dtype = vd;
+      c.set_head_dim(hd);
+      c.block_tokens = index % 2 == 0 ? 16 : 32;
+      c.ratio = ratio;
+      c.num_kv_heads = ratio == 12 ? 1 : 2;
+      const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                     AttentionKind::kNonCausal};
+      c.kind = kinds[index % 3];
+      c.window = std::uniform_int_distribution<int>(20, 300)(rng);
+      c.soft_cap = index % 4 == 1 ? 5.0f : 0.0f;
+      const int q_max = index % 2 == 0 ? cuda::kDecodeMaxQueries : 9;
+      c.kv_lens = {1,
+                   q_max,
+                   c.block_tokens + 1,
+                   std::uniform_int_distribution<int>(600, 2500)(rng),
+                   37,
+                   3 * c.block_tokens};
+      std::shuffle(c.kv_lens.begin(), c.kv_lens.end(), rng);
+      c.q_lens.clear();
+      for (int len : c.kv_lens)
+        c.q_lens.push_back(std::uniform_int_distribution<int>(0, std::min(len, q_max))(rng));
+      // One sequence with as many queries as the plan takes (or as it has tokens).
+      const size_t full = static_cast<size_t>(index) % c.q_lens.size();
+      c.q_lens[full] = std::min(c.kv_lens[full], q_max);
+      ++index;
+      const unsigned case_seed = seed + static_cast<unsigned>(index);
+      const CudaAttnProblem problem(c, case_seed);
+      const std::vector<float> want = problem.reference();
+      test::DeviceBatch dev(problem);
+      for (int chunk : {1, 0}) {
+        cuda::DecodeOptions opt;
+        opt.chunk_tiles = chunk;
+        opt.q_per_seq = q_max;
+        const cuda::DecodePlan plan = cuda::plan_decode(problem.spec(), problem.seq_lens(), opt);
+        DeviceBuffer<std::byte> ws(plan.workspace_bytes);
+        cuda::DecodeArgs a;
+        a.q = dev.q.get();
+        a.out = dev.out.get();
+        a.q_indptr = dev.q_indptr.get();
+        a.block_table = dev.device_table();
+        a.cache = dev.cache.layer_view(0);
+        a.softmax_scale = problem.softmax_scale();
+        a.logit_soft_cap = c.soft_cap;
+        a.workspace = ws.get();
+        dev.out.poison();
+        cuda::run_decode(problem.spec(), plan, a, nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(problem.check(dev.out.download(), want, decode_tolerance(c)))
+            << c.describe() << ", chunk " << chunk << " (" << plan.max_splits << " splits), seed "
+            << seed << " (case seed " << case_seed << ")";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryPair, CudaDecodeMultiQuery, ::testing::ValuesIn(every_cuda_pair()),
+                         [](const ::testing::TestParamInfo<KvPair>& p) {
+                           return test::pair_name(p.param);
+                         });
+
+TEST(CudaDecode, RefusesMoreQueriesThanItTakes) {
+  CudaAttnCase c = decode_case(KvDtype::kBFloat16, {40});
+  cuda::DecodeOptions opt;
+  opt.num_sms = 132;
+  opt.chunk_tiles = 8;
+  opt.q_per_seq = cuda::kDecodeMaxQueries + 1;
+  const std::vector<int32_t> lens{40};
+  EXPECT_THROW(cuda::plan_decode(spec_for(c), lens, opt), InternalError);
+  opt.q_per_seq = 0;
+  EXPECT_THROW(cuda::plan_decode(spec_for(c), lens, opt), InternalError);
+  opt.q_per_seq = 9;
+  c.set_head_dim(128);
+  const cuda::DecodePlan plan = cuda::plan_decode(spec_for(c), lens, opt);
+  EXPECT_EQ(plan.q_per_seq, 9);
+  EXPECT_EQ(plan.rows_per_warp, 16);  // several queries: every row of the MMA tiles
+  EXPECT_EQ(plan.head_chunks, (9 * c.ratio + 15) / 16);
+  c.set_head_dim(256);  // 16-row accumulators do not fit: 8-row warps
+  const cuda::DecodePlan wide = cuda::plan_decode(spec_for(c), lens, opt);
+  EXPECT_EQ(wide.rows_per_warp, 8);
+  EXPECT_EQ(wide.head_chunks, (9 * c.ratio + 7) / 8);
+  opt.q_per_seq = 1;
+  EXPECT_EQ(cuda::plan_decode(spec_for(c), lens, opt).rows_per_warp, 8);
+}
+
+// Larger q_len runs the prefill kernel: tests/cuda/prefill_attention_cuda_test.cc.
 
 }  // namespace
 }  // namespace kvq

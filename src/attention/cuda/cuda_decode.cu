@@ -34,15 +34,15 @@ struct WorkspaceLayout {
   size_t qfrag = 0, qmeta = 0, part_o = 0, part_ml = 0, total = 0;
 };
 
-WorkspaceLayout workspace_layout(const LayerKvSpec& spec, int num_seqs, int head_chunks,
-                                 int max_splits) {
+WorkspaceLayout workspace_layout(const LayerKvSpec& spec, const DecodePlan& plan) {
   const size_t hd = static_cast<size_t>(spec.head_dim_k);
-  const size_t groups = static_cast<size_t>(num_seqs) * spec.num_kv_heads * head_chunks;
-  const size_t rows = groups * static_cast<size_t>(max_splits) * kDecodeHeadsPerWarp;
+  const size_t R = static_cast<size_t>(plan.rows_per_warp);
+  const size_t groups = static_cast<size_t>(plan.num_seqs) * spec.num_kv_heads * plan.head_chunks;
+  const size_t rows = groups * static_cast<size_t>(plan.max_splits) * R;
   WorkspaceLayout w;
   w.qfrag = 0;
-  w.qmeta = align_up(w.qfrag + groups * (hd / 16) * 32 * sizeof(uint2));
-  w.part_o = align_up(w.qmeta + groups * kDecodeHeadsPerWarp * sizeof(float2));
+  w.qmeta = align_up(w.qfrag + groups * (hd / 16) * 32 * (R / 8) * sizeof(uint2));
+  w.part_o = align_up(w.qmeta + groups * R * sizeof(float2));
   w.part_ml = align_up(w.part_o + rows * hd * sizeof(float));
   w.total = align_up(w.part_ml + rows * sizeof(float2));
   return w;
@@ -50,9 +50,10 @@ WorkspaceLayout workspace_layout(const LayerKvSpec& spec, int num_seqs, int head
 
 struct PrepParams {
   const float* q;
+  const int32_t* q_indptr;  // null: one query per sequence
   uint2* qfrag;
   float2* qmeta;
-  int num_q_heads, num_kv_heads, ratio, head_chunks;
+  int num_q_heads, num_kv_heads, ratio, head_chunks, rows;  // rows: per warp (8 or 16)
   KvDtype k_dtype;
   bool rotate, bf16;
   float softmax_scale;
@@ -60,9 +61,10 @@ struct PrepParams {
   float k_tensor_scale[kDecodeMaxKvHeads];
 };
 
-// One warp per (sequence, kv head, head chunk, row g): rotates Q for rotated K, converts it to
-// the MMA operand type (fp16 with a power-of-two scale a so |q a| < 2, or bf16), and scatters
-// it into the fragment order of decode_params.h. Rows past the group's heads become zeros.
+// One warp per (sequence, kv head, head chunk, row of the chunk): rotates Q for rotated K, converts
+// it to the MMA operand type (fp16 with a power-of-two scale a so |q a| < 2, or bf16), and scatters
+// it into the fragment order of decode_params.h. Rows past the sequence's queries (t >= q_len)
+// become zeros.
 template <int HD>
 __global__ void __launch_bounds__(32) decode_prep_kernel(const __grid_constant__ PrepParams p) {
   constexpr int E = HD / 32;
@@ -70,16 +72,20 @@ __global__ void __launch_bounds__(32) decode_prep_kernel(const __grid_constant__
   const int lane = static_cast<int>(threadIdx.x);
   const int r = static_cast<int>(blockIdx.x);
   const int seq = static_cast<int>(blockIdx.y);
-  wait_for_previous_kernel();  // q comes from the kernel before (PDL, cache/cuda/pdl.h)
-  allow_next_kernel();  // the split-KV kernel waits for this grid's writes before reading Q
-  const int g = r % kDecodeHeadsPerWarp;
-  const int hc = (r / kDecodeHeadsPerWarp) % p.head_chunks;
-  const int kvh = r / (kDecodeHeadsPerWarp * p.head_chunks);
-  const int hin = hc * kDecodeHeadsPerWarp + g;
-  const bool valid = hin < p.ratio;
+  wait_for_previous_kernel();   // q comes from the kernel before (PDL, cache/cuda/pdl.h)
+  allow_next_kernel();          // the split-KV kernel waits for this grid's writes before reading Q
+  const int rloc = r % p.rows;  // row g + 8 * half of the chunk
+  const int g = rloc % 8, half = rloc / 8;
+  const int hc = (r / p.rows) % p.head_chunks;
+  const int kvh = r / (p.rows * p.head_chunks);
+  int q0 = 0, q_len = 0;
+  decode_queries(p.q_indptr, seq, q0, q_len);
+  const int rr = hc * p.rows + rloc;  // = t * ratio + h
+  const int t = rr / p.ratio, hin = rr - t * p.ratio;
+  const bool valid = t < q_len;
   float x[E];
   const float* src =
-      p.q + (static_cast<size_t>(seq) * p.num_q_heads + kvh * p.ratio + hin) * HD + lane * E;
+      p.q + (static_cast<size_t>(q0 + t) * p.num_q_heads + kvh * p.ratio + hin) * HD + lane * E;
 #pragma unroll
   for (int e = 0; e < E; ++e) x[e] = valid ? src[e] : 0.0f;
   if (p.rotate) warp_hadamard_rotate<E>(x, lane, p.signs);
@@ -109,14 +115,16 @@ __global__ void __launch_bounds__(32) decode_prep_kernel(const __grid_constant__
   const float qsum = warp_sum(qs);
   __syncwarp();
   const size_t group = (static_cast<size_t>(seq) * p.num_kv_heads + kvh) * p.head_chunks + hc;
-  uint16_t* frag = reinterpret_cast<uint16_t*>(p.qfrag + group * (HD / 16) * 32);
+  const int H = p.rows / 8;
+  uint16_t* frag = reinterpret_cast<uint16_t*>(p.qfrag + group * (HD / 16) * 32 * H);
   for (int idx = lane; idx < HD; idx += 32) {
     const int c = idx / (HD / 4), v = idx % (HD / 4);
     const int s = v / 4, i = v % 4;
-    frag[((s * 32 + g * 4 + c) * 2 + (i >> 1)) * 2 + (i & 1)] = row[k_dim_of(p.k_dtype, HD, c, v)];
+    frag[(((s * 32 + g * 4 + c) * H + half) * 2 + (i >> 1)) * 2 + (i & 1)] =
+        row[k_dim_of(p.k_dtype, HD, c, v)];
   }
   if (lane == 0)
-    p.qmeta[group * kDecodeHeadsPerWarp + g] =
+    p.qmeta[group * p.rows + rloc] =
         make_float2(valid ? p.softmax_scale * p.k_tensor_scale[kvh] / a : 0.0f, qsum);
 }
 
@@ -124,8 +132,10 @@ struct MergeParams {
   const float* part_o;
   const float2* part_ml;
   const int32_t* seq_lens;
+  const int32_t* q_indptr;  // null: one query per sequence
+  int q_per_seq;            // gridDim.y = num_seqs * q_per_seq
   float* out;
-  int num_q_heads, num_kv_heads, ratio, head_chunks;
+  int num_q_heads, num_kv_heads, ratio, head_chunks, rows;  // rows: per warp (8 or 16)
   int chunk_tiles, max_splits, attention_kind, window;
   bool unrotate;
   HadamardSigns signs;
@@ -134,24 +144,35 @@ struct MergeParams {
 constexpr int kMergeThreads = 256;
 constexpr int kMergeWarpMaxSplits = 8;
 
-// The partial rows of one query head (decode_params.h's part row order): the row of split 0
-// and the distance between the rows of consecutive splits, plus the head's split count.
+// The partial rows of one query row (a query token's head, decode_params.h's part row order):
+// the row of split 0 and the distance between the rows of consecutive splits, plus the
+// sequence's split count, the output row, and whether the query exists (t < q_len).
 struct MergeRows {
-  size_t row0, split_stride;
+  size_t row0, split_stride, out_row;
   int nsplit;
+  bool valid;
 };
 
-__device__ __forceinline__ MergeRows merge_rows(const MergeParams& p, int seq, int qh) {
-  const int kvh = qh / p.ratio, hin = qh % p.ratio;
-  const int hc = hin / kDecodeHeadsPerWarp, g = hin % kDecodeHeadsPerWarp;
-  int first_tile = 0, chunk = 0;
-  const int tiles = decode_visible_tiles(p.seq_lens[seq], p.attention_kind, p.window, first_tile);
+// blockIdx.y = seq * q_per_seq + t.
+__device__ __forceinline__ MergeRows merge_rows(const MergeParams& p, int qh) {
+  const int seq = static_cast<int>(blockIdx.y) / p.q_per_seq;
+  const int t = static_cast<int>(blockIdx.y) - seq * p.q_per_seq;
+  int q0 = 0, q_len = 0;
+  decode_queries(p.q_indptr, seq, q0, q_len);
   MergeRows r;
+  r.valid = t < q_len;
+  const int kvh = qh / p.ratio, hin = qh % p.ratio;
+  const int rr = t * p.ratio + hin;
+  const int hc = rr / p.rows, rloc = rr % p.rows;
+  int first_tile = 0, chunk = 0;
+  const int tiles =
+      decode_visible_tiles(p.seq_lens[seq], q_len, p.attention_kind, p.window, first_tile);
   r.nsplit = decode_num_splits(tiles, p.chunk_tiles, p.max_splits, chunk);
   r.row0 = ((static_cast<size_t>(seq) * p.max_splits * p.num_kv_heads + kvh) * p.head_chunks + hc) *
-               kDecodeHeadsPerWarp +
-           g;
-  r.split_stride = static_cast<size_t>(p.num_kv_heads) * p.head_chunks * kDecodeHeadsPerWarp;
+               p.rows +
+           rloc;
+  r.split_stride = static_cast<size_t>(p.num_kv_heads) * p.head_chunks * p.rows;
+  r.out_row = static_cast<size_t>(q0 + t);
   return r;
 }
 
@@ -179,11 +200,11 @@ __global__ void __launch_bounds__(kMergeThreads)
   __shared__ float scratch[kMergeThreads / 32];
   const int tid = static_cast<int>(threadIdx.x);
   const int qh = static_cast<int>(blockIdx.x);
-  const int seq = static_cast<int>(blockIdx.y);
   wait_for_previous_kernel();  // the split-KV kernel's partials
-  const MergeRows mr = merge_rows(p, seq, qh);
+  const MergeRows mr = merge_rows(p, qh);
   const int nsplit = mr.nsplit;
   const size_t row0 = mr.row0, split_stride = mr.split_stride;
+  if (!mr.valid) return;                   // no such query
   if (nsplit == 1 && !p.unrotate) return;  // the split-KV kernel wrote this head's output
 
   float mx = -__uint_as_float(kF32Inf);
@@ -214,7 +235,7 @@ __global__ void __launch_bounds__(kMergeThreads)
     partial[tid] = o / wsum;
   }
   __syncthreads();
-  float* dst = p.out + (static_cast<size_t>(seq) * p.num_q_heads + qh) * HD;
+  float* dst = p.out + (mr.out_row * p.num_q_heads + qh) * HD;
   if (p.unrotate) {
     if (tid < 32) {
       float x[E];
@@ -236,12 +257,12 @@ __global__ void __launch_bounds__(128)
   constexpr int E = HD / 32;
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int qh = static_cast<int>(blockIdx.x) * 4 + static_cast<int>(threadIdx.x >> 5);
-  const int seq = static_cast<int>(blockIdx.y);
   if (qh >= p.num_q_heads) return;
   wait_for_previous_kernel();  // the split-KV kernel's partials
-  const MergeRows mr = merge_rows(p, seq, qh);
+  const MergeRows mr = merge_rows(p, qh);
   const int nsplit = mr.nsplit;
   const size_t row0 = mr.row0, split_stride = mr.split_stride;
+  if (!mr.valid) return;                   // no such query
   if (nsplit == 1 && !p.unrotate) return;  // the split-KV kernel wrote this head's output
   float mx = -__uint_as_float(kF32Inf);
   for (int s = lane; s < nsplit; s += 32) mx = fmaxf(mx, p.part_ml[row0 + s * split_stride].x);
@@ -266,7 +287,7 @@ __global__ void __launch_bounds__(128)
     for (int e = 0; e < E; ++e) acc[e] = fmaf(w, src[e], acc[e]);
   }
   if (p.unrotate) warp_hadamard_unrotate<E>(acc, lane, p.signs);
-  float* dst = p.out + (static_cast<size_t>(seq) * p.num_q_heads + qh) * HD + lane * E;
+  float* dst = p.out + (mr.out_row * p.num_q_heads + qh) * HD + lane * E;
 #pragma unroll
   for (int e = 0; e < E; ++e) dst[e] = acc[e];
 }
@@ -301,10 +322,10 @@ void launch_by_dim(int hd, Aux which, const PrepParams& pp, const MergeParams& m
   KVQ_CHECK(known, "cuda decode: head_dim " + std::to_string(hd) + " unsupported");
 }
 
-DecodeMainKernel main_kernel(KvDtype k, KvDtype v, int hd) {
+DecodeMainKernel main_kernel(KvDtype k, KvDtype v, int hd, bool multi_query) {
   DecodeMainKernel f = nullptr;
   with_cuda_kv_pair(k, v, [&](auto kd, auto vd) {
-    f = decode_main_kernel_for<decltype(kd)::value, decltype(vd)::value>(hd);
+    f = decode_main_kernel_for<decltype(kd)::value, decltype(vd)::value>(hd, multi_query);
   });
   KVQ_CHECK(f != nullptr, "cuda decode: no kernel for the K/V pair " + std::string(to_string(k)) +
                               " / " + std::string(to_string(v)) + " at head_dim " +
@@ -404,9 +425,17 @@ DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_len
   KVQ_CHECK(reasons.empty(), "plan_decode: unsupported layer: " + reasons.front());
   KVQ_CHECK(spec.num_kv_heads > 0 && spec.num_q_heads % spec.num_kv_heads == 0,
             "plan_decode: bad head counts");
+  KVQ_CHECK(options.q_per_seq >= 1 && options.q_per_seq <= kDecodeMaxQueries,
+            "plan_decode: q_per_seq " + std::to_string(options.q_per_seq) + " outside 1.." +
+                std::to_string(kDecodeMaxQueries));
   DecodePlan plan;
   plan.num_seqs = static_cast<int32_t>(seq_lens.size());
-  plan.head_chunks = (spec.gqa_ratio() + kDecodeHeadsPerWarp - 1) / kDecodeHeadsPerWarp;
+  plan.q_per_seq = options.q_per_seq;
+  // Several queries: 16-row warps (every row of the MMAs live, each K/V tile converted once
+  // for twice the rows) where their registers allow (head_dim <= 128).
+  plan.rows_per_warp = decode_rows_per_warp(spec.head_dim_k, plan.q_per_seq > 1);
+  plan.head_chunks =
+      (options.q_per_seq * spec.gqa_ratio() + plan.rows_per_warp - 1) / plan.rows_per_warp;
   int num_sms = options.num_sms;
   if (num_sms <= 0) {
     int dev = 0;
@@ -420,26 +449,26 @@ DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_len
     KVQ_CHECK(len >= 1, "plan_decode: a decode sequence needs at least one cached token, got " +
                             std::to_string(len));
     int first = 0;
-    tiles.push_back(decode_visible_tiles(len, kind, spec.sliding_window, first));
+    tiles.push_back(decode_visible_tiles(len, plan.q_per_seq, kind, spec.sliding_window, first));
   }
   if (options.chunk_tiles > 0) {
     plan.chunk_tiles = options.chunk_tiles;
   } else {
     int per_sm = 0;
     KVQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, main_kernel(spec.k_dtype, spec.v_dtype, spec.head_dim_k), kDecodeWarps * 32, 0));
+        &per_sm, main_kernel(spec.k_dtype, spec.v_dtype, spec.head_dim_k, plan.q_per_seq > 1),
+        kDecodeWarps * 32, 0));
     plan.chunk_tiles = choose_chunk_tiles(tiles, spec.num_kv_heads, plan.head_chunks,
                                           static_cast<int64_t>(num_sms) * per_sm);
   }
   plan.max_splits = 1;
   for (int32_t len : seq_lens) {
     int first = 0, chunk = 0;
-    const int tiles = decode_visible_tiles(len, kind, spec.sliding_window, first);
+    const int tiles = decode_visible_tiles(len, plan.q_per_seq, kind, spec.sliding_window, first);
     plan.max_splits = std::max(plan.max_splits,
                                decode_num_splits(tiles, plan.chunk_tiles, kDecodeMaxSplits, chunk));
   }
-  plan.workspace_bytes =
-      workspace_layout(spec, plan.num_seqs, plan.head_chunks, plan.max_splits).total;
+  plan.workspace_bytes = workspace_layout(spec, plan).total;
   return plan;
 }
 
@@ -453,13 +482,13 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
                                               std::to_string(bt.num_seqs));
   KVQ_CHECK(bt.block_tokens == spec.block_tokens, "run_decode: block table block_tokens differs");
   if (plan.num_seqs == 0) return;
-  KVQ_CHECK(plan.num_seqs <= 65535, "run_decode: at most 65535 sequences per call");
+  KVQ_CHECK(static_cast<int64_t>(plan.num_seqs) * plan.q_per_seq <= 65535,
+            "run_decode: at most 65535 sequences x queries per call");
   KVQ_CHECK(args.q && args.out && args.workspace && bt.indptr && bt.indices && bt.seq_lens &&
                 args.cache.k_base && args.cache.v_base,
             "run_decode: null pointer");
   const int hd = spec.head_dim_k;
-  const WorkspaceLayout w =
-      workspace_layout(spec, plan.num_seqs, plan.head_chunks, plan.max_splits);
+  const WorkspaceLayout w = workspace_layout(spec, plan);
   KVQ_CHECK(w.total == plan.workspace_bytes, "run_decode: the plan does not match the spec");
   auto* ws = static_cast<std::byte*>(args.workspace);
   auto* qfrag = reinterpret_cast<uint2*>(ws + w.qfrag);
@@ -470,12 +499,14 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
 
   PrepParams pp{};
   pp.q = args.q;
+  pp.q_indptr = args.q_indptr;
   pp.qfrag = qfrag;
   pp.qmeta = qmeta;
   pp.num_q_heads = spec.num_q_heads;
   pp.num_kv_heads = spec.num_kv_heads;
   pp.ratio = spec.gqa_ratio();
   pp.head_chunks = plan.head_chunks;
+  pp.rows = plan.rows_per_warp;
   pp.k_dtype = spec.k_dtype;
   pp.rotate = traits(spec.k_dtype).rotated;
   pp.bf16 = kv_bf16_operands(spec.k_dtype);
@@ -489,11 +520,14 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   mp.part_o = part_o;
   mp.part_ml = part_ml;
   mp.seq_lens = bt.seq_lens;
+  mp.q_indptr = args.q_indptr;
+  mp.q_per_seq = plan.q_per_seq;
   mp.out = args.out;
   mp.num_q_heads = spec.num_q_heads;
   mp.num_kv_heads = spec.num_kv_heads;
   mp.ratio = spec.gqa_ratio();
   mp.head_chunks = plan.head_chunks;
+  mp.rows = plan.rows_per_warp;
   mp.chunk_tiles = plan.chunk_tiles;
   mp.max_splits = plan.max_splits;
   mp.attention_kind = static_cast<int>(spec.attention);
@@ -507,6 +541,7 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   kp.indptr = bt.indptr;
   kp.indices = bt.indices;
   kp.seq_lens = bt.seq_lens;
+  kp.q_indptr = args.q_indptr;
   kp.qfrag = qfrag;
   kp.qmeta = qmeta;
   kp.part_o = part_o;
@@ -527,23 +562,26 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   const auto seqs = static_cast<unsigned>(plan.num_seqs);
   launch_by_dim(
       hd, Aux::kPrep, pp, mp,
-      dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * kDecodeHeadsPerWarp), seqs),
+      dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * plan.rows_per_warp), seqs),
       stream);
   const int64_t warps =
       static_cast<int64_t>(plan.max_splits) * plan.head_chunks * spec.num_kv_heads * plan.num_seqs;
   KVQ_CHECK((warps + kDecodeWarps - 1) / kDecodeWarps <= 0x7FFFFFFF, "run_decode: grid too large");
-  launch(main_kernel(spec.k_dtype, spec.v_dtype, hd),
+  KVQ_CHECK(plan.q_per_seq > 1 || args.q_indptr == nullptr,
+            "run_decode: q_indptr needs a plan made for several queries per sequence (q_per_seq)");
+  launch(main_kernel(spec.k_dtype, spec.v_dtype, hd, plan.q_per_seq > 1),
          dim3(static_cast<unsigned>((warps + kDecodeWarps - 1) / kDecodeWarps)), kDecodeWarps * 32,
          kp, true, stream);
   // Sequences with a single split were written by the split-KV kernel (unless V is rotated);
   // the merge handles the rest: a warp per head for a few splits, a block for many.
   if (plan.max_splits == 1 && !mp.unrotate) return;
+  const auto query_rows = static_cast<unsigned>(plan.num_seqs * plan.q_per_seq);
   if (plan.max_splits <= kMergeWarpMaxSplits)
     launch_by_dim(hd, Aux::kMergeWarp, pp, mp,
-                  dim3(static_cast<unsigned>((spec.num_q_heads + 3) / 4), seqs), stream);
+                  dim3(static_cast<unsigned>((spec.num_q_heads + 3) / 4), query_rows), stream);
   else
-    launch_by_dim(hd, Aux::kMergeBlock, pp, mp, dim3(static_cast<unsigned>(spec.num_q_heads), seqs),
-                  stream);
+    launch_by_dim(hd, Aux::kMergeBlock, pp, mp,
+                  dim3(static_cast<unsigned>(spec.num_q_heads), query_rows), stream);
 }
 
 }  // namespace kvq::cuda

@@ -6,8 +6,10 @@
 //   run_decode   three launches on `stream`: Q preparation, the split-KV kernel, the merge
 //                (the last two with programmatic dependent launch, to overlap launch gaps).
 //
-// Work split: one warp owns (sequence, kv head, up to 8 query heads of its GQA group, a
-// contiguous range of 16-token tiles). Per tile it issues 16-byte loads of K and V straight
+// Work split: one warp owns (sequence, kv head, 8 or 16 query rows of its GQA group, a
+// contiguous range of 16-token tiles); a row is a query head of the group or, for several
+// queries per sequence (speculative verification, a DFlash block), a (query token, head) pair
+// with its own causal / window limit. Per tile it issues 16-byte loads of K and V straight
 // from the paged cache into registers, dequantizes into fp16 (bf16 for bfloat16 / float32
 // caches) mma operands, and runs S = Q K^T and O += P V as m16n8k16 tensor-core MMAs with
 // fp32 accumulation and an fp32 online softmax. Q is kept as fp16 with a per-head power-of-two
@@ -37,7 +39,6 @@
 namespace kvq::cuda {
 
 inline constexpr int kDecodeTileTokens = 16;
-inline constexpr int kDecodeHeadsPerWarp = 8;
 inline constexpr int kDecodeMaxKvHeads = 128;
 inline constexpr int kDecodeMaxSplits = 1024;
 
@@ -46,26 +47,44 @@ inline constexpr int kDecodeMaxSplits = 1024;
 // of 16, at most 128 kv heads.
 std::vector<std::string> decode_unsupported_reasons(const LayerKvSpec& spec);
 
+// Query tokens per sequence the kernels take at most (speculative verification: 1 + 16
+// drafts; a DFlash block of k + 1 tokens).
+inline constexpr int kDecodeMaxQueries = 17;
+
 struct DecodeOptions {
   int chunk_tiles = 0;  // tiles per work item; 0: chosen from the kernel's occupancy
   int num_sms = 0;      // 0: read from the current device
+  // Query tokens per sequence the plan is made for (1 .. kDecodeMaxQueries): the rows of a
+  // (sequence, kv head) are (query token x the group's query heads), token-major, in warps
+  // of rows_per_warp rows, so every warp of the group reads the same K/V tiles.
+  int q_per_seq = 1;
 };
 
 struct DecodePlan {
   int32_t num_seqs = 0;
-  int32_t chunk_tiles = 0;  // minimum tiles per work item
-  int32_t max_splits = 0;   // work items per (sequence, kv head, head chunk), at most
-  int32_t head_chunks = 0;  // ceil(gqa_ratio / 8)
+  int32_t chunk_tiles = 0;    // minimum tiles per work item
+  int32_t max_splits = 0;     // work items per (sequence, kv head, head chunk), at most
+  int32_t head_chunks = 0;    // ceil(q_per_seq * gqa_ratio / rows_per_warp)
+  int32_t q_per_seq = 1;      // query tokens per sequence, at most
+  int32_t rows_per_warp = 8;  // decode_rows_per_warp: 16 (all MMA rows live) for q_per_seq > 1
   size_t workspace_bytes = 0;
 };
+
+// Visible kv positions [lo, hi) of query t (0 .. q_len - 1) of a sequence whose q_len new
+// queries sit at its last positions (AttentionArgs semantics: query t at kv_len - q_len + t).
+__host__ __device__ inline void decode_query_range(int kv_len, int q_len, int t, int attention_kind,
+                                                   int window, int& lo, int& hi) {
+  const int p = kv_len - q_len + t;
+  hi = attention_kind == static_cast<int>(AttentionKind::kNonCausal) ? kv_len : p + 1;
+  lo = 0;
+  if (attention_kind == static_cast<int>(AttentionKind::kSlidingWindow) && p + 1 > window)
+    lo = p + 1 - window;
+}
 
 // Visible kv positions [lo, hi) of the decode query (the last position) of a sequence.
 __host__ __device__ inline void decode_visible_range(int kv_len, int attention_kind, int window,
                                                      int& lo, int& hi) {
-  hi = kv_len;
-  lo = 0;
-  if (attention_kind == static_cast<int>(AttentionKind::kSlidingWindow) && kv_len > window)
-    lo = kv_len - window;
+  decode_query_range(kv_len, 1, 0, attention_kind, window, lo, hi);
 }
 
 // Tiles per work item and the number of work items of a sequence with `tiles` visible tiles:
@@ -78,10 +97,13 @@ __host__ __device__ inline int decode_num_splits(int tiles, int chunk_tiles, int
   return tiles <= 0 ? 0 : (tiles + chunk - 1) / chunk;
 }
 
-__host__ __device__ inline int decode_visible_tiles(int kv_len, int attention_kind, int window,
-                                                    int& first_tile) {
+// The tiles any of a sequence's q_len queries sees (from its first query's lo to kv_len):
+// the work items split this range, the same for every head chunk of the sequence.
+__host__ __device__ inline int decode_visible_tiles(int kv_len, int q_len, int attention_kind,
+                                                    int window, int& first_tile) {
   int lo = 0, hi = 0;
-  decode_visible_range(kv_len, attention_kind, window, lo, hi);
+  decode_query_range(kv_len, q_len < 1 ? 1 : q_len, 0, attention_kind, window, lo, hi);
+  hi = kv_len;
   first_tile = lo / kDecodeTileTokens;
   return hi <= lo ? 0 : (hi + kDecodeTileTokens - 1) / kDecodeTileTokens - first_tile;
 }
@@ -90,13 +112,16 @@ __host__ __device__ inline int decode_visible_tiles(int kv_len, int attention_ki
 DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_lens,
                        const DecodeOptions& options = {});
 
-// Everything in device memory. q: [num_seqs][num_q_heads][head_dim] fp32, the query of each
-// sequence at position seq_lens[i] - 1 (model space, not rotated); out: the same shape.
+// Everything in device memory. q: [rows][num_q_heads][head_dim] fp32 (model space, not
+// rotated); out: the same shape. Without q_indptr row i is the query of sequence i at position
+// seq_lens[i] - 1; with it, sequence i's queries are rows q_indptr[i] .. q_indptr[i + 1] (at
+// most plan.q_per_seq of them; 0 allowed) at its last positions, as in PrefillArgs.
 // block_table arrays and the cache view are device pointers; workspace holds
 // plan.workspace_bytes (256-byte aligned).
 struct DecodeArgs {
   const float* q = nullptr;
   float* out = nullptr;
+  const int32_t* q_indptr = nullptr;  // device, num_seqs + 1; null: one query per sequence
   BlockTableView block_table;
   LayerCacheView cache;
   float softmax_scale = 1.0f;

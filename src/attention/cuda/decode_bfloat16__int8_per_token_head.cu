@@ -4,5 +4,5 @@
 
 namespace kvq::cuda {
 template DecodeMainKernel decode_main_kernel_for<KvDtype::kBFloat16, KvDtype::kInt8PerTokenHead>(
-    int);
+    int, bool);
 }  // namespace kvq::cuda

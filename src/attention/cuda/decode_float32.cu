@@ -3,5 +3,5 @@
 #include "attention/cuda/decode_kernel.cuh"
 
 namespace kvq::cuda {
-template DecodeMainKernel decode_main_kernel_for<KvDtype::kFloat32, KvDtype::kFloat32>(int);
+template DecodeMainKernel decode_main_kernel_for<KvDtype::kFloat32, KvDtype::kFloat32>(int, bool);
 }  // namespace kvq::cuda

@@ -3,5 +3,5 @@
 #include "attention/cuda/decode_kernel.cuh"
 
 namespace kvq::cuda {
-template DecodeMainKernel decode_main_kernel_for<KvDtype::kFp8E4M3, KvDtype::kFp8E4M3>(int);
+template DecodeMainKernel decode_main_kernel_for<KvDtype::kFp8E4M3, KvDtype::kFp8E4M3>(int, bool);
 }  // namespace kvq::cuda

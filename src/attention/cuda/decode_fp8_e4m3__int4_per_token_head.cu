@@ -4,5 +4,5 @@
 
 namespace kvq::cuda {
 template DecodeMainKernel decode_main_kernel_for<KvDtype::kFp8E4M3, KvDtype::kInt4PerTokenHead>(
-    int);
+    int, bool);
 }  // namespace kvq::cuda

@@ -3,5 +3,5 @@
 #include "attention/cuda/decode_kernel.cuh"
 
 namespace kvq::cuda {
-template DecodeMainKernel decode_main_kernel_for<KvDtype::kFp8E5M2, KvDtype::kFp8E5M2>(int);
+template DecodeMainKernel decode_main_kernel_for<KvDtype::kFp8E5M2, KvDtype::kFp8E5M2>(int, bool);
 }  // namespace kvq::cuda

@@ -4,5 +4,5 @@
 
 namespace kvq::cuda {
 template DecodeMainKernel
-decode_main_kernel_for<KvDtype::kFp8PerTokenHead, KvDtype::kInt4PerTokenHead>(int);
+decode_main_kernel_for<KvDtype::kFp8PerTokenHead, KvDtype::kInt4PerTokenHead>(int, bool);
 }  // namespace kvq::cuda

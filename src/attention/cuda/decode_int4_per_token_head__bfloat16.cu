@@ -4,5 +4,5 @@
 
 namespace kvq::cuda {
 template DecodeMainKernel decode_main_kernel_for<KvDtype::kInt4PerTokenHead, KvDtype::kBFloat16>(
-    int);
+    int, bool);
 }  // namespace kvq::cuda

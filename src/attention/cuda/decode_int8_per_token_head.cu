@@ -4,5 +4,5 @@
 
 namespace kvq::cuda {
 template DecodeMainKernel
-decode_main_kernel_for<KvDtype::kInt8PerTokenHead, KvDtype::kInt8PerTokenHead>(int);
+decode_main_kernel_for<KvDtype::kInt8PerTokenHead, KvDtype::kInt8PerTokenHead>(int, bool);
 }  // namespace kvq::cuda

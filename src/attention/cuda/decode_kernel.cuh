@@ -314,20 +314,48 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(kFullMask, v, 2);
 }
 
+// D = A * B + D with all 16 rows of A live (rows g and g + 8 of each lane): d0, d1 row g,
+// d2, d3 row g + 8; a0 / a2 row g, a1 / a3 row g + 8.
+template <bool kBf16>
+__device__ __forceinline__ void mma16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                      uint32_t b1) {
+  if constexpr (kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
 // Blocks (of 4 warps) per SM the register budget is set for: more resident warps hide more
 // load latency. 16/32-bit dtypes and head_dim 256 keep the compiler's natural allocation
-// (capping them spills).
-template <KvDtype DK, KvDtype DV, int HD>
+// (capping them spills); 16-row warps (twice the accumulators and Q registers) get two
+// blocks at head_dim 128.
+template <KvDtype DK, KvDtype DV, int HD, int kR>
 constexpr int kMinBlocks = cmax(kv_value_bits(DK), kv_value_bits(DV)) > 8
                                ? 1
-                               : (HD == 64 ? 4 : (HD == 128 ? 3 : 1));
+                               : (HD == 64 ? (kR == 8 ? 4 : 3)
+                                           : (HD == 128 ? (kR == 8 ? 3 : 2) : 1));
 
-template <KvDtype DK, KvDtype DV, int HD>
-__global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD>)
+// kR rows per warp: 8 (rows g; rows 8..15 of the MMAs are zero) or 16 (rows g and g + 8,
+// head_dim <= 128): the rows of decode_params.h, r = hc * kR + row. kMulti: several queries
+// per sequence (p.q_indptr), each row with its own visible range; without it one query per
+// sequence (decode), whose rows all see the sequence's range.
+template <KvDtype DK, KvDtype DV, int HD, int kR, bool kMulti>
+__global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     decode_main_kernel(const __grid_constant__ DecodeKernelParams p) {
   using P = PairShape<DK, DV, HD>;
   using SK = Shape<DK, HD>;  // S = Q K^T: operand type, K scales, K zero points
   using SV = Shape<DV, HD>;  // O += P V: operand type of P, V scales, V zero points
+  static_assert(kR == 8 || (kR == 16 && HD <= 128 && kMulti));
+  constexpr int kH = kR / 8;  // rows per lane: g, and g + 8 when kR == 16
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int warp = static_cast<int>(threadIdx.x >> 5);
   // A 1-D grid of warps over (sequence, kv head, work item): a block may hold the items of
@@ -344,17 +372,53 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD>)
   const int hc = item - split * p.head_chunks;
 
   const int kv_len = p.seq_lens[seq];
-  TileCtx x;
-  decode_visible_range(kv_len, p.attention_kind, p.window, x.lo, x.hi);
+  int q0 = seq, q_len = 1;
+  if constexpr (kMulti) decode_queries(p.q_indptr, seq, q0, q_len);
+  // The warp's rows r = hc * kR + row are (query t = r / ratio, head r % ratio): its queries
+  // run from t_first to t_last; none: the warp has nothing to do.
+  const int r_first = hc * kR;
+  const int t_first = r_first / p.ratio;
+  if (t_first >= q_len) return;
+  const int t_last = min(q_len - 1, (r_first + kR - 1) / p.ratio);
   int first_tile = 0, chunk = 0;
-  const int tiles = decode_visible_tiles(kv_len, p.attention_kind, p.window, first_tile);
+  const int tiles = decode_visible_tiles(kv_len, q_len, p.attention_kind, p.window, first_tile);
   const int nsplit = decode_num_splits(tiles, p.chunk_tiles, p.max_splits, chunk);
   if (split >= nsplit) return;  // whole warp: no block-level synchronization in this kernel
-  const int tb = first_tile + split * chunk;
-  const int te = min(first_tile + tiles, tb + chunk);
-
+  TileCtx x;
+  // Loads: the union of the warp's rows' visible ranges (zeros outside it); the logits: each
+  // of the lane's rows' own range.
+  {
+    int lo = 0, hi = 0;
+    decode_query_range(kv_len, q_len, t_first, p.attention_kind, p.window, x.lo, hi);
+    decode_query_range(kv_len, q_len, t_last, p.attention_kind, p.window, lo, x.hi);
+  }
+  int tb = first_tile + split * chunk;
+  int te = min(first_tile + tiles, tb + chunk);
+  if constexpr (kMulti) {
+    tb = max(tb, x.lo / kDecodeTileTokens);
+    te = min(te, (x.hi + kDecodeTileTokens - 1) / kDecodeTileTokens);
+  }
   x.g = lane >> 2;
   x.c = lane & 3;
+  int row_t[kH], row_lo[kH], row_hi[kH];
+  bool row_valid[kH];
+#pragma unroll
+  for (int h = 0; h < kH; ++h) {
+    if constexpr (kMulti) {
+      row_t[h] = (r_first + 8 * h + x.g) / p.ratio;
+      row_valid[h] = row_t[h] < q_len;
+      row_lo[h] = row_hi[h] = 0;
+      if (row_valid[h])
+        decode_query_range(kv_len, q_len, row_t[h], p.attention_kind, p.window, row_lo[h],
+                           row_hi[h]);
+    } else {
+      // One query: every row sees the sequence's range (rows past the group have Q = 0).
+      row_t[h] = 0;
+      row_valid[h] = r_first + x.g < p.ratio;
+      row_lo[h] = x.lo;
+      row_hi[h] = x.hi;
+    }
+  }
   x.blocks = p.indices + p.indptr[seq];
   x.k_head = p.k.base + static_cast<uint64_t>(kvh) * p.k.head_stride;
   x.v_head = p.v.base + static_cast<uint64_t>(kvh) * p.v.head_stride;
@@ -363,77 +427,106 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD>)
   wait_for_previous_kernel();
   const size_t qbase =
       (static_cast<size_t>(seq) * p.num_kv_heads + kvh) * p.head_chunks + static_cast<size_t>(hc);
-  // Q's A-operand registers; for head_dim 256 they are re-read from L1 each tile instead of
-  // pinning 32 registers (the accumulators already take 64).
-  const uint2* qf = p.qfrag + qbase * SK::kKSteps * 32 + lane;
+  // Q's A-operand registers (per k-step: a0, a2 of row g, then a1, a3 of row g + 8); for
+  // head_dim 256 they are re-read from L1 each tile instead of pinning 32 registers (the
+  // accumulators already take 64).
+  const uint2* qf = p.qfrag + (qbase * SK::kKSteps * 32 + lane) * kH;
   constexpr int kQRegs = P::kQInRegs ? SK::kKSteps : 1;
-  uint32_t qa0[kQRegs], qa2[kQRegs];
+  uint32_t qa[kQRegs][2 * kH];
   if constexpr (P::kQInRegs) {
 #pragma unroll
     for (int s = 0; s < SK::kKSteps; ++s) {
-      const uint2 v = qf[s * 32];
-      qa0[s] = v.x;
-      qa2[s] = v.y;
+#pragma unroll
+      for (int h = 0; h < kH; ++h) {
+        const uint2 v = qf[s * 32 * kH + h];
+        qa[s][2 * h] = v.x;
+        qa[s][2 * h + 1] = v.y;
+      }
     }
   }
-  const float2 qm = p.qmeta[qbase * 8 + x.g];
-  const float qfactor = qm.x, qsum = qm.y;
+  float qfactor[kH], qsum[kH];
+#pragma unroll
+  for (int h = 0; h < kH; ++h) {
+    const float2 qm = p.qmeta[qbase * kR + 8 * h + x.g];
+    qfactor[h] = qm.x;
+    qsum[h] = qm.y;
+  }
   const bool capped = p.soft_cap != 0.0f;
   const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
 
-  float o[SV::kNTiles][2];
+  float o[SV::kNTiles][2 * kH];
 #pragma unroll
-  for (int j = 0; j < SV::kNTiles; ++j) o[j][0] = o[j][1] = 0.0f;
-  float m = -__uint_as_float(kF32Inf);  // running max, log2 units
-  float l = 0.0f;                       // this lane's share of the running sum
-  float s_run = 0.0f;                   // running max of the per-token V scales
-  float zacc = 0.0f;                    // int4: this lane's share of sum(p * zero point)
+  for (int j = 0; j < SV::kNTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 2 * kH; ++e) o[j][e] = 0.0f;
+  float m[kH], l[kH], zacc[kH];  // per row: running max (log2 units), lane's share of the sum
+#pragma unroll
+  for (int h = 0; h < kH; ++h) {
+    m[h] = -__uint_as_float(kF32Inf);
+    l[h] = 0.0f;
+    zacc[h] = 0.0f;  // int4: this lane's share of sum(p * zero point)
+  }
+  float s_run = 0.0f;  // running max of the per-token V scales (the same for every row)
 
   auto process = [&](TileRaw<DK, DV, HD>& cur, int tile) {
     const int t0 = tile * kDecodeTileTokens;
     // ---- S = Q K^T for tokens 0-7 (n = 0) and 8-15 (n = 1) of the tile ----
-    float sc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    // sc[n][2 h + e]: row g + 8 h, token 8 n + 2 c + e.
+    float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
     for (int s = 0; s < SK::kKSteps; ++s) {
-      uint32_t q0, q2;
+      uint32_t qv[2 * kH];
       if constexpr (P::kQInRegs) {
-        q0 = qa0[s];
-        q2 = qa2[s];
+#pragma unroll
+        for (int e = 0; e < 2 * kH; ++e) qv[e] = qa[s][e];
       } else {
-        const uint2 v = __ldg(qf + s * 32);
-        q0 = v.x;
-        q2 = v.y;
+#pragma unroll
+        for (int h = 0; h < kH; ++h) {
+          const uint2 v = __ldg(qf + s * 32 * kH + h);
+          qv[2 * h] = v.x;
+          qv[2 * h + 1] = v.y;
+        }
       }
-      mma<SK::kBf16>(sc[0][0], sc[0][1], q0, q2, k_pair<DK, HD>(cur.k[0], cur.kb[0], 2 * s),
-                     k_pair<DK, HD>(cur.k[0], cur.kb[0], 2 * s + 1));
-      mma<SK::kBf16>(sc[1][0], sc[1][1], q0, q2, k_pair<DK, HD>(cur.k[1], cur.kb[1], 2 * s),
-                     k_pair<DK, HD>(cur.k[1], cur.kb[1], 2 * s + 1));
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const uint32_t b0 = k_pair<DK, HD>(cur.k[n], cur.kb[n], 2 * s);
+        const uint32_t b1 = k_pair<DK, HD>(cur.k[n], cur.kb[n], 2 * s + 1);
+        if constexpr (kH == 1) {
+          mma<SK::kBf16>(sc[n][0], sc[n][1], qv[0], qv[1], b0, b1);
+        } else {
+          mma16<SK::kBf16>(sc[n], {qv[0], qv[2], qv[1], qv[3]}, b0, b1);
+        }
+      }
     }
 
     // ---- logits of tokens 2c, 2c + 1, 2c + 8, 2c + 9 (the lane's C-fragment entries) ----
-    float xs[4], pr[4];
+    float corr[kH], pr[kH][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float r = sc[i >> 1][i & 1];
-      if constexpr (SK::kInt4) {
-        const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.ks[i]));
-        r = fmaf(r, sz.x, sz.y * qsum);
-      } else if constexpr (SK::kRowScale) {
-        r *= __uint_as_float(cur.ks[i]);
+    for (int h = 0; h < kH; ++h) {
+      float xs[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float r = sc[i >> 1][2 * h + (i & 1)];
+        if constexpr (SK::kInt4) {
+          const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.ks[i]));
+          r = fmaf(r, sz.x, sz.y * qsum[h]);
+        } else if constexpr (SK::kRowScale) {
+          r *= __uint_as_float(cur.ks[i]);
+        }
+        r *= qfactor[h];
+        if (capped) r = cap * tanhf(r * inv_cap);
+        const int tt = t0 + 2 * x.c + (i & 1) + 8 * (i >> 1);
+        xs[i] = tt >= row_lo[h] && tt < row_hi[h] ? r * kLog2e : -__uint_as_float(kF32Inf);
       }
-      r *= qfactor;
-      if (capped) r = cap * tanhf(r * inv_cap);
-      const int tt = t0 + 2 * x.c + (i & 1) + 8 * (i >> 1);
-      xs[i] = tt >= x.lo && tt < x.hi ? r * kLog2e : -__uint_as_float(kF32Inf);
-    }
-    const float tmax = quad_max(fmaxf(fmaxf(xs[0], xs[1]), fmaxf(xs[2], xs[3])));
-    const float m_new = fmaxf(m, tmax);
-    const float m_use = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
-    float corr = exp2f(m - m_use);
+      const float tmax = quad_max(fmaxf(fmaxf(xs[0], xs[1]), fmaxf(xs[2], xs[3])));
+      const float m_new = fmaxf(m[h], tmax);
+      const float m_use = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
+      corr[h] = exp2f(m[h] - m_use);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) pr[i] = exp2f(xs[i] - m_use);
-    l = l * corr + ((pr[0] + pr[1]) + (pr[2] + pr[3]));
-    m = m_new;
+      for (int i = 0; i < 4; ++i) pr[h][i] = exp2f(xs[i] - m_use);
+      l[h] = l[h] * corr[h] + ((pr[h][0] + pr[h][1]) + (pr[h][2] + pr[h][3]));
+      m[h] = m_new;
+    }
     if constexpr (SV::kRowScale) {
       float sv[4], zv[4];
 #pragma unroll
@@ -450,37 +543,55 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD>)
       const float smax = quad_max(fmaxf(fmaxf(sv[0], sv[1]), fmaxf(sv[2], sv[3])));
       const float s_new = fmaxf(s_run, smax);
       const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
-      if constexpr (SV::kInt4)
-        zacc = zacc * corr + ((pr[0] * zv[0] + pr[1] * zv[1]) + (pr[2] * zv[2] + pr[3] * zv[3]));
-      corr *= s_new > 0.0f ? s_run * inv_s : 1.0f;
+      const float rescale = s_new > 0.0f ? s_run * inv_s : 1.0f;
       s_run = s_new;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) pr[i] *= sv[i] * inv_s;
+      for (int h = 0; h < kH; ++h) {
+        if constexpr (SV::kInt4)
+          zacc[h] = zacc[h] * corr[h] +
+                    ((pr[h][0] * zv[0] + pr[h][1] * zv[1]) + (pr[h][2] * zv[2] + pr[h][3] * zv[3]));
+        corr[h] *= rescale;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pr[h][i] *= sv[i] * inv_s;
+      }
     }
 
     // ---- O = O * corr + P V ----
     // head_dim 256: V codes only now, so K and V codes are never live together.
     if constexpr (P::kLateV) load_tile<DK, DV, HD, 2>(cur, p, x, tile);
-    uint32_t pa0, pa2;
-    if constexpr (SV::kBf16) {
-      pa0 = f32x2_to_bf16x2f(pr[0], pr[1]);
-      pa2 = f32x2_to_bf16x2f(pr[2], pr[3]);
-    } else {
-      pa0 = f32x2_to_f16x2(pr[0], pr[1]);
-      pa2 = f32x2_to_f16x2(pr[2], pr[3]);
+    uint32_t pa[kH][2];  // per row: tokens (2c, 2c + 1), (2c + 8, 2c + 9)
+#pragma unroll
+    for (int h = 0; h < kH; ++h) {
+      if constexpr (SV::kBf16) {
+        pa[h][0] = f32x2_to_bf16x2f(pr[h][0], pr[h][1]);
+        pa[h][1] = f32x2_to_bf16x2f(pr[h][2], pr[h][3]);
+      } else {
+        pa[h][0] = f32x2_to_f16x2(pr[h][0], pr[h][1]);
+        pa[h][1] = f32x2_to_f16x2(pr[h][2], pr[h][3]);
+      }
     }
 #pragma unroll
     for (int j = 0; j < SV::kNTiles; ++j) {
-      o[j][0] *= corr;
-      o[j][1] *= corr;
-      mma<SV::kBf16>(o[j][0], o[j][1], pa0, pa2,
-                     v_pair<DV, HD>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], j),
-                     v_pair<DV, HD>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], j));
+#pragma unroll
+      for (int h = 0; h < kH; ++h) {
+        o[j][2 * h] *= corr[h];
+        o[j][2 * h + 1] *= corr[h];
+      }
+      const uint32_t b0 = v_pair<DV, HD>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], j);
+      const uint32_t b1 = v_pair<DV, HD>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], j);
+      if constexpr (kH == 1) {
+        mma<SV::kBf16>(o[j][0], o[j][1], pa[0][0], pa[0][1], b0, b1);
+      } else {
+        mma16<SV::kBf16>(o[j], {pa[0][0], pa[1][0], pa[0][1], pa[1][1]}, b0, b1);
+      }
     }
   };
 
   TileRaw<DK, DV, HD> cur;
-  if constexpr (P::kLateV) {
+  if (tb >= te) {
+    // No tile of this split is visible to the warp's rows (a multi-query sequence's later
+    // split for its first queries): an empty partial (max -inf, sum 0).
+  } else if constexpr (P::kLateV) {
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
       load_tile<DK, DV, HD, 5>(cur, p, x, tile);
@@ -506,42 +617,50 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD>)
 
   allow_next_kernel();  // the merge may get scheduled; it waits for this grid's writes
 
-  // ---- the warp's partial: o normalized by its own sum, with (max, sum) to merge ----
-  const float l_tot = quad_sum(l);
+  // ---- each row's partial: o normalized by its own sum, with (max, sum) to merge ----
   float scale_o = 1.0f;
   if constexpr (SV::kRowScale) scale_o = s_run;
   if constexpr (SV::kTensorScale) scale_o = p.v.tensor_scale[kvh];
-  const float inv_l = 1.0f / l_tot;
-  const float zterm = SV::kInt4 ? quad_sum(zacc) : 0.0f;
-  const int rows = min(kDecodeHeadsPerWarp, p.ratio - hc * kDecodeHeadsPerWarp);
   // A sequence with a single split is final here (when V is not rotated): write the output.
   const bool direct = p.out != nullptr && nsplit == 1;
-  if (x.g < rows) {
+#pragma unroll
+  for (int h = 0; h < kH; ++h) {
+    const float l_tot = quad_sum(l[h]);
+    const float inv_l = l_tot > 0.0f ? 1.0f / l_tot : 0.0f;  // 0: a row that saw no token
+    const float zterm = SV::kInt4 ? quad_sum(zacc[h]) : 0.0f;
+    if (!row_valid[h]) continue;
+    const int rloc = 8 * h + x.g;
+    const int head = r_first + rloc - row_t[h] * p.ratio;
     const size_t row = (((static_cast<size_t>(seq) * p.max_splits + split) * p.num_kv_heads + kvh) *
                             p.head_chunks +
                         hc) *
-                           kDecodeHeadsPerWarp +
-                       x.g;
-    float* dst = direct ? p.out + (static_cast<size_t>(seq) * p.num_q_heads + kvh * p.ratio +
-                                   hc * kDecodeHeadsPerWarp + x.g) *
-                                      HD
-                        : p.part_o + row * HD;
+                           kR +
+                       rloc;
+    float* dst =
+        direct
+            ? p.out +
+                  (static_cast<size_t>(q0 + row_t[h]) * p.num_q_heads + kvh * p.ratio + head) * HD
+            : p.part_o + row * HD;
 #pragma unroll
     for (int j = 0; j < SV::kNTiles; ++j) {
-      dst[(2 * x.c) * (HD / 8) + j] = (o[j][0] * scale_o + zterm) * inv_l;
-      dst[(2 * x.c + 1) * (HD / 8) + j] = (o[j][1] * scale_o + zterm) * inv_l;
+      dst[(2 * x.c) * (HD / 8) + j] = (o[j][2 * h] * scale_o + zterm) * inv_l;
+      dst[(2 * x.c + 1) * (HD / 8) + j] = (o[j][2 * h + 1] * scale_o + zterm) * inv_l;
     }
-    if (x.c == 0 && !direct) p.part_ml[row] = make_float2(m, l_tot);
+    if (x.c == 0 && !direct) p.part_ml[row] = make_float2(m[h], l_tot);
   }
 }
 
 }  // namespace decode_detail
 
 template <KvDtype DK, KvDtype DV>
-DecodeMainKernel decode_main_kernel_for(int head_dim) {
+DecodeMainKernel decode_main_kernel_for(int head_dim, bool multi_query) {
   DecodeMainKernel k = nullptr;
   with_head_dim(head_dim, [&](auto hd) {
-    k = decode_detail::decode_main_kernel<DK, DV, decltype(hd)::value>;
+    constexpr int HD = decltype(hd)::value;
+    if (!multi_query)
+      k = decode_detail::decode_main_kernel<DK, DV, HD, 8, false>;
+    else
+      k = decode_detail::decode_main_kernel<DK, DV, HD, decode_rows_per_warp(HD, true), true>;
   });
   return k;
 }

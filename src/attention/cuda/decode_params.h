@@ -98,16 +98,21 @@ struct DecodeSide {
   float tensor_scale[128];  // per kv head (1 where unused)
 };
 
-// Workspace layouts:
-//   qfrag [num_seqs][num_kv_heads][head_chunks][hd/16][32 lanes] uint2 (A-operand regs 0, 2)
-//   qmeta [num_seqs][num_kv_heads][head_chunks][8] float2 (logit factor, sum of Q operands)
-//   part rows r = (((seq * max_splits + split) * num_kv_heads + kvh) * head_chunks + hc) * 8
-//     + g: part_o [r][hd] fp32 (normalized), part_ml [r] float2 (max in log2 units, sum)
+// Rows of a (sequence, kv head): r = hc * R + row = t * ratio + h for query token t (of the
+// sequence's q_len) and group head h, R = rows per warp (8: row = g; 16: row = g, g + 8);
+// rows with t >= q_len are zero and never written.
+// Workspace layouts (H = R / 8):
+//   qfrag [num_seqs][num_kv_heads][head_chunks][hd/16][32 lanes][H] uint2 (A-operand regs
+//         0, 2 of row g, then 1, 3 of row g + 8)
+//   qmeta [num_seqs][num_kv_heads][head_chunks][R] float2 (logit factor, sum of Q operands)
+//   part rows r = (((seq * max_splits + split) * num_kv_heads + kvh) * head_chunks + hc) * R
+//     + row: part_o [r][hd] fp32 (normalized), part_ml [r] float2 (max in log2 units, sum)
 struct DecodeKernelParams {
   DecodeSide k, v;
   const int32_t* indptr;
   const int32_t* indices;
   const int32_t* seq_lens;
+  const int32_t* q_indptr;  // null: one query per sequence (row = sequence)
   const uint2* qfrag;
   const float2* qmeta;
   float* part_o;
@@ -118,12 +123,30 @@ struct DecodeKernelParams {
   float soft_cap;  // 0: off
 };
 
+// The first query row and the query count of a sequence.
+__device__ __forceinline__ void decode_queries(const int32_t* q_indptr, int seq, int& q0,
+                                               int& q_len) {
+  if (q_indptr == nullptr) {
+    q0 = seq;
+    q_len = 1;
+  } else {
+    q0 = q_indptr[seq];
+    q_len = q_indptr[seq + 1] - q0;
+  }
+}
+
+// Rows per warp of the split-KV kernel: 8 for one query per sequence (rows 8..15 of the MMA
+// tiles are zero), 16 for several where the registers allow (head_dim <= 128).
+__host__ __device__ constexpr int decode_rows_per_warp(int head_dim, bool multi_query) {
+  return multi_query && head_dim <= 128 ? 16 : 8;
+}
+
 // The split-KV kernel of one (K, V) pair of kv_pairs.h for head_dim 64 / 128 / 256 (nullptr
-// for another head_dim): one instantiation per pair, defined in decode_<dtype>.cu (K == V) or
-// decode_<k>__<v>.cu (mixed). The host launches it (with programmatic dependent launch) and
-// reads its occupancy for the work split.
+// for another head_dim), for one query per sequence or several (q_indptr): the instantiations
+// of a pair are defined in decode_<dtype>.cu (K == V) or decode_<k>__<v>.cu (mixed). The host
+// launches it (with programmatic dependent launch) and reads its occupancy for the work split.
 using DecodeMainKernel = void (*)(DecodeKernelParams);
 template <KvDtype DK, KvDtype DV>
-DecodeMainKernel decode_main_kernel_for(int head_dim);
+DecodeMainKernel decode_main_kernel_for(int head_dim, bool multi_query);
 
 }  // namespace kvq::cuda

@@ -650,8 +650,11 @@ class CudaDecoderModel final : public CudaModel {
     // prefill kernels read every length from the device, and the logits of all padded rows
     // are computed in the body.
     bool verify = false;
-    int Q = 0;            // verify: most queries of a sequence
-    int context = 0;      // decode: context bucket
+    int Q = 0;  // verify: most queries of a sequence
+    // A verify step whose attention runs the decode kernel with Q queries per sequence
+    // (cuda::DecodeOptions::q_per_seq), planned for its context bucket like a decode step.
+    bool verify_decode = false;
+    int context = 0;      // decode, verify_decode: context bucket
     int capture_set = 0;  // 0: no capture; else 1 + index into capture_sets_
     // A DFlash drafter's context rows written before the body (ForwardBatch::feature_rows):
     // their number (graph steps: padded to a bucket with inert rows, slot -1) and the target's
@@ -744,7 +747,7 @@ class CudaDecoderModel final : public CudaModel {
   static cuda_model::Fp8Scale fp8_mode(const cuda_model::Linear& L) {
     return L.in_scale ? cuda_model::Fp8Scale::kStatic : cuda_model::Fp8Scale::kDynamic;
   }
-  cuda::DecodePlan decode_plan(int group, int num_seqs, int context) const;
+  cuda::DecodePlan decode_plan(int group, int num_seqs, int context, int q_per_seq = 1) const;
   // Times the GEMM algorithms of an m-row decode step once (bf16 weights, m <= kMaxTunedRows).
   void tune_gemms(int m) const;
 
@@ -763,6 +766,12 @@ class CudaDecoderModel final : public CudaModel {
   bool prefill_small_q_ = true;
   // KVQ_VERIFY_CONTEXT_BUCKETS=1: verification graphs per context bucket (A/B switch).
   bool verify_context_buckets_ = false;
+  // Verification attention (and a DFlash block's): on the decode kernel (the queries as rows
+  // of its warps, planned per context bucket) or the prefill kernel's small-q block.
+  // KVQ_VERIFY_KERNEL=auto (default) picks by shape (verify_on_decode_kernel); decode / prefill
+  // force one (A/B switch).
+  enum class VerifyKernel { kAuto, kDecode, kPrefill } verify_kernel_ = VerifyKernel::kAuto;
+  bool verify_on_decode_kernel(int num_seqs, int q_per_seq, int context) const;
   std::vector<const AttentionBackend*> backends_;
   std::vector<int> layer_group_;         // layers with the same attention kind and window
   std::vector<LayerKvSpec> group_spec_;  // one representative per group
@@ -964,6 +973,14 @@ CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& o
   if (const char* e = std::getenv("KVQ_VERIFY_CONTEXT_BUCKETS");
       e != nullptr && std::string(e) == "1")
     verify_context_buckets_ = true;
+  if (const char* e = std::getenv("KVQ_VERIFY_KERNEL"); e != nullptr) {
+    const std::string v(e);
+    if (v != "auto" && v != "decode" && v != "prefill")
+      throw InputError("KVQ_VERIFY_KERNEL=" + v + " is not one of: auto, decode, prefill");
+    verify_kernel_ = v == "decode"    ? VerifyKernel::kDecode
+                     : v == "prefill" ? VerifyKernel::kPrefill
+                                      : VerifyKernel::kAuto;
+  }
   try {
     allocate_buffers();
   } catch (...) {
@@ -1002,10 +1019,22 @@ CudaDecoderModel::~CudaDecoderModel() {
   if (ids_ready_) (void)cudaEventDestroy(ids_ready_);
 }
 
-cuda::DecodePlan CudaDecoderModel::decode_plan(int group, int num_seqs, int context) const {
+bool CudaDecoderModel::verify_on_decode_kernel(int num_seqs, int q_per_seq, int context) const {
+  if (q_per_seq > cuda::kDecodeMaxQueries || verify_kernel_ == VerifyKernel::kPrefill) return false;
+  if (verify_kernel_ == VerifyKernel::kDecode) return true;
+  // Measured on an H100 (docs/notes/decode-tuning.md, version 6): the decode kernel's step is
+  // shorter where the grid is small (few sequences x kv heads, short context: the default
+  // model at batch 1 and 8, Llama-3-8B at batch 1 x 1k) and longer where the prefill block's
+  // staged tiles serve more rows (Llama-3-8B at batch 8, or batch 1 x 8k).
+  return static_cast<int64_t>(num_seqs) * nkv_ <= 16 && context <= 2048;
+}
+
+cuda::DecodePlan CudaDecoderModel::decode_plan(int group, int num_seqs, int context,
+                                               int q_per_seq) const {
   if (cuda::uses_generic_attention(group_spec_[static_cast<size_t>(group)])) return {};
   cuda::DecodeOptions o;
   o.num_sms = num_sms_;
+  o.q_per_seq = q_per_seq;
   const std::vector<int32_t> lens(static_cast<size_t>(num_seqs), context);
   cuda::DecodePlan p = cuda::plan_decode(group_spec_[static_cast<size_t>(group)], lens, o);
   // The plan picks the number of work items per sequence for the bucket's length; keep that
@@ -1058,6 +1087,15 @@ void CudaDecoderModel::allocate_buffers() {
       for (int n = 1; n <= S_cap_; ++n)
         attn_ws_bytes_ =
             std::max(attn_ws_bytes_, decode_plan(static_cast<int>(g), n, ctx).workspace_bytes);
+  // And for verification steps on the decode kernel: a batch bucket of Q-query sequences
+  // (Q buckets 2, 3, 5, 9, 17) whose rows fit a graph step.
+  for (size_t g = 0; g < group_spec_.size(); ++g)
+    for (int ctx = kMinContextBucket; ctx <= max_context_bucket_; ctx = next_context_bucket(ctx))
+      for (int n : batch_buckets_)
+        for (int q = 2; q <= std::min(kMaxVerifyQueries, cuda::kDecodeMaxQueries); q = 2 * q - 1)
+          if (static_cast<int64_t>(n) * q <= std::min(T_cap_, R_cap_))
+            attn_ws_bytes_ = std::max(attn_ws_bytes_,
+                                      decode_plan(static_cast<int>(g), n, ctx, q).workspace_bytes);
 #if KVQ_MODEL_CUDA_PREFILL
   {
     // Sized on the largest batch shape; checked again per step.
@@ -1463,11 +1501,14 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
     if (st.verify) {
       // The plan of the step's context bucket (a graph per bucket: fewer or no kv splits, and no
       // merge, at short context), or of the longest sequence the model takes (one graph).
-      st.context =
-          verify_context_buckets_ ? std::max(kMinContextBucket, context_bucket(max_len)) : 0;
+      st.verify_decode = verify_on_decode_kernel(st.S, st.Q, context_bucket(max_len));
+      st.context = verify_context_buckets_ || st.verify_decode
+                       ? std::max(kMinContextBucket, context_bucket(max_len))
+                       : 0;
       po.max_kv_len = verify_context_buckets_ ? st.context : max_seq_len_;
     }
     for (const LayerKvSpec& s : group_spec_) {
+      if (st.verify_decode) break;  // attention() plans the decode kernel
       if (cuda::uses_generic_attention(s)) {
         st.prefill_plans.emplace_back();  // the generic kernel needs only the batch shape
         continue;
@@ -1567,15 +1608,16 @@ void CudaDecoderModel::attention(const Step& st, int l, const LayerCacheView& vi
     cuda::run_generic(spec, p, a, stream_);
     return;
   }
-  if (st.decode) {
+  if (st.decode || st.verify_decode) {
     bt.indptr = d_at<int32_t>(off_.bt_indptr);
     bt.seq_lens = d_at<int32_t>(off_.seq_lens);
     bt.num_seqs = st.S;
-    const cuda::DecodePlan p = decode_plan(g, st.S, st.context);
+    const cuda::DecodePlan p = decode_plan(g, st.S, st.context, st.verify_decode ? st.Q : 1);
     KVQ_CHECK(p.workspace_bytes <= attn_ws_bytes_, "decode workspace exceeds the sized one");
     cuda::DecodeArgs a;
     a.q = q_;
     a.out = att_;
+    if (st.verify_decode) a.q_indptr = d_at<int32_t>(off_.q_indptr);
     a.block_table = bt;
     a.cache = view;
     a.softmax_scale = softmax_scale_;
