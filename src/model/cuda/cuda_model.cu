@@ -704,6 +704,9 @@ class CudaDecoderModel final : public CudaModel {
                                                   PagedKvCache& cache) const;
   // Context K/V of n rows whose features are in feat_ and whose slots and positions are on the
   // device, written into every layer's cache.
+  // A DFlash drafter's context rows ready to ride in the layers' q|k|v products:
+  // hidden_norm(fc(features)) in the n rows in front of h_ and their RoPE table in front of cs_.
+  void context_features(int n, const int32_t* d_positions) const;
   void context_kv_rows(int n, const std::vector<LayerCacheView>& views, const int64_t* d_slots,
                        const int32_t* d_positions) const;
   // The staged feature rows of a step (ForwardBatch::feature_rows) into the step's staging.
@@ -806,6 +809,9 @@ class CudaDecoderModel final : public CudaModel {
   float* lm_gather_ = nullptr;
   size_t fp8_raw_floats_ = 0;
   bool fp8_fuse_ = true;
+  // A DFlash drafter's context rows ride in the layers' q|k|v products (run_body);
+  // KVQ_DFLASH_RIDE=0: they are written on their own first (A/B switch).
+  bool context_rows_ride_ = false;
   double* inv_freq_ = nullptr;
   void* attn_ws_ = nullptr;
   void* sample_ws_ = nullptr;
@@ -1111,15 +1117,19 @@ void CudaDecoderModel::allocate_buffers() {
   attn_ws_ = buf_.alloc(attn_ws_bytes_);
 
   const size_t T = static_cast<size_t>(T_cap_), act = bf16_ ? 2 : 4;
+  // A DFlash drafter's context rows ride in each layer's q|k|v product ahead of the block rows
+  // (run_body): up to T_cap of them in front of h_, qkv_, q_, k_, v_ and cs_.
+  const size_t front = arch_.dflash ? T : 0;
   x_ = static_cast<float*>(buf_.alloc(T * H_ * 4));
-  h_ = buf_.alloc(T * static_cast<size_t>(std::max({H_, I_, q_dim_})) * act);
-  qkv_ = static_cast<float*>(buf_.alloc(T * qkv_dim_ * 4));
-  q_ = static_cast<float*>(buf_.alloc(T * q_dim_ * 4));
+  const size_t h_row = static_cast<size_t>(std::max({H_, I_, q_dim_})) * act;
+  h_ = static_cast<std::byte*>(buf_.alloc(front * H_ * act + T * h_row)) + front * H_ * act;
+  qkv_ = static_cast<float*>(buf_.alloc((front + T) * qkv_dim_ * 4)) + front * qkv_dim_;
+  q_ = static_cast<float*>(buf_.alloc((front + T) * q_dim_ * 4)) + front * q_dim_;
   att_ = static_cast<float*>(buf_.alloc(T * q_dim_ * 4));
-  k_ = static_cast<float*>(buf_.alloc(T * kv_dim_ * 4));
-  v_ = static_cast<float*>(buf_.alloc(T * kv_dim_ * 4));
+  k_ = static_cast<float*>(buf_.alloc((front + T) * kv_dim_ * 4)) + front * kv_dim_;
+  v_ = static_cast<float*>(buf_.alloc((front + T) * kv_dim_ * 4)) + front * kv_dim_;
   mlp_ = static_cast<float*>(buf_.alloc(T * 2 * I_ * 4));
-  cs_ = static_cast<float*>(buf_.alloc(T * d_ * 4));
+  cs_ = static_cast<float*>(buf_.alloc((front + T) * d_ * 4)) + front * d_;
   logits_ = static_cast<float*>(buf_.alloc(static_cast<size_t>(R_cap_) * vocab_ * 4));
   if (w_->lm_head.n < vocab_) {  // vocabulary-parallel LM head (tensor parallelism)
     KVQ_CHECK(tp_.active() && w_->lm_head.n * tp_.size == vocab_,
@@ -1138,6 +1148,11 @@ void CudaDecoderModel::allocate_buffers() {
     const size_t F = arch_.dflash->target_layer_ids.size() *
                      static_cast<size_t>(arch_.dflash->target_hidden_size);
     feat_ = static_cast<float*>(buf_.alloc(T * F * 4));
+    context_rows_ride_ = !tp_.active();
+    for (const DeviceWeights::Layer& w : w_->layers)
+      context_rows_ride_ = context_rows_ride_ && !fuse_fp8(w.qkv);
+    if (const char* e = std::getenv("KVQ_DFLASH_RIDE"); e != nullptr && std::string(e) == "0")
+      context_rows_ride_ = false;
     if (bf16_) feat_h_ = buf_.alloc(T * F * 2);
     d_feat_step_ = static_cast<std::byte*>(buf_.alloc(T * 16));
   }
@@ -1675,17 +1690,29 @@ void CudaDecoderModel::logits_rows(int first, int n) const {
 }
 
 void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView>& views) const {
+  // A DFlash drafter's context rows: C rows whose K/V every layer writes before the block
+  // attends to them. Where the layers' q|k|v products are plain (no FP8 input, no tensor
+  // parallelism) they ride in each layer's product ahead of the block rows (ctx rows in front
+  // of h_, qkv_, q_, k_, v_, cs_: one GEMM and one q|k|v post per layer for both); otherwise
+  // they are written first on their own (context_kv_rows).
+  int ctx = 0;
+  const int64_t* ctx_slots = nullptr;
   if (st.C > 0) {
-    // A DFlash drafter's context rows first: their K/V are in the cache before the block
-    // attends to them (the body reuses the same activation buffers afterwards).
     const int F =
         static_cast<int>(arch_.dflash->target_layer_ids.size()) * arch_.dflash->target_hidden_size;
-    const int64_t* slots = d_at<int64_t>(off_.features);
-    const auto* positions = reinterpret_cast<const int32_t*>(slots + st.C);
+    ctx_slots = d_at<int64_t>(off_.features);
+    const auto* positions = reinterpret_cast<const int32_t*>(ctx_slots + st.C);
     const int32_t* rows = positions + st.C;
     cuda_model::gather_rows(st.feature_src, rows, st.C, F, feat_, stream_);
-    context_kv_rows(st.C, views, slots, positions);
+    if (context_rows_ride_) {
+      ctx = st.C;
+      context_features(ctx, positions);
+    } else {
+      context_kv_rows(st.C, views, ctx_slots, positions);
+    }
   }
+  const size_t act = bf16_ ? 2 : 4;
+  void* ctx_h = static_cast<std::byte*>(h_) - static_cast<size_t>(ctx) * H_ * act;
   const int T = st.T;
   const int32_t* tokens = d_at<int32_t>(off_.tokens);
   cuda_model::embed_gather(w_->embed, bf16_, w_->mask, tokens, T, H_, x_, stream_);
@@ -1723,10 +1750,15 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
       cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.input_norm, eps_, h_, bf16_, stream_);
     }
     pending = {};
-    const Deferred dq =
-        linear(w.qkv, T, h_, H_, qkv_, qkv_dim_, 0.0f, {fuse_fp8(w.qkv), fuse_fp8(w.qkv)});
-    cuda_model::qkv_post(qkv_, w.qkv_bias, w.q_norm, w.k_norm, cs_, T, nq_, nkv_, d_, eps_, q_, k_,
-                         v_, stream_, dq.row_scale, dq.col_scale);
+    // With ctx rows: rows [-ctx, 0) of these buffers are the context rows (see above).
+    const Deferred dq = linear(w.qkv, ctx + T, ctx_h, H_, qkv_ - ctx * qkv_dim_, qkv_dim_, 0.0f,
+                               {fuse_fp8(w.qkv), fuse_fp8(w.qkv)});
+    cuda_model::qkv_post(qkv_ - ctx * qkv_dim_, w.qkv_bias, w.q_norm, w.k_norm, cs_ - ctx * d_,
+                         ctx + T, nq_, nkv_, d_, eps_, q_ - ctx * q_dim_, k_ - ctx * kv_dim_,
+                         v_ - ctx * kv_dim_, stream_, dq.row_scale, dq.col_scale);
+    if (ctx > 0)
+      write_kv_cuda(spec, views[static_cast<size_t>(l)], ctx_slots, ctx, k_ - ctx * kv_dim_,
+                    v_ - ctx * kv_dim_, stream_);
     write_kv_cuda(spec, views[static_cast<size_t>(l)], d_at<int64_t>(off_.slots), T, k_, v_,
                   stream_);
     attention(st, l, views[static_cast<size_t>(l)]);
@@ -1849,6 +1881,24 @@ void CudaDecoderModel::stage_feature_rows(int n, bool rows) const {
     if (bytes > 0)
       KVQ_CUDA_CHECK(cudaMemcpyAsync(d_feat_step_ + at, h_feat_step_ + at, size_t(n) * bytes,
                                      cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaDecoderModel::context_features(int n, const int32_t* d_positions) const {
+  const int Fi =
+      static_cast<int>(arch_.dflash->target_layer_ids.size()) * arch_.dflash->target_hidden_size;
+  const void* in = feat_;
+  if (bf16_) {
+    cuda_model::to_bf16(feat_, static_cast<int64_t>(n) * Fi, feat_h_, stream_);
+    in = feat_h_;
+  }
+  // hidden_norm(fc(features)) into the n rows in front of h_, their RoPE table in front of cs_.
+  const size_t act = bf16_ ? 2 : 4;
+  linear(w_->fc, n, in, Fi, x_, H_, 0.0f);
+  cuda_model::rms_norm_rows(x_, nullptr, n, H_, w_->hidden_norm, eps_,
+                            static_cast<std::byte*>(h_) - static_cast<size_t>(n) * H_ * act,
+                            bf16_, stream_);
+  cuda_model::rope_table(d_positions, n, inv_freq_, d_ / 2, cs_ - static_cast<size_t>(n) * d_,
+                         stream_);
 }
 
 void CudaDecoderModel::context_kv_rows(int n, const std::vector<LayerCacheView>& views,
