@@ -4,6 +4,7 @@
 
 #include "attention/backends.h"
 #include "attention/cpu_avx512/kernel.h"
+#include "attention/cuda/kv_pairs.h"
 
 namespace kvq {
 
@@ -17,6 +18,12 @@ nlohmann::json int_set_or_any(const std::vector<int>& values) {
 // Facts about a backend that its whitelists do not show.
 std::string notes(const AttentionBackend& b) {
   if (b.name() == "cpu_reference") return "scalar float64 oracle";
+  if (b.name() == "cuda") {
+    std::vector<std::pair<KvDtype, KvDtype>> mixed(std::begin(cuda::kCudaMixedKvPairs),
+                                                   std::end(cuda::kCudaMixedKvPairs));
+    return "tensor-core kernels for head_dim 64/128/256 with K == V or " +
+           format_dtype_pairs(mixed) + "; every other pair and head_dim runs the generic kernel";
+  }
   if (b.name() != "cpu_avx512") return "";
   switch (cpu_attn::best_isa()) {
     case cpu_attn::Isa::kAvx512:

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attention/cuda/cuda_decode.h"
+#include "attention/cuda/cuda_generic.h"
 #include "attention/cuda/kv_pairs.h"
 #include "cuda_attention_harness.h"
 #include "kvq/attention/backend.h"
@@ -250,10 +251,14 @@ TEST(CudaDecodeBackend, RegisteredWithHonestWhitelists) {
   }
   EXPECT_FALSE(b->reasons_unsupported(spec, Device::kCpu).empty());
   LayerKvSpec mixed = spec;
-  mixed.v_dtype = KvDtype::kFp8E5M2;  // a pair outside kv_pairs.h
+  mixed.v_dtype = KvDtype::kFp8E5M2;  // a pair outside kv_pairs.h: the generic kernel runs it
   mixed.v_scale.kind = ScaleSourceKind::kCheckpoint;
   mixed.v_scale.values = {0.02f};
-  EXPECT_FALSE(b->reasons_unsupported(mixed).empty());
+  EXPECT_TRUE(cuda::uses_generic_attention(mixed));
+  EXPECT_EQ(b->reasons_unsupported(mixed, Device::kCuda).empty(), cuda_device_count() > 0);
+  const auto& pairs = b->capabilities().kv_dtype_pairs;
+  EXPECT_NE(std::find(pairs.begin(), pairs.end(), std::pair{mixed.k_dtype, mixed.v_dtype}),
+            pairs.end());
   // Head dims other than 64 / 128 / 256 run the generic kernel (cuda_generic.h), up to 256.
   LayerKvSpec odd = spec;
   odd.head_dim_k = odd.head_dim_v = 96;

@@ -198,12 +198,75 @@ TEST(CudaGeneric, BackendReasons) {
   ASSERT_FALSE(cuda::generic_unsupported_reasons(s).empty());
   EXPECT_NE(cuda::generic_unsupported_reasons(s).front().find("1..256"), std::string::npos);
   s.head_dim_k = s.head_dim_v = 8;
-  s.k_dtype = KvDtype::kFp8E5M2;  // a mixed pair outside kv_pairs.h
-  EXPECT_FALSE(cuda::generic_unsupported_reasons(s).empty());
+  s.k_dtype = KvDtype::kFp8E5M2;  // a mixed pair outside kv_pairs.h: the any-pair kernel
+  EXPECT_TRUE(cuda::generic_unsupported_reasons(s).empty());
+  s.head_dim_k = s.head_dim_v = 64;  // the tensor-core head dims, but not their pairs
+  EXPECT_TRUE(cuda::uses_generic_attention(s));
+  s.v_dtype = KvDtype::kFp8E5M2;
+  EXPECT_FALSE(cuda::uses_generic_attention(s));
+  s.v_dtype = KvDtype::kFloat32;
+  s.head_dim_k = s.head_dim_v = 8;
   if (cuda_device_count() == 0) return;
   s.k_dtype = KvDtype::kFloat32;
   EXPECT_TRUE(find_attention_backend("cuda")->reasons_unsupported(s, Device::kCuda).empty());
 }
+
+// Every concrete (K, V) pair outside kv_pairs.h (the any-pair kernel, which decodes each side by
+// its run-time dtype) at the tensor-core head dims 64 and 128: a ragged prefill batch through
+// the "cuda" backend and a decode batch through run_generic, causal / sliding window /
+// non-causal, GQA 2 and 4, soft-cap on and off.
+std::vector<std::pair<KvDtype, KvDtype>> unlisted_pairs() {
+  std::vector<std::pair<KvDtype, KvDtype>> r;
+  for (const auto& k : kKvDtypeTraits)
+    for (const auto& v : kKvDtypeTraits)
+      if (k.concrete && v.concrete && k.valid_as_k && v.valid_as_v &&
+          !cuda::cuda_kv_pair_supported(k.dtype, v.dtype))
+        r.push_back({k.dtype, v.dtype});
+  return r;
+}
+
+class CudaAnyPair : public ::testing::TestWithParam<std::pair<KvDtype, KvDtype>> {};
+
+TEST_P(CudaAnyPair, MatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const auto [kd, vd] = GetParam();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                 AttentionKind::kNonCausal};
+  int index = 0;
+  for (int hd : {64, 128}) {
+    for (int mode = 0; mode < 2; ++mode, ++index) {
+      CudaAttnCase c = generic_case();
+      c.k_dtype = kd;
+      c.v_dtype = vd;
+      c.set_head_dim(hd);
+      c.block_tokens = index % 2 == 0 ? 16 : 32;
+      c.ratio = index % 2 == 0 ? 2 : 4;
+      c.num_kv_heads = 2;
+      c.kind = kinds[(index + static_cast<int>(seed % 3)) % 3];
+      c.window = std::uniform_int_distribution<int>(4, 120)(rng);
+      c.soft_cap = index % 3 == 1 ? 5.0f : 0.0f;
+      if (mode == 0)
+        ragged_batch(c, rng);
+      else
+        decode_batch(c, rng);
+      ASSERT_TRUE(cuda::uses_generic_attention(test::spec_for(c))) << c.describe();
+      const unsigned case_seed = seed + static_cast<unsigned>(index) + 1;
+      const CudaAttnProblem problem(c, case_seed);
+      const std::vector<float> want = problem.reference();
+      const std::vector<float> got = mode == 0 ? test::run_cuda_backend(problem, c.soft_cap)
+                                               : run_device_api(problem, c.soft_cap, true);
+      EXPECT_TRUE(problem.check(got, want, tolerance(vd)))
+          << c.describe() << ", seed " << seed << " (case seed " << case_seed << ")";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryUnlistedPair, CudaAnyPair, ::testing::ValuesIn(unlisted_pairs()),
+                         [](const ::testing::TestParamInfo<std::pair<KvDtype, KvDtype>>& p) {
+                           return pair_name(p.param);
+                         });
 
 // ---- write_kv_cuda at small head dims ---------------------------------------------------
 

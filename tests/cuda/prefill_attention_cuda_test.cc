@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention/cuda/cuda_generic.h"
 #include "attention/cuda/cuda_prefill.h"
 #include "attention/cuda/kv_pairs.h"
 #include "cuda_attention_harness.h"
@@ -360,10 +361,13 @@ TEST(CudaBackend, RegisteredWithHonestWhitelists) {
   if (cuda_device_count() > 0) {
     EXPECT_TRUE(b->reasons_unsupported(spec, Device::kCuda).empty());
   }
+  // A pair outside kv_pairs.h runs on the generic kernel (cuda_generic.h): accepted where a
+  // device is.
   c.k_dtype = KvDtype::kNvfp4;
   c.v_dtype = KvDtype::kFp8E5M2;
   const LayerKvSpec unlisted = spec_for(c);
-  EXPECT_FALSE(b->reasons_unsupported(unlisted).empty());
+  EXPECT_TRUE(cuda::uses_generic_attention(unlisted));
+  EXPECT_EQ(b->reasons_unsupported(unlisted, Device::kCuda).empty(), cuda_device_count() > 0);
   // Head dims other than 64 / 128 / 256 run the generic kernel (cuda_generic.h), up to 256.
   LayerKvSpec odd = spec;
   odd.head_dim_k = odd.head_dim_v = 96;

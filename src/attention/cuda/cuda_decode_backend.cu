@@ -7,11 +7,10 @@
 // them on the host before run_impl; this backend uploads them). run() is synchronous: it
 // returns after the kernels finished, like the CPU backends.
 //
-// The whitelist is what both paths run: K == V plus the mixed pairs of kv_pairs.h; a pair one
-// path cannot run yet gets that path's reasons (the union of decode_unsupported_reasons and
-// prefill_unsupported_reasons). Head dims the tensor-core kernels do not take (anything but
-// 64 / 128 / 256 with K == V, up to 256) run the generic kernel (cuda_generic.h) for decode and
-// prefill alike.
+// The whitelist is every concrete (K, V) pair. The tensor-core decode and prefill kernels run
+// K == V and the mixed pairs of kv_pairs.h at head_dim 64 / 128 / 256 (K == V); every other
+// pair and head dim (up to 256) runs the generic kernel (cuda_generic.h) for decode and prefill
+// alike, so a layer the tensor-core kernels cannot take gets the generic kernel's reasons.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,10 +37,13 @@ class CudaBackend final : public AttentionBackend {
   CudaBackend() {
     caps_.device = Device::kCuda;
     caps_.priority = 100;
-    for (const auto& t : kKvDtypeTraits)
-      if (t.concrete && t.valid_as_k && t.valid_as_v)
-        caps_.kv_dtype_pairs.push_back({t.dtype, t.dtype});
-    for (const auto& pr : cuda::kCudaMixedKvPairs) caps_.kv_dtype_pairs.push_back(pr);
+    // Every pair: the fast ones (kv_pairs.h) first, then the rest (the generic kernel).
+    for (const auto& pr : cuda::kCudaKvPairs) caps_.kv_dtype_pairs.push_back(pr);
+    for (const auto& k : kKvDtypeTraits)
+      for (const auto& v : kKvDtypeTraits)
+        if (k.concrete && v.concrete && k.valid_as_k && v.valid_as_v &&
+            !cuda::cuda_kv_pair_supported(k.dtype, v.dtype))
+          caps_.kv_dtype_pairs.push_back({k.dtype, v.dtype});
     caps_.head_dims = {};  // any up to 256: 64 / 128 / 256 on tensor cores, the rest generic
     caps_.block_tokens = {16, 32};
     caps_.attention_kinds = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,

@@ -39,6 +39,7 @@ struct GenericParams {
   int num_seqs, total_q, num_q_heads, ratio, block_tokens, attention_kind, window;
   float softmax_scale, soft_cap;  // soft_cap 0: off
   HadamardSigns signs;
+  KvDtype k_dtype, v_dtype;  // read by the any-pair kernel (DK = DV = kAuto) only
 };
 
 // ---- exact element decoders (the reference codecs' arithmetic, src/quant/ref/) ----------
@@ -100,6 +101,59 @@ __device__ __forceinline__ float element(const uint8_t* row, int hd, int d, floa
   }
 }
 
+// The same for a dtype known at run time (the any-pair kernel): one uniform branch per call.
+__device__ __forceinline__ float2 row_meta_rt(KvDtype d, const uint8_t* meta, float tensor_scale) {
+  switch (d) {
+    case KvDtype::kInt8PerTokenHead:
+      return row_meta<KvDtype::kInt8PerTokenHead>(meta, tensor_scale);
+    case KvDtype::kFp8PerTokenHead:
+      return row_meta<KvDtype::kFp8PerTokenHead>(meta, tensor_scale);
+    case KvDtype::kInt4PerTokenHead:
+      return row_meta<KvDtype::kInt4PerTokenHead>(meta, tensor_scale);
+    default:
+      return row_meta<KvDtype::kFloat32>(meta, tensor_scale);  // the tensor scale
+  }
+}
+__device__ __forceinline__ float element_rt(KvDtype d, const uint8_t* row, int hd, int i,
+                                            float2 m) {
+  switch (d) {
+    case KvDtype::kFloat32:
+      return element<KvDtype::kFloat32>(row, hd, i, m);
+    case KvDtype::kFloat16:
+      return element<KvDtype::kFloat16>(row, hd, i, m);
+    case KvDtype::kBFloat16:
+      return element<KvDtype::kBFloat16>(row, hd, i, m);
+    case KvDtype::kFp8E4M3:
+      return element<KvDtype::kFp8E4M3>(row, hd, i, m);
+    case KvDtype::kFp8PerTokenHead:
+      return element<KvDtype::kFp8PerTokenHead>(row, hd, i, m);
+    case KvDtype::kFp8E5M2:
+      return element<KvDtype::kFp8E5M2>(row, hd, i, m);
+    case KvDtype::kInt8PerTokenHead:
+      return element<KvDtype::kInt8PerTokenHead>(row, hd, i, m);
+    case KvDtype::kInt4PerTokenHead:
+      return element<KvDtype::kInt4PerTokenHead>(row, hd, i, m);
+    default:
+      return element<KvDtype::kNvfp4>(row, hd, i, m);
+  }
+}
+// A side's metadata and elements: compile-time dtype D, or p's run-time one where D is kAuto.
+template <KvDtype D>
+__device__ __forceinline__ float2 side_meta(KvDtype rt, const uint8_t* meta, float ts) {
+  if constexpr (D == KvDtype::kAuto)
+    return row_meta_rt(rt, meta, ts);
+  else
+    return row_meta<D>(meta, ts);
+}
+template <KvDtype D>
+__device__ __forceinline__ float side_element(KvDtype rt, const uint8_t* row, int hd, int i,
+                                              float2 m) {
+  if constexpr (D == KvDtype::kAuto)
+    return element_rt(rt, row, hd, i, m);
+  else
+    return element<D>(row, hd, i, m);
+}
+
 // In-place fast Walsh-Hadamard transform of n (a power of two) floats in shared memory, by
 // one warp, stage by stage in the reference's order (hadamard.cc), so rotations match it bit
 // for bit.
@@ -119,8 +173,9 @@ __device__ void warp_fwht_shared(float* x, int n, int lane) {
 template <KvDtype DK, KvDtype DV>
 __global__ void __launch_bounds__(kWarps * 32)
     generic_attention_kernel(const __grid_constant__ GenericParams p) {
-  constexpr bool kRotK = DK == KvDtype::kInt4PerTokenHead;
-  constexpr bool kRotV = DV == KvDtype::kInt4PerTokenHead;
+  // Rotated sides (int4 per token-head); DK / DV kAuto: the any-pair kernel, dtypes from p.
+  const bool rot_k = (DK == KvDtype::kAuto ? p.k_dtype : DK) == KvDtype::kInt4PerTokenHead;
+  const bool rot_v = (DV == KvDtype::kAuto ? p.v_dtype : DV) == KvDtype::kInt4PerTokenHead;
   __shared__ float s_buf[kWarps][kGenericMaxHeadDim];
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int warp = static_cast<int>(threadIdx.x >> 5);
@@ -169,10 +224,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   const float* q = p.q + (static_cast<size_t>(r) * p.num_q_heads + h) * dk;
   for (int d = lane; d < dk; d += 32) {
     float x = q[d];
-    if (kRotK && hadamard_negative(p.signs, d)) x = -x;
+    if (rot_k && hadamard_negative(p.signs, d)) x = -x;
     buf[d] = x;
   }
-  if constexpr (kRotK) {
+  if (rot_k) {
     warp_fwht_shared(buf, dk, lane);
     const float c = hadamard_inv_sqrt(__ffs(dk) - 1);
     for (int d = lane; d < dk; d += 32) buf[d] = __fmul_rn(buf[d], c);
@@ -199,9 +254,11 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int off = t % p.block_tokens;
       const uint8_t* kb = k_head + static_cast<uint64_t>(block) * p.k.block_bytes;
       const uint8_t* row = kb + static_cast<uint64_t>(off) * p.k.row_bytes;
-      const float2 mk = row_meta<DK>(kb + p.k.values_bytes + off * p.k.row_scale_bytes, k_ts);
+      const float2 mk =
+          side_meta<DK>(p.k_dtype, kb + p.k.values_bytes + off * p.k.row_scale_bytes, k_ts);
       float dot = 0.0f;
-      for (int d = 0; d < dk; ++d) dot = fmaf(buf[d], element<DK>(row, dk, d, mk), dot);
+      for (int d = 0; d < dk; ++d)
+        dot = fmaf(buf[d], side_element<DK>(p.k_dtype, row, dk, d, mk), dot);
       x = dot * p.softmax_scale;
       if (capped) x = p.soft_cap * tanhf(x / p.soft_cap);
     }
@@ -222,17 +279,18 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int off = tj % p.block_tokens;
       const uint8_t* vb = v_head + static_cast<uint64_t>(block) * p.v.block_bytes;
       const uint8_t* row = vb + static_cast<uint64_t>(off) * p.v.row_bytes;
-      const float2 mv = row_meta<DV>(vb + p.v.values_bytes + off * p.v.row_scale_bytes, v_ts);
+      const float2 mv =
+          side_meta<DV>(p.v_dtype, vb + p.v.values_bytes + off * p.v.row_scale_bytes, v_ts);
 #pragma unroll
       for (int i = 0; i < kMaxDimsPerLane; ++i) {
         const int d = lane + 32 * i;
-        if (d < dv) acc[i] = fmaf(pj, element<DV>(row, dv, d, mv), acc[i]);
+        if (d < dv) acc[i] = fmaf(pj, side_element<DV>(p.v_dtype, row, dv, d, mv), acc[i]);
       }
     }
   }
 
   const float inv_l = 1.0f / l;
-  if constexpr (kRotV) {
+  if (rot_v) {
     // Normalize, then un-rotate in shared memory (the reference's order: transform, scale,
     // signs).
     __syncwarp();  // every lane is done reading Q from buf
@@ -268,13 +326,7 @@ void launch(const GenericParams& p, unsigned blocks, cudaStream_t stream) {
 std::vector<std::string> generic_unsupported_reasons(const LayerKvSpec& spec) {
   std::vector<std::string> r;
   const bool concrete = traits(spec.k_dtype).concrete && traits(spec.v_dtype).concrete;
-  if (!concrete)
-    r.push_back("K / V dtype is unresolved (auto)");
-  else if (!cuda_kv_pair_supported(spec.k_dtype, spec.v_dtype))
-    r.push_back("the CUDA attention kernels are not built for K " +
-                std::string(to_string(spec.k_dtype)) + " with V " +
-                std::string(to_string(spec.v_dtype)) +
-                " (built: K == V, and the mixed pairs of kv_pairs.h)");
+  if (!concrete) r.push_back("K / V dtype is unresolved (auto)");
   for (KvSide s : {KvSide::kK, KvSide::kV}) {
     const int hd = spec.head_dim(s);
     if (hd < 1 || hd > kGenericMaxHeadDim)
@@ -360,10 +412,13 @@ void run_generic(const LayerKvSpec& spec, const GenericPlan& plan, const Generic
   p.softmax_scale = args.softmax_scale;
   p.soft_cap = args.logit_soft_cap;
   p.signs = make_hadamard_signs();
+  p.k_dtype = spec.k_dtype;
+  p.v_dtype = spec.v_dtype;
   const bool launched = with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
     launch<decltype(k)::value, decltype(v)::value>(p, static_cast<unsigned>(blocks), stream);
   });
-  KVQ_CHECK(launched, "run_generic: no kernel for this (K, V) pair");
+  // Any other pair: the kernel that decodes each side by its run-time dtype.
+  if (!launched) launch<KvDtype::kAuto, KvDtype::kAuto>(p, static_cast<unsigned>(blocks), stream);
 }
 
 }  // namespace kvq::cuda
