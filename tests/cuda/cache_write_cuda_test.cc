@@ -65,8 +65,7 @@ TEST(CudaCacheWrite, BitIdenticalToReferenceForEveryDtype) {
       for (int bt : {16, 32}) {
         // Block 16: V takes the next dtype of the list, so every dtype is also written as V
         // (one launch per side); block 32: V is K's dtype (one launch writes both sides).
-        const KvDtype vd =
-            bt == 16 ? dtypes[static_cast<size_t>(index++ + 1) % dtypes.size()] : kd;
+        const KvDtype vd = bt == 16 ? dtypes[static_cast<size_t>(index++ + 1) % dtypes.size()] : kd;
         const LayerKvSpec spec = write_spec(kd, vd, hd, bt);
         const int32_t num_blocks = 6;
         const int n = 2 * bt + 7;  // a partial block, tokens spread over random blocks

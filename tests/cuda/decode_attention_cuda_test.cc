@@ -278,13 +278,6 @@ TEST(CudaDecodeBackend, RegisteredWithHonestWhitelists) {
 // query's heads across two warps), forced one-tile splits (rows whose queries see none of a
 // split) and the plan's own split; every K/V pair of kv_pairs.h.
 
-std::vector<KvPair> every_cuda_pair() {
-  std::vector<KvPair> r;
-  for (KvDtype d : concrete_dtypes()) r.push_back({d, d});
-  for (const auto& pr : cuda::kCudaMixedKvPairs) r.push_back(pr);
-  return r;
-}
-
 class CudaDecodeMultiQuery : public ::testing::TestWithParam<KvPair> {};
 
 TEST_P(CudaDecodeMultiQuery, MatchesCpuReference) {
@@ -351,7 +344,8 @@ TEST_P(CudaDecodeMultiQuery, MatchesCpuReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(EveryPair, CudaDecodeMultiQuery, ::testing::ValuesIn(every_cuda_pair()),
+INSTANTIATE_TEST_SUITE_P(EveryPair, CudaDecodeMultiQuery,
+                         ::testing::ValuesIn(test::supported_pairs()),
                          [](const ::testing::TestParamInfo<KvPair>& p) {
                            return test::pair_name(p.param);
                          });

@@ -1,9 +1,9 @@
 // The (K, V) dtype pairs the CUDA attention kernels (decode and prefill) are built for: every
 // K == V pair, plus a short list of mixed pairs. Each pair is one kernel instantiation per
 // head dim, so the list is kept short on purpose; a pair outside it runs on the generic
-// kernel (cuda_generic.h), which decodes each side by its run-time dtype. The mixed pairs are the ones users ask for: a
-// higher-precision K (logits are more sensitive to K error than outputs are to V error) over
-// a compact V, and a quantized K over a 16-bit V.
+// kernel (cuda_generic.h), which decodes each side by its run-time dtype. The mixed pairs are the
+// ones users ask for: a higher-precision K (logits are more sensitive to K error than outputs are
+// to V error) over a compact V, and a quantized K over a 16-bit V.
 #pragma once
 
 #include <array>

@@ -704,9 +704,9 @@ class CudaDecoderModel final : public CudaModel {
                                                   PagedKvCache& cache) const;
   // Context K/V of n rows whose features are in feat_ and whose slots and positions are on the
   // device, written into every layer's cache.
-  // A DFlash drafter's context rows ready to ride in the layers' q|k|v products:
-  // hidden_norm(fc(features)) in the n rows in front of h_ and their RoPE table in front of cs_.
-  void context_features(int n, const int32_t* d_positions) const;
+  // A DFlash drafter's context rows from the gathered features (feat_): hidden_norm(fc(.)) into
+  // h_rows (n rows of h_'s layout) and their RoPE table into cs_rows.
+  void context_features(int n, const int32_t* d_positions, void* h_rows, float* cs_rows) const;
   void context_kv_rows(int n, const std::vector<LayerCacheView>& views, const int64_t* d_slots,
                        const int32_t* d_positions) const;
   // The staged feature rows of a step (ForwardBatch::feature_rows) into the step's staging.
@@ -1697,6 +1697,8 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
   // they are written first on their own (context_kv_rows).
   int ctx = 0;
   const int64_t* ctx_slots = nullptr;
+  const int ctx_rows = st.C > 0 && context_rows_ride_ ? st.C : 0;
+  void* ctx_h = static_cast<std::byte*>(h_) - static_cast<size_t>(ctx_rows) * H_ * (bf16_ ? 2 : 4);
   if (st.C > 0) {
     const int F =
         static_cast<int>(arch_.dflash->target_layer_ids.size()) * arch_.dflash->target_hidden_size;
@@ -1705,14 +1707,13 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     const int32_t* rows = positions + st.C;
     cuda_model::gather_rows(st.feature_src, rows, st.C, F, feat_, stream_);
     if (context_rows_ride_) {
-      ctx = st.C;
-      context_features(ctx, positions);
+      // In front of h_ and cs_ (see allocate_buffers), ahead of the block rows.
+      ctx = ctx_rows;
+      context_features(ctx, positions, ctx_h, cs_ - static_cast<size_t>(ctx) * d_);
     } else {
       context_kv_rows(st.C, views, ctx_slots, positions);
     }
   }
-  const size_t act = bf16_ ? 2 : 4;
-  void* ctx_h = static_cast<std::byte*>(h_) - static_cast<size_t>(ctx) * H_ * act;
   const int T = st.T;
   const int32_t* tokens = d_at<int32_t>(off_.tokens);
   cuda_model::embed_gather(w_->embed, bf16_, w_->mask, tokens, T, H_, x_, stream_);
@@ -1883,7 +1884,8 @@ void CudaDecoderModel::stage_feature_rows(int n, bool rows) const {
                                      cudaMemcpyHostToDevice, stream_));
 }
 
-void CudaDecoderModel::context_features(int n, const int32_t* d_positions) const {
+void CudaDecoderModel::context_features(int n, const int32_t* d_positions, void* h_rows,
+                                        float* cs_rows) const {
   const int Fi =
       static_cast<int>(arch_.dflash->target_layer_ids.size()) * arch_.dflash->target_hidden_size;
   const void* in = feat_;
@@ -1891,30 +1893,16 @@ void CudaDecoderModel::context_features(int n, const int32_t* d_positions) const
     cuda_model::to_bf16(feat_, static_cast<int64_t>(n) * Fi, feat_h_, stream_);
     in = feat_h_;
   }
-  // hidden_norm(fc(features)) into the n rows in front of h_, their RoPE table in front of cs_.
-  const size_t act = bf16_ ? 2 : 4;
   linear(w_->fc, n, in, Fi, x_, H_, 0.0f);
-  cuda_model::rms_norm_rows(x_, nullptr, n, H_, w_->hidden_norm, eps_,
-                            static_cast<std::byte*>(h_) - static_cast<size_t>(n) * H_ * act,
-                            bf16_, stream_);
-  cuda_model::rope_table(d_positions, n, inv_freq_, d_ / 2, cs_ - static_cast<size_t>(n) * d_,
-                         stream_);
+  cuda_model::rms_norm_rows(x_, nullptr, n, H_, w_->hidden_norm, eps_, h_rows, bf16_, stream_);
+  cuda_model::rope_table(d_positions, n, inv_freq_, d_ / 2, cs_rows, stream_);
 }
 
 void CudaDecoderModel::context_kv_rows(int n, const std::vector<LayerCacheView>& views,
                                        const int64_t* d_slots, const int32_t* d_positions) const {
-  const int Fi =
-      static_cast<int>(arch_.dflash->target_layer_ids.size()) * arch_.dflash->target_hidden_size;
-  const void* in = feat_;
-  if (bf16_) {
-    cuda_model::to_bf16(feat_, static_cast<int64_t>(n) * Fi, feat_h_, stream_);
-    in = feat_h_;
-  }
   // The context rows: hidden_norm(fc(features)), then each layer's k/v projections of them
   // (no input_layernorm), k_norm and RoPE, written in the layer's cache format.
-  linear(w_->fc, n, in, Fi, x_, H_, 0.0f);
-  cuda_model::rms_norm_rows(x_, nullptr, n, H_, w_->hidden_norm, eps_, h_, bf16_, stream_);
-  cuda_model::rope_table(d_positions, n, inv_freq_, d_ / 2, cs_, stream_);
+  context_features(n, d_positions, h_, cs_);
   for (int l = 0; l < num_layers_; ++l) {
     const DeviceWeights::Layer& w = w_->layers[static_cast<size_t>(l)];
     // The whole q|k|v product (the q columns are not used): one GEMM shape shared with the
