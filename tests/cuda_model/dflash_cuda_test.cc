@@ -324,7 +324,11 @@ TEST(DflashCuda, ContextRowsFusedIntoTheBlockPassEqualASeparateWrite) {
         double row_max = 0.0;
         for (int e = 0; e < V; ++e)
           row_max = std::max(row_max, std::abs(static_cast<double>(want[size_t(r) * V + e])));
-        const double tol = 1e-4 * (1.0 + row_max);
+        // The fused rows' K/V come out of a q|k|v product of C + T rows (they ride ahead of the
+        // block's), the reference's out of one of n rows: cuBLAS may sum in another order, and a
+        // last-bit difference can move an fp8 cache code by one step. Seen: 1.04 x 1e-4
+        // (1 + max|logit|) on one seed; a wrong row, slot or position costs O(1).
+        const double tol = 1e-3 * (1.0 + row_max);
         for (int e = 0; e < V; ++e) {
           const double d = std::abs((*got)[size_t(r) * V + e] - want[size_t(r) * V + e]);
           worst = std::max(worst, d / tol);

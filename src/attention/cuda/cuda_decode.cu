@@ -487,6 +487,8 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   KVQ_CHECK(args.q && args.out && args.workspace && bt.indptr && bt.indices && bt.seq_lens &&
                 args.cache.k_base && args.cache.v_base,
             "run_decode: null pointer");
+  KVQ_CHECK(plan.q_per_seq > 1 || args.q_indptr == nullptr,
+            "run_decode: q_indptr needs a plan made for several queries per sequence (q_per_seq)");
   const int hd = spec.head_dim_k;
   const WorkspaceLayout w = workspace_layout(spec, plan);
   KVQ_CHECK(w.total == plan.workspace_bytes, "run_decode: the plan does not match the spec");
@@ -567,8 +569,6 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   const int64_t warps =
       static_cast<int64_t>(plan.max_splits) * plan.head_chunks * spec.num_kv_heads * plan.num_seqs;
   KVQ_CHECK((warps + kDecodeWarps - 1) / kDecodeWarps <= 0x7FFFFFFF, "run_decode: grid too large");
-  KVQ_CHECK(plan.q_per_seq > 1 || args.q_indptr == nullptr,
-            "run_decode: q_indptr needs a plan made for several queries per sequence (q_per_seq)");
   launch(main_kernel(spec.k_dtype, spec.v_dtype, hd, plan.q_per_seq > 1),
          dim3(static_cast<unsigned>((warps + kDecodeWarps - 1) / kDecodeWarps)), kDecodeWarps * 32,
          kp, true, stream);

@@ -753,6 +753,9 @@ class CudaDecoderModel final : public CudaModel {
   cuda::DecodePlan decode_plan(int group, int num_seqs, int context, int q_per_seq = 1) const;
   // Times the GEMM algorithms of an m-row decode step once (bf16 weights, m <= kMaxTunedRows).
   void tune_gemms(int m) const;
+  // The q|k|v product of a DFlash step whose C context rows ride ahead of its T block rows
+  // (C + T rows, from the regions in front of h_ and qkv_).
+  void tune_riding_qkv(int C, int T) const;
 
   KvPlan plan_;
   ArchitectureConfig arch_;
@@ -793,6 +796,7 @@ class CudaDecoderModel final : public CudaModel {
   cublasHandle_t cublas_ = nullptr;
   std::unique_ptr<cuda_model::GemmTuner> tuner_;
   mutable std::set<int> tuned_rows_;
+  mutable std::set<int> tuned_riding_rows_;  // C + T of tune_riding_qkv
   DeviceArena buf_;
   float *x_ = nullptr, *qkv_ = nullptr, *q_ = nullptr, *k_ = nullptr, *v_ = nullptr,
         *att_ = nullptr, *mlp_ = nullptr, *cs_ = nullptr, *logits_ = nullptr;
@@ -1148,9 +1152,10 @@ void CudaDecoderModel::allocate_buffers() {
     const size_t F = arch_.dflash->target_layer_ids.size() *
                      static_cast<size_t>(arch_.dflash->target_hidden_size);
     feat_ = static_cast<float*>(buf_.alloc(T * F * 4));
+    // Not with FP8 q|k|v weights: their input quantization (act8_, act_scale_) holds T_cap rows.
     context_rows_ride_ = !tp_.active();
     for (const DeviceWeights::Layer& w : w_->layers)
-      context_rows_ride_ = context_rows_ride_ && !fuse_fp8(w.qkv);
+      context_rows_ride_ = context_rows_ride_ && w.qkv.dtype != cuda_model::Linear::Dtype::kFP8;
     if (const char* e = std::getenv("KVQ_DFLASH_RIDE"); e != nullptr && std::string(e) == "0")
       context_rows_ride_ = false;
     if (bf16_) feat_h_ = buf_.alloc(T * F * 2);
@@ -2020,10 +2025,28 @@ void CudaDecoderModel::tune_gemms(int m) const {
   }
 }
 
+void CudaDecoderModel::tune_riding_qkv(int C, int T) const {
+  const int m = C + T;
+  if (!tuner_ || m > kMaxTunedRows || !tuned_riding_rows_.insert(m).second) return;
+  std::vector<const void*> bf16;
+  for (const DeviceWeights::Layer& w : w_->layers)
+    if (w.qkv.dtype == cuda_model::Linear::Dtype::kBF16) bf16.push_back(w.qkv.w);
+  if (bf16.empty()) return;
+  const cuda_model::Linear& shape = w_->layers.front().qkv;
+  const size_t act = bf16_ ? 2 : 4;
+  tuner_->tune(m, shape.n, shape.k, static_cast<std::byte*>(h_) - static_cast<size_t>(C) * H_ * act,
+               shape.k, bf16, qkv_ - static_cast<size_t>(C) * qkv_dim_, shape.n);
+}
+
 void CudaDecoderModel::run_step(const Step& st, PagedKvCache& cache) const {
   // Before any graph capture: the first decode step of each batch bucket picks its GEMMs.
   if (st.decode || st.verify) tune_gemms(st.T);
-  if ((st.decode || st.verify) && st.C > 0) tune_gemms(st.C);
+  if ((st.decode || st.verify) && st.C > 0) {
+    if (context_rows_ride_)
+      tune_riding_qkv(st.C, st.T);
+    else
+      tune_gemms(st.C);
+  }
   std::vector<LayerCacheView> views;
   for (size_t l = 0; l < cache.num_layers(); ++l) views.push_back(cache.layer_view(l));
   const bool graph = (st.decode || st.verify) && options_.cuda_graphs;

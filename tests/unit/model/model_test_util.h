@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -23,7 +24,10 @@
 
 namespace kvq::test {
 
+// A fresh seed per run, or KVQ_TEST_SEED's (to replay a failure: tests print their seed).
 inline uint32_t fresh_seed() {
+  if (const char* e = std::getenv("KVQ_TEST_SEED"); e != nullptr && *e != '\0')
+    return static_cast<uint32_t>(std::stoul(e));
   std::random_device rd;
   return rd();
 }
