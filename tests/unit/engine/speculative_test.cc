@@ -748,7 +748,13 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
   }
   EXPECT_EQ(good.ids, want.output_ids) << "seed " << seed;
   EXPECT_GT(good.stats.spec.accepted, 0);
-  EXPECT_LE(good.stats.spec_steps_skipped, bound) << "seed " << seed;
+  // Not under the sanitizers: there a 5-token verification of this tiny model costs about five
+  // one-token steps (instrumented arithmetic scales with the rows), so drafting barely pays
+  // and the wall-clock policy may rightly turn it off (seen in the CI's sanitizer run: 21
+  // steps skipped, 3 tries). The uninstrumented build asserts it.
+  if (!kUnderSanitizer) {
+    EXPECT_LE(good.stats.spec_steps_skipped, bound) << "seed " << seed;
+  }
   EXPECT_EQ(good.stats.blocks_used, 0);
 }
 
