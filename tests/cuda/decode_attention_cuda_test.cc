@@ -107,6 +107,32 @@ INSTANTIATE_TEST_SUITE_P(EveryDtype, CudaDecodeGrid, ::testing::ValuesIn(concret
                            return std::string(to_string(p.param));
                          });
 
+// run_decode through the device-level API on dev's batch (output poisoned first), planned with
+// `opt`; with q_indptr where the plan takes several queries per sequence. The output and the
+// plan's split count.
+struct DeviceRun {
+  std::vector<float> out;
+  int splits = 0;
+};
+DeviceRun run_device(const CudaAttnProblem& p, test::DeviceBatch& dev, float soft_cap,
+                     const cuda::DecodeOptions& opt = {}) {
+  const cuda::DecodePlan plan = cuda::plan_decode(p.spec(), p.seq_lens(), opt);
+  DeviceBuffer<std::byte> ws(plan.workspace_bytes);
+  cuda::DecodeArgs a;
+  a.q = dev.q.get();
+  a.out = dev.out.get();
+  a.q_indptr = opt.q_per_seq > 1 ? dev.q_indptr.get() : nullptr;
+  a.block_table = dev.device_table();
+  a.cache = dev.cache.layer_view(0);
+  a.softmax_scale = p.softmax_scale();
+  a.logit_soft_cap = soft_cap;
+  a.workspace = ws.get();
+  dev.out.poison();
+  cuda::run_decode(p.spec(), plan, a, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return {dev.out.download(), plan.max_splits};
+}
+
 // The device-level API with forced chunking: one tile per work item (hundreds of splits to
 // merge) and one work item per sequence (no merge across splits), GQA ratio 12 (two head
 // chunks, the second one partial).
@@ -130,21 +156,9 @@ TEST(CudaDecode, SplitCountsAndHeadChunksAgree) {
     for (int chunk : {1, 3, 100000}) {
       cuda::DecodeOptions opt;
       opt.chunk_tiles = chunk;
-      const cuda::DecodePlan plan = cuda::plan_decode(problem.spec(), problem.seq_lens(), opt);
-      DeviceBuffer<std::byte> ws(plan.workspace_bytes);
-      cuda::DecodeArgs a;
-      a.q = dev.q.get();
-      a.out = dev.out.get();
-      a.block_table = dev.device_table();
-      a.cache = dev.cache.layer_view(0);
-      a.softmax_scale = problem.softmax_scale();
-      a.workspace = ws.get();
-      dev.out.poison();
-      cuda::run_decode(problem.spec(), plan, a, nullptr);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_TRUE(problem.check(dev.out.download(), want, decode_tolerance(c)))
-          << c.describe() << ", chunk " << chunk << " (" << plan.max_splits << " splits), seed "
-          << seed;
+      const DeviceRun r = run_device(problem, dev, 0.0f, opt);
+      EXPECT_TRUE(problem.check(r.out, want, decode_tolerance(c)))
+          << c.describe() << ", chunk " << chunk << " (" << r.splits << " splits), seed " << seed;
     }
   }
 }
@@ -154,20 +168,7 @@ TEST(CudaDecode, SplitCountsAndHeadChunksAgree) {
 // cases (ragged lengths, sliding window, GQA 1 / 4 / 12, soft-cap, outlier rows).
 std::vector<float> run_device(const CudaAttnProblem& p, float soft_cap) {
   test::DeviceBatch dev(p);
-  const cuda::DecodePlan plan = cuda::plan_decode(p.spec(), p.seq_lens());
-  DeviceBuffer<std::byte> ws(plan.workspace_bytes);
-  cuda::DecodeArgs a;
-  a.q = dev.q.get();
-  a.out = dev.out.get();
-  a.block_table = dev.device_table();
-  a.cache = dev.cache.layer_view(0);
-  a.softmax_scale = p.softmax_scale();
-  a.logit_soft_cap = soft_cap;
-  a.workspace = ws.get();
-  dev.out.poison();
-  cuda::run_decode(p.spec(), plan, a, nullptr);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  return dev.out.download();
+  return run_device(p, dev, soft_cap).out;
 }
 
 class CudaDecodeMixedPairs : public ::testing::TestWithParam<KvPair> {};
@@ -322,23 +323,10 @@ TEST_P(CudaDecodeMultiQuery, MatchesCpuReference) {
         cuda::DecodeOptions opt;
         opt.chunk_tiles = chunk;
         opt.q_per_seq = q_max;
-        const cuda::DecodePlan plan = cuda::plan_decode(problem.spec(), problem.seq_lens(), opt);
-        DeviceBuffer<std::byte> ws(plan.workspace_bytes);
-        cuda::DecodeArgs a;
-        a.q = dev.q.get();
-        a.out = dev.out.get();
-        a.q_indptr = dev.q_indptr.get();
-        a.block_table = dev.device_table();
-        a.cache = dev.cache.layer_view(0);
-        a.softmax_scale = problem.softmax_scale();
-        a.logit_soft_cap = c.soft_cap;
-        a.workspace = ws.get();
-        dev.out.poison();
-        cuda::run_decode(problem.spec(), plan, a, nullptr);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        EXPECT_TRUE(problem.check(dev.out.download(), want, decode_tolerance(c)))
-            << c.describe() << ", chunk " << chunk << " (" << plan.max_splits << " splits), seed "
-            << seed << " (case seed " << case_seed << ")";
+        const DeviceRun r = run_device(problem, dev, c.soft_cap, opt);
+        EXPECT_TRUE(problem.check(r.out, want, decode_tolerance(c)))
+            << c.describe() << ", chunk " << chunk << " (" << r.splits << " splits), seed " << seed
+            << " (case seed " << case_seed << ")";
       }
     }
   }

@@ -1700,10 +1700,9 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
   // parallelism) they ride in each layer's product ahead of the block rows (ctx rows in front
   // of h_, qkv_, q_, k_, v_, cs_: one GEMM and one q|k|v post per layer for both); otherwise
   // they are written first on their own (context_kv_rows).
-  int ctx = 0;
+  const int ctx = st.C > 0 && context_rows_ride_ ? st.C : 0;  // rows riding
   const int64_t* ctx_slots = nullptr;
-  const int ctx_rows = st.C > 0 && context_rows_ride_ ? st.C : 0;
-  void* ctx_h = static_cast<std::byte*>(h_) - static_cast<size_t>(ctx_rows) * H_ * (bf16_ ? 2 : 4);
+  void* ctx_h = static_cast<std::byte*>(h_) - static_cast<size_t>(ctx) * H_ * (bf16_ ? 2 : 4);
   if (st.C > 0) {
     const int F =
         static_cast<int>(arch_.dflash->target_layer_ids.size()) * arch_.dflash->target_hidden_size;
@@ -1711,9 +1710,8 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     const auto* positions = reinterpret_cast<const int32_t*>(ctx_slots + st.C);
     const int32_t* rows = positions + st.C;
     cuda_model::gather_rows(st.feature_src, rows, st.C, F, feat_, stream_);
-    if (context_rows_ride_) {
+    if (ctx > 0) {
       // In front of h_ and cs_ (see allocate_buffers), ahead of the block rows.
-      ctx = ctx_rows;
       context_features(ctx, positions, ctx_h, cs_ - static_cast<size_t>(ctx) * d_);
     } else {
       context_kv_rows(st.C, views, ctx_slots, positions);
