@@ -8,7 +8,7 @@
 #   verify8b inside a gpu-bundle holding build/kvq: `kvq bench --synthetic llama3-8b` decode
 #            steps and 1 + 7-token verification steps on the decode kernel and on the prefill
 #            kernel's small-q block (KVQ_VERIFY_KERNEL), in one run. KVS, CTXS, BATCHES narrow
-#            it; RUNS="TOKENS SMALL_Q KERNEL ..." replaces the runs.
+#            it; RUNS="TOKENS,SMALL_Q,KERNEL ..." replaces the runs (e.g. RUNS="0,1,decode").
 #            device: KVQ_BUNDLE_FILE=... bash scripts/gpu-bundle.sh --run 'bash scripts/gpu-verify-shape.sh verify8b'
 #   model-tests  the CUDA model's speculative / DFlash tests from the bundle.
 #   grid     `kvq bench --speculative-config` on the default model, k = 8, dflash and ngram,
@@ -53,8 +53,8 @@ verify8b)
     for ctx in ${CTXS:-1024 8000}; do
       for b in ${BATCHES:-1 8 32}; do
         # (verify tokens, small-q prefill block, verification kernel)
-        for run in ${RUNS:-"0 1 decode" "7 1 decode" "7 1 prefill"}; do
-          set -- $run
+        for run in ${RUNS:-0,1,decode 7,1,decode 7,1,prefill}; do
+          set -- ${run//,/ }
           KVQ_PREFILL_SMALL_Q=$2 KVQ_VERIFY_KERNEL=$3 timeout 60 $K bench --synthetic llama3-8b \
             --device cuda --kv-cache-dtype $kv --batch $b --input-len $ctx --output-len 24 \
             --prefill-sequences 1 --verify-tokens $1 --json 2>/dev/null |

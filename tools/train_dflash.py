@@ -609,7 +609,7 @@ def evaluate(target, dr, embed_w, heldout_ids, args, device, log):
         cases.append((s, L))
     res = {}
     lossless_checked = 0
-    for k in (2, 4, 8):
+    for k in sorted({2, 4, 8, args.max_k}):
         steps_all, per_pos = [], []
         for i, (s, L) in enumerate(cases):
             acc, out, _ = spec_run(target, dr, embed_w, heldout_ids[s:s + L], k, args.eval_steps, device)
@@ -723,6 +723,9 @@ def main():
     ap.add_argument("--target-layers", default="1,2,3,4,5", help="target_layer_ids (0-based decoder layers)")
     ap.add_argument("--init-from-target", default="3,4,5",
                     help="target layers copied into the drafter layers at init ('' = random init)")
+    ap.add_argument("--init-from-drafter", default="",
+                    help="start from this saved drafter directory (its model.safetensors, same shape) instead of "
+                         "--init-from-target: continued training, e.g. for a longer block (--max-k)")
     ap.add_argument("--max-k", type=int, default=8)
     ap.add_argument("--k-mix", default="2,3,4,5,6,7,8,8", help="k drawn uniformly from this list per step")
     ap.add_argument("--gamma", type=float, default=4.0, help="row weight exp(-(j-1)/gamma)")
@@ -858,6 +861,10 @@ def main():
     dr = Drafter(dcfg).to(device)
     init_layers = [int(x) for x in args.init_from_target.split(",") if x.strip()]
     init_drafter(dr, target_weights, init_layers, args.seed, log)
+    if args.init_from_drafter:
+        prev, _ = read_safetensors(os.path.join(args.init_from_drafter, "model.safetensors"))
+        dr.load_state_dict({n: t.float() for n, t in prev.items()}, strict=True)
+        log(f"[init] every drafter weight <- {args.init_from_drafter}/model.safetensors (continued training)")
     dr.to(device)
     nparams = sum(p.numel() for p in dr.parameters())
     log(f"[drafter] {dcfg['num_hidden_layers']} layers, {nparams:,} parameters ({nparams * 2 / 1e6:.2f} MB bf16), "
@@ -953,12 +960,12 @@ def main():
             vl, vt, vacc = validate()
             history.append({"step": step, "train_loss": run_loss, "val_loss": vl, "val_tau_k8": vt,
                             "seconds": time.time() - t_train0})
-            log(f"[train] step {step} lr {lr:.2e} train {run_loss:.4f} val {vl:.4f} val tau(k=8) {vt:.3f} "
+            log(f"[train] step {step} lr {lr:.2e} train {run_loss:.4f} val {vl:.4f} val tau(k={args.max_k}) {vt:.3f} "
                 f"row acc {[round(a, 3) for a in vacc]} ({time.time() - t_train0:.0f}s)")
     train_time = time.time() - t_train0
     vl, vt, vacc = validate()
     history.append({"step": step, "train_loss": run_loss, "val_loss": vl, "val_tau_k8": vt, "seconds": train_time})
-    log(f"[train] done: {step} steps in {train_time:.1f}s; final val loss {vl:.4f}, val tau(k=8) {vt:.3f}, "
+    log(f"[train] done: {step} steps in {train_time:.1f}s; final val loss {vl:.4f}, val tau(k={args.max_k}) {vt:.3f}, "
         f"row acc {[round(a, 3) for a in vacc]}")
 
     # ---- save ----
@@ -1021,6 +1028,7 @@ def main():
     summary = {
         "architecture": ARCH, "parameters": nparams, "layers": dcfg["num_hidden_layers"],
         "target_layer_ids": layer_ids, "init_from_target_layers": init_layers,
+        "init_from_drafter": args.init_from_drafter,
         "seed": args.seed, "argv": sys.argv[1:],
         "data": dict(data_info, prefix_lens=prefix_lens, gen_len=args.gen_len, train_sequences=n_gen,
                      val_sequences=sum(v.shape[0] for v in val_set.values()),
@@ -1052,7 +1060,7 @@ def write_readme(args, dcfg, s):
                      f"{v['verify_steps']} | {v['histogram_accepted_length_1_to_k+1']} |"
                      for k, v in ev["by_k"].items())
     hist = "\n".join(f"    step {h['step']:6d}  train {h['train_loss'] if h['train_loss'] is not None else float('nan'):.4f}"
-                     f"  val {h['val_loss']:.4f}  val tau(k=8) {h['val_tau_k8']:.3f}  ({h['seconds']:.0f} s)"
+                     f"  val {h['val_loss']:.4f}  val tau(k={dcfg['dflash_config']['max_speculative_tokens']}) {h['val_tau_k8']:.3f}  ({h['seconds']:.0f} s)"
                      for h in tr["history"])
     files = []
     for name in sorted(os.listdir(args.out)):
@@ -1061,6 +1069,10 @@ def write_readme(args, dcfg, s):
         p = os.path.join(args.out, name)
         files.append(f"    {sha256_file(p)}  {name} ({os.path.getsize(p):,} bytes)")
     dc = dcfg["dflash_config"]
+    init_text = (f"every weight from the drafter in `{s['init_from_drafter']}` (continued training with "
+                 f"this block length)." if s.get("init_from_drafter") else
+                 f"drafter layers copied from target layers {s['init_from_target_layers']} (and `model.norm`);\n"
+                 "  `fc`, `hidden_norm`, `mask_embedding` fresh.")
     calls_note = (f", in {tr['calls']} calls resumed from a saved state (`--state`; each call regenerates the "
                   f"data from the same seeds)") if tr.get("calls", 1) > 1 else ""
     text = f"""# kvq-code-tiny-dflash: a DFlash (block-diffusion) drafter for kvq-code-tiny
@@ -1070,7 +1082,7 @@ one non-causal forward pass, conditioned on the hidden states of its target, `mo
 Its format and exact inference math are in `docs/notes/dflash.md`; the PyTorch reference is
 `draft_block_logits()` in `tools/train_dflash.py`. It has no embedding or LM head of its own: both are
 the target's (tied). A block is 1 + k tokens (the bonus token and k mask rows), k = 1 ..
-{dc['max_speculative_tokens']}; it was trained with k in {dc['trained_speculative_tokens']}, and k = 2, 4 and 8
+{dc['max_speculative_tokens']}; it was trained with k in {dc['trained_speculative_tokens']}, and k = {', '.join(ev['by_k'])}
 are evaluated below.
 
 ## Format (config.json)
@@ -1105,8 +1117,7 @@ are evaluated below.
   block = [token at a, mask x k] at positions a..a+k; it sees the target features of positions < a
   and its own rows (non-causal), never other blocks; row j is trained to predict the target's greedy
   token at a+j with weight exp(-(j-1)/{tr['gamma']}); k drawn per step from {tr['k_mix']}.
-- Init: drafter layers copied from target layers {s['init_from_target_layers']} (and `model.norm`);
-  `fc`, `hidden_norm`, `mask_embedding` fresh. AdamW (0.9, 0.95), lr {tr['lr']} with {tr['warmup']}
+- Init: {init_text} AdamW (0.9, 0.95), lr {tr['lr']} with {tr['warmup']}
   warm-up steps and cosine decay to {tr['min_lr_frac']} x, weight decay {tr['weight_decay']} on matrices,
   grad clip 1.0, bf16 autocast, batch {tr['batch']} sequences. The target stays frozen in fp32; its
   hidden states are recomputed at each step.
@@ -1114,8 +1125,8 @@ are evaluated below.
   transformers {s['versions'].get('transformers')}, tokenizers {s['versions'].get('tokenizers')}.
   Whole script {s['script_seconds']:.0f} s.
 
-Loss history (weighted block cross-entropy; val tau = mean accepted length of teacher-forced k = 8
-blocks on the validation sequences):
+Loss history (weighted block cross-entropy; val tau = mean accepted length of teacher-forced
+k = {dc['max_speculative_tokens']} blocks on the validation sequences):
 
 {hist}
 

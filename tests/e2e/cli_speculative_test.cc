@@ -100,7 +100,7 @@ TEST(CliSpeculative, InconsistentConfigsAreOneLineAndExitTwo) {
       {spec("eagle", "", 4), "unknown method"},
       {spec("draft_model", "", 4), "needs \"model\""},
       {spec("draft_model", kModels + "/absent", 4), "absent"},
-      {spec("dflash", kDflash, 12), "max_speculative_tokens"},
+      {spec("dflash", kDflash, 16), "max_speculative_tokens"},
       {spec("dflash", kDraft, 4), "KvqDFlashDrafter"},
       {spec("draft_model", kDflash, 4), "\"dflash\""},
   };
