@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -22,8 +23,26 @@ namespace kvq::cuda {
 namespace {
 
 // The fewest tiles per work item (a partial row of 8 heads costs 4 KB to write and read
-// back; 8 tiles of fp8 K/V at head_dim 128 are 32 KB).
+// back; 8 tiles of fp8 K/V at head_dim 128 are 32 KB). A warp spends about 1 us per tile
+// whatever the grid, so where the grid is tiny (one query per sequence, sequences x kv heads
+// <= 16, at most 64 tiles) items go down to 2 tiles: the launch shortens more than the extra
+// partial rows cost (default model, batch 1: 0.254-0.260 -> 0.217-0.228 ms per step; 8B
+// batch 1 x 1k: -2%; larger grids measured slower; docs/notes/decode-tuning.md version 8).
+// KVQ_DECODE_MIN_CHUNK_TILES=n (1..64) overrides that small floor (A/B switch).
 constexpr int kMinChunkTiles = 8;
+constexpr int kMinChunkTilesTinyGrid = 2;
+
+int min_chunk_tiles(int q_per_seq, int64_t seqs_x_kv_heads, int max_tiles) {
+  if (q_per_seq > 1 || seqs_x_kv_heads > 16 || max_tiles > 64) return kMinChunkTiles;
+  static const int v = [] {
+    const char* e = std::getenv("KVQ_DECODE_MIN_CHUNK_TILES");
+    if (e == nullptr || *e == '\0') return kMinChunkTilesTinyGrid;
+    const int n = std::atoi(e);
+    return n >= 1 && n <= 64 ? n : kMinChunkTilesTinyGrid;
+  }();
+  return v;
+}
+
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t n) {
@@ -340,10 +359,10 @@ DecodeMainKernel main_kernel(KvDtype k, KvDtype v, int hd, bool multi_query) {
 // product (the model overrates rounds of mostly idle warps, which run faster); near ties go to
 // the larger chunk (fewer rounds and partial rows to merge).
 int choose_chunk_tiles(std::span<const int> tiles, int kv_heads, int head_chunks,
-                       int64_t resident_blocks) {
+                       int64_t resident_blocks, int min_chunk) {
   int max_tiles = 0;
   for (int t : tiles) max_tiles = std::max(max_tiles, t);
-  if (max_tiles <= kMinChunkTiles || resident_blocks <= 0) return kMinChunkTiles;
+  if (max_tiles <= min_chunk || resident_blocks <= 0) return min_chunk;
   // Warps of a launch with chunk c, in blocks of kDecodeWarps (the grid is 1-D over every
   // (sequence, kv head, item), so blocks are full).
   auto blocks = [&](int c) {
@@ -361,13 +380,13 @@ int choose_chunk_tiles(std::span<const int> tiles, int kv_heads, int head_chunks
   // The best chunk overall, and the best one whose sequences need at most
   // kMergeWarpMaxSplits splits (the cheap warp-per-head merge).
   const int warp_merge_min =
-      std::max(kMinChunkTiles, (max_tiles + kMergeWarpMaxSplits - 1) / kMergeWarpMaxSplits);
+      std::max(min_chunk, (max_tiles + kMergeWarpMaxSplits - 1) / kMergeWarpMaxSplits);
   int best = max_tiles, best_warp = max_tiles;
   int64_t best_cost = cost(max_tiles), best_warp_cost = best_cost;
   for (int64_t rounds = 1; rounds <= 8; ++rounds) {
     // The smallest chunk whose blocks fit in `rounds` rounds (blocks fall as the chunk grows).
     if (blocks(max_tiles) > rounds * resident_blocks) continue;
-    int lo = kMinChunkTiles, hi = max_tiles;
+    int lo = min_chunk, hi = max_tiles;
     while (lo < hi) {
       const int mid = lo + (hi - lo) / 2;
       if (blocks(mid) <= rounds * resident_blocks)
@@ -458,8 +477,11 @@ DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_len
     KVQ_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &per_sm, main_kernel(spec.k_dtype, spec.v_dtype, spec.head_dim_k, plan.q_per_seq > 1),
         kDecodeWarps * 32, 0));
+    const int max_tiles = tiles.empty() ? 0 : *std::max_element(tiles.begin(), tiles.end());
+    const int min_chunk = min_chunk_tiles(
+        plan.q_per_seq, static_cast<int64_t>(tiles.size()) * spec.num_kv_heads, max_tiles);
     plan.chunk_tiles = choose_chunk_tiles(tiles, spec.num_kv_heads, plan.head_chunks,
-                                          static_cast<int64_t>(num_sms) * per_sm);
+                                          static_cast<int64_t>(num_sms) * per_sm, min_chunk);
   }
   plan.max_splits = 1;
   for (int32_t len : seq_lens) {
