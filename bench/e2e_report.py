@@ -12,8 +12,54 @@ def dtype_of(row):
     return m.group(1) if m else row["plan"]
 
 
+# kvq's KV dtypes beside the llama.cpp cache type of the same width.
+PEER_PAIRS = [("f16", ["bfloat16"]), ("q8_0", ["fp8_e4m3", "int8_per_token_head"]),
+              ("q4_0", ["int4_per_token_head"])]
+
+
+def peer_table(rows, peers):
+    """kvq beside llama.cpp (rows of bench/peer_llamacpp.py) at the points both ran."""
+    kvq = {(dtype_of(r), r["input_len"], r["batch"]): r for r in rows if "error" not in r}
+    lc = {(r["kv_dtype"], r["input_len"], r["batch"]): r for r in peers}
+    points = sorted({(c, b) for (_, c, b) in lc})
+    head, cols = [], []
+    for ptype, ours in PEER_PAIRS:
+        if not any(k[0] == ptype for k in lc):
+            continue
+        head.append("llama.cpp %s" % ptype)
+        cols.append(("peer", ptype))
+        for d in ours:
+            head.append("kvq %s (/ llama.cpp)" % d)
+            cols.append(("kvq", d, ptype))
+    print("Side by side with llama.cpp (same device call): decode tokens/s")
+    print()
+    print("| context | batch | " + " | ".join(head) + " |")
+    print("|---|---|" + "---|" * len(head))
+    for c, b in points:
+        cells = []
+        for col in cols:
+            if col[0] == "peer":
+                r = lc.get((col[1], c, b))
+                cells.append("%.1f" % r["decode_tokens_per_s"] if r else "-")
+            else:
+                r, p = kvq.get((col[1], c, b)), lc.get((col[2], c, b))
+                if r is None:
+                    cells.append("-")
+                elif p is None:
+                    cells.append("%.1f" % r["decode_tokens_per_s"])
+                else:
+                    cells.append("%.1f (%.2fx)" % (r["decode_tokens_per_s"],
+                                                   r["decode_tokens_per_s"] / p["decode_tokens_per_s"]))
+        print("| %d | %d | %s |" % (c, b, " | ".join(cells)))
+    print()
+
+
 def main(path):
     rows = [json.loads(l) for l in open(path) if l.strip()]
+    peers = [r for r in rows if r.get("engine") == "llama.cpp"]
+    rows = [r for r in rows if r.get("engine", "kvq") == "kvq"]
+    if peers:
+        peer_table(rows, peers)
     dtypes = []
     for r in rows:
         d = dtype_of(r)
