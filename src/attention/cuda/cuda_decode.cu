@@ -24,23 +24,32 @@ namespace {
 
 // The fewest tiles per work item (a partial row of 8 heads costs 4 KB to write and read
 // back; 8 tiles of fp8 K/V at head_dim 128 are 32 KB). A warp spends about 1 us per tile
-// whatever the grid, so where the grid is tiny (one query per sequence, sequences x kv heads
-// <= 16, at most 64 tiles) items go down to 2 tiles: the launch shortens more than the extra
-// partial rows cost (default model, batch 1: 0.254-0.260 -> 0.217-0.228 ms per step; 8B
-// batch 1 x 1k: -2%; larger grids measured slower; docs/notes/decode-tuning.md version 8).
-// KVQ_DECODE_MIN_CHUNK_TILES=n (1..64) overrides that small floor (A/B switch).
+// whatever the grid, so where the grid is tiny items go down to 2 tiles: the launch shortens
+// more than the extra partial rows cost. One query per sequence: sequences x kv heads <= 16
+// (default model, batch 1: 0.238-0.245 -> 0.218-0.224 ms per plain step; 8B batch 1 x 1k:
+// -2%; larger grids measured slower). Several queries (verification, DFlash blocks), whose
+// warps hold 16 rows: sequences x kv heads <= 8 (batch 8 of the default model measured
+// slower). Both at most 64 tiles (docs/notes/decode-tuning.md version 8).
+// KVQ_DECODE_MIN_CHUNK_TILES / KVQ_DECODE_MQ_MIN_CHUNK_TILES=n (1..64) override the small
+// floor of one-query / multi-query plans (A/B switches).
 constexpr int kMinChunkTiles = 8;
 constexpr int kMinChunkTilesTinyGrid = 2;
 
+int env_floor(const char* name) {
+  const char* e = std::getenv(name);
+  if (e == nullptr || *e == '\0') return kMinChunkTilesTinyGrid;
+  const int n = std::atoi(e);
+  return n >= 1 && n <= 64 ? n : kMinChunkTilesTinyGrid;
+}
+
 int min_chunk_tiles(int q_per_seq, int64_t seqs_x_kv_heads, int max_tiles) {
-  if (q_per_seq > 1 || seqs_x_kv_heads > 16 || max_tiles > 64) return kMinChunkTiles;
-  static const int v = [] {
-    const char* e = std::getenv("KVQ_DECODE_MIN_CHUNK_TILES");
-    if (e == nullptr || *e == '\0') return kMinChunkTilesTinyGrid;
-    const int n = std::atoi(e);
-    return n >= 1 && n <= 64 ? n : kMinChunkTilesTinyGrid;
-  }();
-  return v;
+  if (max_tiles > 64) return kMinChunkTiles;
+  if (q_per_seq > 1) {
+    static const int multi = env_floor("KVQ_DECODE_MQ_MIN_CHUNK_TILES");
+    return seqs_x_kv_heads <= 8 ? multi : kMinChunkTiles;
+  }
+  static const int one = env_floor("KVQ_DECODE_MIN_CHUNK_TILES");
+  return seqs_x_kv_heads <= 16 ? one : kMinChunkTiles;
 }
 
 constexpr size_t kAlign = 256;
