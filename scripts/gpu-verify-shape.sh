@@ -15,7 +15,8 @@
 #            (or draft_model, k = 4),
 #            batch 1 / 8 / 32 (KVS, BATCHES, METHODS narrow it; AB="VAR=a VAR=b" runs each
 #            point under each setting; WAVES=n runs n x batch prompts, so the batch stays full
-#            while requests queue, instead of max(16, batch) prompts).
+#            while requests queue, instead of max(16, batch) prompts; SPEC_EXTRA is appended
+#            to the speculative config, e.g. SPEC_EXTRA=',"auto_disable":true').
 # Logs and JSON lines go to $OUT (or ./out-verify).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,7 +91,7 @@ grid)
         env "$ab" timeout 60 bundle/build/kvq bench --model models/kvq-code-tiny --device cuda --kv-cache-dtype $kv \
           --batch $batch --input-len 256 --output-len 128 --num-prompts $((${WAVES:-0} > 0 ? batch * ${WAVES:-0} : (batch < 16 ? 16 : batch))) \
           --dataset models/kvq-code-tiny/heldout.txt \
-          --speculative-config "{$spec,\"num_speculative_tokens\":$k}" --json 2>/dev/null |
+          --speculative-config "{$spec,\"num_speculative_tokens\":$k${SPEC_EXTRA:-}}" --json 2>/dev/null |
           AB="$ab" python3 -c "import json,os,sys; j=json.load(sys.stdin); j['ab']=os.environ['AB']; print(json.dumps(j)); print(f\"{j['ab']:18s} {j['plan'][:10]:10s} {j['method']:6s} B={j['batch']:2d} plain {j['plain_tokens_per_s']:8.0f} spec {j['speculative_tokens_per_s']:8.0f} x{j['speedup']:.2f} len {j['mean_accepted_length']:.2f} same {j['greedy_outputs_identical']}/{j['num_prompts']} ms/step {j['plain_ms_per_step']:.3f} / {j['spec_ms_per_step']:.3f} ({j['spec_draft_ms_per_step']:.3f} + {j['spec_forward_ms_per_step']:.3f})\", file=sys.stderr)" \
             >> "$OUT/spec-grid.jsonl"
        done
