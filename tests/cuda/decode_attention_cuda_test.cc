@@ -163,6 +163,37 @@ TEST(CudaDecode, SplitCountsAndHeadChunksAgree) {
   }
 }
 
+// A padding sequence (seq_len 0, as the CUDA model pads a graph step's batch to its bucket)
+// gets zeros, not NaN, from either merge (one-tile items: 44 splits, the block merge; 8-tile
+// items: 6 splits, the warp merge), and the other sequence is unaffected. (A plan of one item
+// per sequence runs no merge and leaves a padding row as it was.)
+TEST(CudaDecode, PaddingSequenceGetsZeros) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  CudaAttnCase c = decode_case(KvDtype::kFp8E4M3, {700, 700});
+  c.set_head_dim(128);
+  c.block_tokens = 16;
+  c.ratio = 4;
+  const CudaAttnProblem problem(c, seed);
+  std::vector<float> want = problem.reference();
+  const size_t half = want.size() / 2;  // [sequence][query head][head_dim]: sequence 1's rows
+  std::fill(want.begin() + static_cast<ptrdiff_t>(half), want.end(), 0.0f);
+  for (int chunk : {1, 8}) {
+    test::DeviceBatch dev(problem);
+    const int32_t zero = 0;
+    ASSERT_EQ(cudaMemcpy(dev.seq_lens.get() + 1, &zero, sizeof zero, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    cuda::DecodeOptions opt;
+    opt.chunk_tiles = chunk;
+    const DeviceRun r = run_device(problem, dev, 0.0f, opt);
+    for (size_t i = half; i < r.out.size(); ++i)
+      ASSERT_EQ(r.out[i], 0.0f) << "padding row element " << i - half << ", chunk " << chunk << " ("
+                                << r.splits << " splits), seed " << seed;
+    EXPECT_TRUE(problem.check(r.out, want, decode_tolerance(c)))
+        << "chunk " << chunk << " (" << r.splits << " splits), seed " << seed;
+  }
+}
+
 // The mixed (K, V) pairs through the device-level API (plan_decode / run_decode), so they are
 // tested whatever the registered backend's whitelist says: the same grid shape as the K == V
 // cases (ragged lengths, sliding window, GQA 1 / 4 / 12, soft-cap, outlier rows).

@@ -260,7 +260,8 @@ __global__ void __launch_bounds__(kMergeThreads)
     float o = 0.0f;
 #pragma unroll
     for (int k = 0; k < kGroups; ++k) o += partial[k * HD + tid];
-    partial[tid] = o / wsum;
+    // No split saw a key (a padding sequence of a graph step, seq_len 0): zeros, not 0 / 0.
+    partial[tid] = wsum > 0.0f ? o / wsum : 0.0f;
   }
   __syncthreads();
   float* dst = p.out + (mr.out_row * p.num_q_heads + qh) * HD;
@@ -305,8 +306,9 @@ __global__ void __launch_bounds__(128)
   float acc[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+    // No split saw a key (a padding sequence of a graph step, seq_len 0): the output stays zeros.
 #pragma unroll 4
-  for (int s = 0; s < nsplit; ++s) {
+  for (int s = 0; s < (wsum > 0.0f ? nsplit : 0); ++s) {
     const size_t row = row0 + s * split_stride;
     const float2 ml = p.part_ml[row];
     const float w = ml.y * exp2f(ml.x - mx) * inv;
