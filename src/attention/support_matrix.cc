@@ -25,12 +25,30 @@ std::string notes(const AttentionBackend& b) {
            format_dtype_pairs(mixed) + "; every other pair and head_dim runs the generic kernel";
   }
   if (b.name() != "cpu_avx512") return "";
+  // How int8/int4 K's logits are computed: integer dot products on the codes, or K decoded.
+  auto int_dot = [](cpu_attn::Isa isa) -> std::string {
+    const bool avx512 = isa == cpu_attn::Isa::kAvx512;
+    switch (cpu_attn::default_k_dot(isa, KvDtype::kInt8PerTokenHead)) {
+      case cpu_attn::KDot::kVnni:
+        return std::string("; int8/int4 K: logits as int8 dot products on the codes (vpdpbusd, ") +
+               (avx512 ? "AVX512-VNNI" : "AVX-VNNI") + ")";
+      case cpu_attn::KDot::kMaddubs:
+        return std::string("; int8/int4 K: logits as int8 dot products on the codes (vpmaddubsw") +
+               (cpu_attn::k_dot_supported(isa, cpu_attn::KDot::kVnni) ? ", KVQ_CPU_INT_DOT=maddubs"
+                                                                      : "") +
+               ")";
+      case cpu_attn::KDot::kFloat:
+        break;
+    }
+    return "; int8/int4 K decoded to fp32 (KVQ_CPU_INT_DOT=0)";
+  };
   switch (cpu_attn::best_isa()) {
     case cpu_attn::Isa::kAvx512:
-      return "AVX-512 kernels active on this CPU";
+      return "AVX-512 kernels active on this CPU" + int_dot(cpu_attn::Isa::kAvx512);
     case cpu_attn::Isa::kAvx2:
-      return cpu_attn::cpu_has_avx512() ? "AVX2/FMA kernels active (KVQ_CPU_ISA=avx2)"
-                                        : "this CPU lacks AVX-512: AVX2/FMA kernels active";
+      return (cpu_attn::cpu_has_avx512() ? "AVX2/FMA kernels active (KVQ_CPU_ISA=avx2)"
+                                         : "this CPU lacks AVX-512: AVX2/FMA kernels active") +
+             int_dot(cpu_attn::Isa::kAvx2);
     case cpu_attn::Isa::kPortable:
       break;
   }

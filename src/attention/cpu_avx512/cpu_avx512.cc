@@ -4,11 +4,15 @@
 // softmax states are merged at the end. OpenMP spreads the tasks over cores. A task walks
 // its kv tokens in chunks: K and V rows are dequantized once into fp32 scratch (L1-resident)
 // and shared by every query of the group, each query keeping an fp32 online softmax. The
-// per-task kernel is AVX-512 when the CPU has it (kernel_avx512.cc), portable C++ otherwise.
+// per-task kernel is AVX-512 when the CPU has it (kernel_avx512.cc), AVX2 (kernel_avx2.cc) or
+// portable C++ otherwise. With int8/int4_per_token_head K the AVX-512 and AVX2 kernels compute
+// Q·K as integer dot products on the codes (KDot, kernel.h): the queries are quantized to int8
+// here, once per task.
 #include <cpuid.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <span>
@@ -38,6 +42,25 @@ constexpr int kMaxSplits = 32;
 bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+// AVX512-VNNI: CPUID leaf 7 subleaf 0, ECX bit 11 (the OS saving ZMM state is part of
+// cpu_has_avx512()).
+bool cpu_has_avx512_vnni() {
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return cpu_has_avx512() && __get_cpuid_count(7, 0, &a, &b, &c, &d) != 0 && (c & (1u << 11));
+  }();
+  return has;
+}
+
+// AVX-VNNI: CPUID leaf 7 subleaf 1, EAX bit 4 (the YMM state: part of cpu_has_avx2()).
+bool cpu_has_avx_vnni() {
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return cpu_has_avx2() && __get_cpuid_count(7, 1, &a, &b, &c, &d) != 0 && (a & (1u << 4));
+  }();
   return has;
 }
 
@@ -78,6 +101,43 @@ const char* isa_name(Isa isa) {
   return "portable";
 }
 
+const char* k_dot_name(KDot k_dot) {
+  switch (k_dot) {
+    case KDot::kVnni:
+      return "vnni";
+    case KDot::kMaddubs:
+      return "maddubs";
+    case KDot::kFloat:
+      break;
+  }
+  return "float";
+}
+
+bool k_dot_supported(Isa isa, KDot k_dot) {
+  switch (k_dot) {
+    case KDot::kFloat:
+      return true;
+    case KDot::kVnni:
+      return (isa == Isa::kAvx512 && cpu_has_avx512_vnni()) ||
+             (isa == Isa::kAvx2 && cpu_has_avx_vnni());
+    case KDot::kMaddubs:
+      return (isa == Isa::kAvx512 && cpu_has_avx512()) || (isa == Isa::kAvx2 && cpu_has_avx2());
+  }
+  return false;
+}
+
+KDot default_k_dot(Isa isa, KvDtype k) {
+  // KVQ_CPU_INT_DOT=0: K decoded to fp32 for every dtype (A/B, or to take the quantization of
+  // q out of the results); =maddubs: vpmaddubsw even where VNNI exists.
+  static const std::string mode = [] {
+    const char* e = std::getenv("KVQ_CPU_INT_DOT");
+    return std::string(e != nullptr ? e : "");
+  }();
+  if (!integer_k(k) || mode == "0") return KDot::kFloat;
+  if (mode != "maddubs" && k_dot_supported(isa, KDot::kVnni)) return KDot::kVnni;
+  return k_dot_supported(isa, KDot::kMaddubs) ? KDot::kMaddubs : KDot::kFloat;
+}
+
 void decode_tile_generic(const TileSource& src, int n, float* out) {
   for (int i = 0; i < n; ++i)
     quant::decode_row(
@@ -99,6 +159,41 @@ TileSource tile_source(const Side& s, const WorkItem& item, int t0) {
           s.dim,
           s.tensor_scale,
           s.dtype};
+}
+
+// The integer Q·K's queries (QuantizedQ): for each of the nq prepared queries of dim dk,
+// s_q = max|q| / 127 and qq = round_half_even(q / s_q) (|q / s_q| <= 127 up to a rounding,
+// clamped), placed in the int4 order when `int4_order`. False where a query has a non-finite
+// element or s_q == 0 (all zero, or so small that max|q| / 127 underflows): the item then
+// runs in fp32.
+bool quantize_queries(const float* q, int nq, int dk, bool int4_order, int8_t* qq, float* scale,
+                      float* sum, int32_t* qq_sum, float* centre) {
+  for (int i = 0; i < nq; ++i) {
+    const float* x = q + static_cast<size_t>(i) * dk;
+    float amax = 0.0f;
+    double total = 0.0;
+    for (int d = 0; d < dk; ++d) {
+      if (!std::isfinite(x[d])) return false;
+      amax = std::max(amax, std::fabs(x[d]));
+      total += x[d];
+    }
+    const float s = amax / 127.0f;
+    if (!(s > 0.0f)) return false;
+    int8_t* out = qq + static_cast<size_t>(i) * dk;
+    int32_t code_sum = 0;
+    for (int d = 0; d < dk; ++d) {
+      const int c = static_cast<int>(std::clamp(std::nearbyint(x[d] / s), -127.0f, 127.0f));
+      // int4 order: per 64 elements, the even ones then the odd ones.
+      const int at = int4_order ? d - d % 64 + (d % 2) * 32 + (d % 64) / 2 : d;
+      out[at] = static_cast<int8_t>(c);
+      code_sum += c;
+    }
+    scale[i] = s;
+    sum[i] = static_cast<float>(total);
+    qq_sum[i] = code_sum;
+    centre[i] = static_cast<float>(7.5 * (total - static_cast<double>(s) * code_sum));
+  }
+  return true;
 }
 
 }  // namespace
@@ -167,7 +262,8 @@ void run_item_portable(const WorkItem& item) {
     }
 }
 
-void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, int min_tasks) {
+void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, KDot k_dot,
+               int min_tasks) {
   const BlockTableView& bt = args.block_table;
   const int ratio = spec.gqa_ratio();
   const int dk = spec.head_dim_k, dv = spec.head_dim_v;
@@ -192,6 +288,17 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, int 
     return f ? f : decode_tile_generic;
   };
   const DecodeTileFn k_decode = decoder(spec.k_dtype, dk), v_decode = decoder(spec.v_dtype, dv);
+  KVQ_CHECK(k_dot_supported(isa, k_dot), std::string("run_tiled: the ") + isa_name(isa) +
+                                             " kernel has no " + k_dot_name(k_dot) +
+                                             " q.k on this CPU");
+  KLogitsFn k_logits = nullptr;  // integer Q·K (int8/int4_per_token_head K only)
+  if (k_dot != KDot::kFloat && integer_k(spec.k_dtype)) {
+    k_logits = isa == Isa::kAvx512 ? avx512_k_logits(k_dot, spec.k_dtype, dk)
+                                   : avx2_k_logits(k_dot, spec.k_dtype, dk);
+    KVQ_CHECK(k_logits != nullptr && args.cache.layout(KvSide::kK).row_scale_bytes == 4,
+              "run_tiled: no integer q.k for this K layout");
+  }
+  const bool int4_order = spec.k_dtype == KvDtype::kInt4PerTokenHead;
 
   // Masks as documented in AttentionArgs: query position `pos` sees kv tokens [lo, hi).
   auto visible = [&](int pos, int kv_len) {
@@ -271,6 +378,12 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, int 
     std::vector<float> v_tile(static_cast<size_t>(kChunk) * dv, 0.0f);
     std::vector<float> p(2 * kChunk);
     std::vector<int> lo(pos_per_item), hi(pos_per_item);
+    // Integer Q·K: the quantized queries and one position's logits per chunk.
+    std::vector<int8_t> qq(k_logits != nullptr ? max_nq * dk : 0);
+    std::vector<float> q_scale(k_logits != nullptr ? max_nq : 0), q_sum(q_scale.size());
+    std::vector<int32_t> qq_sum(q_scale.size());
+    std::vector<float> q_centre(q_scale.size());
+    std::vector<float> logits(k_logits != nullptr ? static_cast<size_t>(ratio) * kChunk : 0);
 
 #pragma omp for schedule(dynamic, 1)
     for (int t = 0; t < num_tasks; ++t) {
@@ -328,6 +441,13 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, int 
       item.k_tile = k_tile.data();
       item.v_tile = v_tile.data();
       item.p = p.data();
+      if (k_logits != nullptr &&
+          quantize_queries(q.data(), unit.num_pos * ratio, dk, int4_order, qq.data(),
+                           q_scale.data(), q_sum.data(), qq_sum.data(), q_centre.data())) {
+        item.k_logits = k_logits;
+        item.qq = {qq.data(), q_scale.data(), q_sum.data(), qq_sum.data(), q_centre.data()};
+        item.logits = logits.data();
+      }
       if (unit.splits == 1) {
         item.acc = acc.data();
         item.m = m.data();
@@ -399,7 +519,8 @@ class CpuAvx512Backend final : public AttentionBackend {
 
  protected:
   void run_impl(const LayerKvSpec& spec, const AttentionArgs& args) const override {
-    cpu_attn::run_tiled(spec, args, cpu_attn::best_isa());
+    const cpu_attn::Isa isa = cpu_attn::best_isa();
+    cpu_attn::run_tiled(spec, args, isa, cpu_attn::default_k_dot(isa, spec.k_dtype));
   }
 
  private:

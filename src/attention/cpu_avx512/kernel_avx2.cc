@@ -15,6 +15,10 @@
 // horizontal sum per token), one online-softmax step for the chunk (scalar max and exp), and
 // accumulates the chunk's V rows eight output dims at a time, the accumulator in a register
 // across the chunk's tokens.
+//
+// Integer Q·K (int8/int4_per_token_head K, see KDot in kernel.h): int_dot_avx2.inc, compiled
+// twice: with vpmaddubsw + vpmaddwd under this file's target, and with the VEX vpdpbusd in a
+// region of its own at the end of the file whose target adds avxvnni.
 #include <immintrin.h>
 
 #include <cstddef>
@@ -193,6 +197,29 @@ float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+// Lane t of the result is the sum of the lanes of a[t] (integer adds: exact).
+inline __attribute__((always_inline)) __m256i reduce8_epi32(const __m256i* a) {
+  // hadd(x, y) per 128-bit lane: x0+x1, x2+x3, y0+y1, y2+y3.
+  const __m256i h01 = _mm256_hadd_epi32(a[0], a[1]), h23 = _mm256_hadd_epi32(a[2], a[3]);
+  const __m256i h45 = _mm256_hadd_epi32(a[4], a[5]), h67 = _mm256_hadd_epi32(a[6], a[7]);
+  // Lane L of h0123: the sums of a[0..3] over lane L; of h4567: of a[4..7].
+  const __m256i h0123 = _mm256_hadd_epi32(h01, h23), h4567 = _mm256_hadd_epi32(h45, h67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                          _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
+// The fp16 scale S (low half) and zero Z (high half) of 8 int4 rows' 4-byte metadata.
+inline __attribute__((always_inline)) void int4_meta8(const std::byte* meta, __m256& scale,
+                                                      __m256& zero) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta));
+  // Per 128-bit lane: S0..S3 then Z0..Z3 (every value fits: no saturation).
+  const __m256i packed =
+      _mm256_packus_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(x, 16));
+  const __m256i ordered = _mm256_permute4x64_epi64(packed, 0xD8);  // S0..S7, Z0..Z7
+  scale = _mm256_cvtph_ps(_mm256_castsi256_si128(ordered));
+  zero = _mm256_cvtph_ps(_mm256_extracti128_si256(ordered, 1));
+}
+
 TileSource tile_source_avx2(const Side& s, const WorkItem& item, int t0) {
   const int32_t block = item.blocks[t0 / item.block_tokens];
   const size_t in_block = static_cast<size_t>(t0 % item.block_tokens);
@@ -209,19 +236,26 @@ TileSource tile_source_avx2(const Side& s, const WorkItem& item, int t0) {
 }
 
 // Query qi against chunk tokens [a, b) (decoded at k_tile / v_tile): one online-softmax step.
-void attend_chunk_avx2(const WorkItem& item, int qi, int a, int b) {
+// logits: the chunk's raw logits of this query from the integer Q·K, or nullptr (fp32 dots
+// with k_tile).
+void attend_chunk_avx2(const WorkItem& item, int qi, int a, int b, const float* logits) {
   const int dk = item.k.dim, dv = item.v.dim;
   const float* q = item.q + static_cast<size_t>(qi) * dk;
   float* p = item.p;
   float cmax = -__builtin_inff();
   for (int t = a; t < b; ++t) {
-    const float* k = item.k_tile + static_cast<size_t>(t) * dk;
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    for (int c = 0; c < dk; c += 16) {
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), s0);
-      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), s1);
+    float dot;
+    if (logits != nullptr) {
+      dot = logits[t];
+    } else {
+      const float* k = item.k_tile + static_cast<size_t>(t) * dk;
+      __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+      for (int c = 0; c < dk; c += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), s1);
+      }
+      dot = hsum8(_mm256_add_ps(s0, s1));
     }
-    float dot = hsum8(_mm256_add_ps(s0, s1));
     if (item.soft_cap != 0.0f) dot = item.soft_cap * __builtin_tanhf(dot / item.soft_cap);
     p[t] = dot;
     cmax = cmax > dot ? cmax : dot;
@@ -252,6 +286,33 @@ void attend_chunk_avx2(const WorkItem& item, int qi, int a, int b) {
   }
 }
 
+// ---- integer Q·K with vpmaddubsw + vpmaddwd (AVX2) -----------------------------------------
+
+namespace maddubs {
+
+// int8 codes: |c| is the unsigned operand and q takes c's sign (vpsignb). A pair of products
+// is at most 2 * 128 * 127 = 32512, inside vpmaddubsw's int16. 4-bit codes go in directly.
+struct Dot {
+  struct K8 {
+    __m256i abs, codes;
+  };
+  static K8 prep8(__m256i codes) { return {_mm256_abs_epi8(codes), codes}; }
+  static __m256i dot8(__m256i acc, const K8& k, __m256i qq) {
+    return _mm256_add_epi32(
+        acc, _mm256_madd_epi16(_mm256_maddubs_epi16(k.abs, _mm256_sign_epi8(qq, k.codes)),
+                               _mm256_set1_epi16(1)));
+  }
+  static constexpr int kOffset8 = 0;
+  static __m256i dot4(__m256i acc, __m256i codes, __m256i qq) {
+    return _mm256_add_epi32(
+        acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, qq), _mm256_set1_epi16(1)));
+  }
+};
+
+#include "attention/cpu_avx512/int_dot_avx2.inc"
+
+}  // namespace maddubs
+
 }  // namespace
 
 void run_item_avx2(const WorkItem& item) {
@@ -277,14 +338,21 @@ void run_item_avx2(const WorkItem& item) {
       if (!decoded) {
         for (int t = 0; t < cn; t += kTile) {
           const int n = imin2(kTile, cn - t);
-          item.k.decode(tile_source_avx2(item.k, item, c0 + t), n,
-                        item.k_tile + static_cast<size_t>(t) * dk);
+          if (item.k_logits == nullptr)
+            item.k.decode(tile_source_avx2(item.k, item, c0 + t), n,
+                          item.k_tile + static_cast<size_t>(t) * dk);
           item.v.decode(tile_source_avx2(item.v, item, c0 + t), n,
                         item.v_tile + static_cast<size_t>(t) * dv);
         }
         decoded = true;
       }
-      for (int r = 0; r < item.ratio; ++r) attend_chunk_avx2(item, j * item.ratio + r, a, b);
+      if (item.k_logits != nullptr)  // the position's queries against the tiles it sees
+        for (int sub = a / kTile; sub <= (b - 1) / kTile; ++sub)
+          item.k_logits(tile_source_avx2(item.k, item, c0 + sub * kTile), item, j * item.ratio,
+                        item.ratio, item.logits + sub * kTile);
+      for (int r = 0; r < item.ratio; ++r)
+        attend_chunk_avx2(item, j * item.ratio + r, a, b,
+                          item.k_logits != nullptr ? item.logits + r * kChunk : nullptr);
     }
   }
   if (!item.normalize) return;
@@ -333,3 +401,59 @@ DecodeTileFn avx2_decoder(KvDtype dtype, int dim) {
 #else
 #pragma GCC pop_options
 #endif
+
+// ---- integer Q·K with the VEX vpdpbusd (AVX-VNNI): called only after cpu_has_avx_vnni() -----
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avxvnni"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#endif
+
+namespace kvq::cpu_attn {
+namespace {
+namespace avx_vnni {
+
+// int8 codes go in as c + 128 (c xor 0x80, unsigned); the 128 * sum(qq) this adds is taken
+// off after the dot (kOffset8). 4-bit codes go in directly.
+struct Dot {
+  using K8 = __m256i;
+  static K8 prep8(__m256i codes) {
+    return _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+  static __m256i dot8(__m256i acc, K8 k, __m256i qq) { return _mm256_dpbusd_avx_epi32(acc, k, qq); }
+  static constexpr int kOffset8 = 128;
+  static __m256i dot4(__m256i acc, __m256i codes, __m256i qq) {
+    return _mm256_dpbusd_avx_epi32(acc, codes, qq);
+  }
+};
+
+#include "attention/cpu_avx512/int_dot_avx2.inc"
+
+}  // namespace avx_vnni
+}  // namespace
+}  // namespace kvq::cpu_attn
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace kvq::cpu_attn {
+
+// Generic code: only picks a function pointer.
+KLogitsFn avx2_k_logits(KDot k_dot, KvDtype dtype, int dim) {
+  switch (k_dot) {
+    case KDot::kVnni:
+      return avx_vnni::logits_for(dtype, dim);
+    case KDot::kMaddubs:
+      return maddubs::logits_for(dtype, dim);
+    case KDot::kFloat:
+      break;
+  }
+  return nullptr;
+}
+
+}  // namespace kvq::cpu_attn

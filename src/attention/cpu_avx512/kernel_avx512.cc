@@ -9,6 +9,10 @@
 // fp8 goes through fp16 (e5m2 is the top byte of an fp16; e4m3 shifted into an fp16 is its
 // value / 256, an exact power-of-two step), int4 is fma(q, S, Z), nvfp4 is
 // (fp4 * block scale) * T.
+// Integer Q·K (int8/int4_per_token_head K, see KDot in kernel.h): int_dot_avx512.inc, compiled
+// twice: with vpmaddubsw + vpmaddwd under this file's target, and with vpdpbusd in a region of
+// its own at the end of the file whose target adds avx512vnni, so no VNNI instruction can
+// reach a CPU without it.
 // GCC 12's AVX-512 headers self-initialize "undefined" vectors (`__m512 __Y = __Y;`), which
 // -Wuninitialized flags at every use (GCC bug 105593, fixed in 12.3); the warning is keyed to
 // the header's lines, so silencing it around the include leaves this file's own code checked.
@@ -308,6 +312,49 @@ inline __attribute__((always_inline)) __m512 reduce16(const __m512* a) {
                        _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
 }
 
+// Integer Q·K: the per-token int32 vectors of a tile reduced as in reduce16, the first round
+// (two tokens) as soon as they are computed, which keeps 8 vectors per query live instead
+// of 16. merge_token_pair(a[2i], a[2i+1]) -> s1[i]; reduce_token_pairs(s1): lane t = token t's
+// sum (exact: integer adds).
+inline __attribute__((always_inline)) __m512i merge_token_pair(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+inline __attribute__((always_inline)) __m512i reduce_token_pairs(const __m512i* s1) {
+  __m512i s2[4];
+  for (int i = 0; i < 4; ++i)
+    s2[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * i], s1[2 * i + 1]),
+                             _mm512_unpackhi_epi64(s1[2 * i], s1[2 * i + 1]));
+  __m512i s3[2];
+  for (int i = 0; i < 2; ++i)
+    s3[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                             _mm512_shuffle_i32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(s3[0], s3[1], 0x88),
+                          _mm512_shuffle_i32x4(s3[0], s3[1], 0xDD));
+}
+
+// The 4-bit codes of one int4 row as CK vectors of 64 codes, vector c holding elements
+// 64c .. 64c + 63 as [the 32 even ones | the 32 odd ones] (QuantizedQ's int4 order): the low
+// and high nibbles of the row's bytes 32c .. 32c + 31.
+template <int CK>
+inline __attribute__((always_inline)) void nibble_vectors(const std::byte* row, __m512i* out) {
+  if constexpr (CK == 1) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(x, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
+    out[0] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < CK; c += 2) {
+      const __m512i x = _mm512_loadu_si512(row + 32 * c);
+      const __m512i lo = _mm512_and_si512(x, mask);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), mask);
+      out[c] = _mm512_shuffle_i64x2(lo, hi, 0x44);      // 128-bit lanes lo.0 lo.1 hi.0 hi.1
+      out[c + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);  // lo.2 lo.3 hi.2 hi.3
+    }
+  }
+}
+
 TileSource tile_source(const Side& s, const WorkItem& item, int t0) {
   const int32_t block = item.blocks[t0 / item.block_tokens];
   const size_t in_block = static_cast<size_t>(t0 % item.block_tokens);
@@ -367,7 +414,15 @@ void attend_chunk(const WorkItem& item, int qi0, int a, int b, const __mmask16* 
   const int s_first = a / kTile, s_end = (b - 1) / kTile + 1;
 
   __m512 logits[Q][kChunkTiles];
-  for (int sub = s_first; sub < s_end; ++sub) {
+  if (item.k_logits != nullptr) {  // integer Q·K: run_item_t left them in item.logits
+    const int r = qi0 % item.ratio;
+    for (int sub = s_first; sub < s_end; ++sub)
+      for (int i = 0; i < Q; ++i) {
+        logits[i][sub] = _mm512_loadu_ps(item.logits + (r + i) * kChunk + sub * kTile);
+        if (item.soft_cap != 0.0f) logits[i][sub] = soft_cap16(logits[i][sub], item.soft_cap);
+      }
+  }
+  for (int sub = s_first; item.k_logits == nullptr && sub < s_end; ++sub) {
     __m512 dots[Q][kTile];
     for (int t = 0; t < kTile; ++t) {
       const float* k = item.k_tile + (sub * kTile + t) * DK;
@@ -470,17 +525,21 @@ void run_item_t(const WorkItem& item) {
       if (!decoded) {
         for (int t = 0; t < cn; t += kTile) {
           const int n = imin(kTile, cn - t);
-          item.k.decode(tile_source(item.k, item, c0 + t), n, item.k_tile + t * DK);
+          if (item.k_logits == nullptr)
+            item.k.decode(tile_source(item.k, item, c0 + t), n, item.k_tile + t * DK);
           item.v.decode(tile_source(item.v, item, c0 + t), n, item.v_tile + t * DV);
         }
         decoded = true;
       }
+      const int qi0 = j * item.ratio;
       __mmask16 lanes[kChunkTiles];
       for (int sub = a / kTile; sub <= (b - 1) / kTile; ++sub) {
         const int la = imax(a - sub * kTile, 0), lb = imin(b - sub * kTile, kTile);
         lanes[sub] = static_cast<__mmask16>(((1u << lb) - 1u) & ~((1u << la) - 1u));
+        if (item.k_logits != nullptr)
+          item.k_logits(tile_source(item.k, item, c0 + sub * kTile), item, qi0, item.ratio,
+                        item.logits + sub * kTile);
       }
-      const int qi0 = j * item.ratio;
       int r = 0;
       for (; r + 2 <= item.ratio; r += 2) attend_chunk<DK, DV, 2>(item, qi0 + r, a, b, lanes);
       if (r < item.ratio) attend_chunk<DK, DV, 1>(item, qi0 + r, a, b, lanes);
@@ -512,6 +571,35 @@ void run_item_dk(const WorkItem& item) {
   }
   // Unreachable: run_tiled checks the head dims before any item runs.
 }
+
+// ---- integer Q·K with vpmaddubsw + vpmaddwd (AVX-512BW) -----------------------------------
+
+namespace bw {
+
+// int8 codes: |c| is the unsigned operand and q takes c's sign (a masked negation: AVX-512 has
+// no vpsignb). A pair of products is at most 2 * 128 * 127 = 32512, inside vpmaddubsw's int16.
+// 4-bit codes (0..15) go in directly: a pair is at most 2 * 15 * 127.
+struct Dot {
+  struct K8 {
+    __m512i abs;
+    __mmask64 negative;
+  };
+  static K8 prep8(__m512i codes) { return {_mm512_abs_epi8(codes), _mm512_movepi8_mask(codes)}; }
+  static __m512i dot8(__m512i acc, const K8& k, __m512i qq) {
+    const __m512i signed_q = _mm512_mask_sub_epi8(qq, k.negative, _mm512_setzero_si512(), qq);
+    return _mm512_add_epi32(
+        acc, _mm512_madd_epi16(_mm512_maddubs_epi16(k.abs, signed_q), _mm512_set1_epi16(1)));
+  }
+  static constexpr int kOffset8 = 0;
+  static __m512i dot4(__m512i acc, __m512i codes, __m512i qq) {
+    return _mm512_add_epi32(
+        acc, _mm512_madd_epi16(_mm512_maddubs_epi16(codes, qq), _mm512_set1_epi16(1)));
+  }
+};
+
+#include "attention/cpu_avx512/int_dot_avx512.inc"
+
+}  // namespace bw
 
 }  // namespace
 
@@ -561,3 +649,60 @@ DecodeTileFn avx512_decoder(KvDtype dtype, int dim) {
 #else
 #pragma GCC pop_options
 #endif
+
+// ---- integer Q·K with vpdpbusd (AVX512-VNNI): called only after cpu_has_avx512_vnni() -----
+
+#if defined(__clang__)
+#pragma clang attribute push( \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
+#endif
+
+namespace kvq::cpu_attn {
+namespace {
+namespace vnni {
+
+// int8 codes go in as c + 128 (c xor 0x80, unsigned); the 128 * sum(qq) this adds is taken
+// off after the dot (kOffset8). 4-bit codes go in directly.
+struct Dot {
+  using K8 = __m512i;
+  static K8 prep8(__m512i codes) {
+    return _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  static __m512i dot8(__m512i acc, K8 k, __m512i qq) { return _mm512_dpbusd_epi32(acc, k, qq); }
+  static constexpr int kOffset8 = 128;
+  static __m512i dot4(__m512i acc, __m512i codes, __m512i qq) {
+    return _mm512_dpbusd_epi32(acc, codes, qq);
+  }
+};
+
+#include "attention/cpu_avx512/int_dot_avx512.inc"
+
+}  // namespace vnni
+}  // namespace
+}  // namespace kvq::cpu_attn
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace kvq::cpu_attn {
+
+// Generic code: only picks a function pointer.
+KLogitsFn avx512_k_logits(KDot k_dot, KvDtype dtype, int dim) {
+  switch (k_dot) {
+    case KDot::kVnni:
+      return vnni::logits_for(dtype, dim);
+    case KDot::kMaddubs:
+      return bw::logits_for(dtype, dim);
+    case KDot::kFloat:
+      break;
+  }
+  return nullptr;
+}
+
+}  // namespace kvq::cpu_attn

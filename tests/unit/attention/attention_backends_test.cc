@@ -1,7 +1,10 @@
 // Every CPU backend (and each kernel of cpu_avx512: AVX-512, AVX2, portable) x every dtype pair
 // with K == V
 // plus mixed pairs x attention kind x head dim x ragged batches, against exact float64
-// attention over the dequantized K/V.
+// attention over the dequantized K/V. The kernels forced here (AVX2, portable) decode every K
+// to fp32; the backend as dispatched takes int8/int4 K through its integer Q·K, checked with
+// the tolerance that quantizing q allows (AttnProblem::check_int_q; its own tests are in
+// cpu_int_dot_test.cc).
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -53,9 +56,21 @@ void run(Impl impl, const LayerKvSpec& spec, const AttentionArgs& args) {
       // The kernels take the same specs as the backend (its whitelist is the backend's).
       ASSERT_TRUE(find_attention_backend("cpu_avx512")->reasons_unsupported(spec).empty());
       cpu_attn::run_tiled(spec, args,
-                          impl == Impl::kAvx2 ? cpu_attn::Isa::kAvx2 : cpu_attn::Isa::kPortable);
+                          impl == Impl::kAvx2 ? cpu_attn::Isa::kAvx2 : cpu_attn::Isa::kPortable,
+                          cpu_attn::KDot::kFloat);
       return;
   }
+}
+
+// Whether `impl` computes Q·K for K dtype k with integer dot products (the backend's default).
+bool int_dot(Impl impl, KvDtype k) {
+  return impl == Impl::kAvx512 &&
+         cpu_attn::default_k_dot(cpu_attn::best_isa(), k) != cpu_attn::KDot::kFloat;
+}
+
+::testing::AssertionResult check(const test::AttnProblem& problem, Impl impl, KvDtype k,
+                                 double tol) {
+  return int_dot(impl, k) ? problem.check_int_q(tol) : problem.check(tol);
 }
 
 // Error allowed per element, relative to the largest |V| of the (sequence, kv head).
@@ -127,7 +142,7 @@ TEST_P(AttentionBackendGrid, MatchesExactAttentionOverDequantizedKv) {
       const unsigned case_seed = seed + static_cast<unsigned>(index);
       AttnProblem problem(c, case_seed);
       run(prm.impl, problem.spec(), problem.args());
-      EXPECT_TRUE(problem.check(tolerance(prm.impl, c.k, c.v)))
+      EXPECT_TRUE(check(problem, prm.impl, c.k, tolerance(prm.impl, c.k, c.v)))
           << impl_name(prm.impl) << ": " << c.describe() << ", seed " << case_seed;
     }
   }
@@ -190,19 +205,21 @@ TEST(AttentionBackends, DifferentKvHeadDimsAndLongContext) {
         const unsigned case_seed = seed + static_cast<unsigned>(++n);
         AttnProblem problem(c, case_seed);
         run(impl, problem.spec(), problem.args());
-        EXPECT_TRUE(problem.check(tolerance(impl, c.k, c.v)))
+        EXPECT_TRUE(check(problem, impl, c.k, tolerance(impl, c.k, c.v)))
             << impl_name(impl) << ": " << c.describe() << ", seed " << case_seed;
       }
   }
 }
 
 // Long kv ranges split into pieces with their own softmax state, merged at the end: forced
-// here (the backend splits only when there are fewer units of work than cores).
+// here (the backend splits only when there are fewer units of work than cores). Integer K
+// runs every Q·K the kernel has on this CPU.
 TEST(CpuAvx512SplitKv, PiecesMergeToExactAttention) {
   const unsigned seed = test::fresh_seed();
   const std::vector<std::pair<KvDtype, KvDtype>> pairs = {
       {KvDtype::kBFloat16, KvDtype::kBFloat16},
       {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead},
+      {KvDtype::kInt8PerTokenHead, KvDtype::kBFloat16},
       {KvDtype::kFp8E4M3, KvDtype::kNvfp4}};
   int n = 0;
   for (cpu_attn::Isa isa :
@@ -210,23 +227,31 @@ TEST(CpuAvx512SplitKv, PiecesMergeToExactAttention) {
     if (isa == cpu_attn::Isa::kAvx512 && !cpu_attn::cpu_has_avx512()) continue;
     if (isa == cpu_attn::Isa::kAvx2 && !cpu_attn::cpu_has_avx2()) continue;
     for (const auto& [k, v] : pairs)
-      for (AttentionKind kind :
-           {AttentionKind::kCausal, AttentionKind::kSlidingWindow, AttentionKind::kNonCausal}) {
-        AttnCase c;
-        c.k = k;
-        c.v = v;
-        c.kind = kind;
-        c.window = 300;
-        c.head_dim_k = c.head_dim_v = 64;
-        c.ratio = 2;
-        c.num_kv_heads = 2;
-        c.soft_cap = n % 2 ? 6.0f : 0.0f;
-        c.seqs = {{900, 1}, {517, 3}, {40, 1}};
-        const unsigned case_seed = seed + static_cast<unsigned>(++n);
-        AttnProblem problem(c, case_seed);
-        cpu_attn::run_tiled(problem.spec(), problem.args(), isa, /*min_tasks=*/64);
-        EXPECT_TRUE(problem.check(tolerance(Impl::kAvx512, k, v)))
-            << cpu_attn::isa_name(isa) << ": " << c.describe() << ", seed " << case_seed;
+      for (cpu_attn::KDot k_dot :
+           {cpu_attn::KDot::kFloat, cpu_attn::KDot::kVnni, cpu_attn::KDot::kMaddubs}) {
+        if (!cpu_attn::k_dot_supported(isa, k_dot)) continue;
+        if (k_dot != cpu_attn::KDot::kFloat && !cpu_attn::integer_k(k)) continue;
+        for (AttentionKind kind :
+             {AttentionKind::kCausal, AttentionKind::kSlidingWindow, AttentionKind::kNonCausal}) {
+          AttnCase c;
+          c.k = k;
+          c.v = v;
+          c.kind = kind;
+          c.window = 300;
+          c.head_dim_k = c.head_dim_v = 64;
+          c.ratio = 2;
+          c.num_kv_heads = 2;
+          c.soft_cap = n % 2 ? 6.0f : 0.0f;
+          c.seqs = {{900, 1}, {517, 3}, {40, 1}};
+          const unsigned case_seed = seed + static_cast<unsigned>(++n);
+          AttnProblem problem(c, case_seed);
+          cpu_attn::run_tiled(problem.spec(), problem.args(), isa, k_dot, /*min_tasks=*/64);
+          const double tol = tolerance(Impl::kAvx512, k, v);
+          EXPECT_TRUE(k_dot == cpu_attn::KDot::kFloat ? problem.check(tol)
+                                                      : problem.check_int_q(tol))
+              << cpu_attn::isa_name(isa) << " " << cpu_attn::k_dot_name(k_dot) << ": "
+              << c.describe() << ", seed " << case_seed;
+        }
       }
   }
 }

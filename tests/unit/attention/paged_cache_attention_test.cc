@@ -1,12 +1,15 @@
 // End to end through the real cache: PagedKvCache + write_kv_reference, then each layer's
 // selected backend (and cpu_reference) reads what was written. Expected values come from
-// quantize -> dequantize of the same inputs and exact float64 attention.
+// quantize -> dequantize of the same inputs and exact float64 attention. Where cpu_avx512
+// computes Q·K on int8/int4 codes, the tolerance adds what quantizing q allows
+// (test::int_q_attention).
 #include <gtest/gtest.h>
 
 #include <map>
 #include <random>
 #include <vector>
 
+#include "attention/cpu_avx512/kernel.h"
 #include "attention_harness.h"
 #include "kvq/attention/backend.h"
 #include "kvq/cache/paged_kv_cache.h"
@@ -105,6 +108,25 @@ TEST(PagedCacheAttention, WritesThroughWriteKvReferenceReadBackByEveryLayersBack
           test::exact_attention(s, scale, 0.0f, shapes, k_deq[l], v_deq[l], q.data());
       const BackendChoice choice = select_attention_backend(s, Device::kCpu);
       EXPECT_EQ(choice.backend->name(), s.head_dim_k == 8 ? "cpu_reference" : "cpu_avx512");
+      // The integer Q·K's bound, from the K codes as the cache holds them.
+      const LayerCacheView view = cache.layer_view(l);
+      const KvSideLayout& kl = view.layout(KvSide::kK);
+      std::vector<std::vector<test::KRowCodes>> codes(ids.size());
+      for (size_t i = 0; i < ids.size(); ++i)
+        for (int t = 0; t < shapes[i].kv_len; ++t)
+          for (int g = 0; g < s.num_kv_heads; ++g) {
+            const int32_t block = bt.indices[bt.indptr[i] + t / bt.block_tokens];
+            const std::byte* base = view.block(KvSide::kK, block);
+            codes[i].push_back(
+                test::k_row_codes_of(s.k_dtype, base + kl.value_offset(g, t % bt.block_tokens),
+                                     base + kl.scale_offset(g, t % bt.block_tokens), s.head_dim_k));
+          }
+      const test::IntQAttention int_q = test::int_q_attention(
+          s, scale, 0.0f, shapes, k_deq[l], v_deq[l], q.data(),
+          [&](size_t i, int t, int g) -> const test::KRowCodes& {
+            return codes[i][static_cast<size_t>(t) * s.num_kv_heads + g];
+          },
+          [](size_t, size_t, int, int, double) { return 0.0; });
       for (const AttentionBackend* b : {choice.backend, find_attention_backend("cpu_reference")}) {
         std::vector<float> out(expected.size(), std::numeric_limits<float>::quiet_NaN());
         AttentionArgs a;
@@ -116,7 +138,11 @@ TEST(PagedCacheAttention, WritesThroughWriteKvReferenceReadBackByEveryLayersBack
         a.softmax_scale = scale;
         b->run(s, a);
         const double tol = traits(s.k_dtype).rotated ? 1e-4 : 3e-5;
-        EXPECT_TRUE(test::check_attention(s, shapes, v_deq[l], expected, out.data(), tol))
+        const bool int_dot =
+            b->name() == "cpu_avx512" &&
+            cpu_attn::default_k_dot(cpu_attn::best_isa(), s.k_dtype) != cpu_attn::KDot::kFloat;
+        EXPECT_TRUE(test::check_attention(s, shapes, v_deq[l], expected, out.data(), tol,
+                                          int_dot ? int_q.bound.data() : nullptr))
             << b->name() << " on layer " << l << ", seed " << seed;
       }
     }
