@@ -734,7 +734,11 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
   const Run always = run(false, false);
   EXPECT_EQ(always.ids, want.output_ids) << "seed " << seed;
   EXPECT_EQ(always.stats.spec_steps_skipped, 0);
-  EXPECT_GE(always.stats.spec.verify_steps, max_new - 3);
+  // Every decode step but the last drafts. The "wrong" token is right wherever the target's
+  // own output has it next (each such accepted draft saves a step), so the steps are counted
+  // with the accepted drafts (a bare count of 90 < 93 failed one ctest run with none skipped).
+  EXPECT_GE(always.stats.spec.verify_steps + always.stats.spec.accepted, max_new - 3)
+      << "seed " << seed;
 
   // Five tokens per drafting step against one: drafting stays on after plain's 5 measured steps.
   // The policy compares wall-clock times, and under `ctest -j2` on 2 cores another test's
