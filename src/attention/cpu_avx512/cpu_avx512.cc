@@ -163,8 +163,9 @@ TileSource tile_source(const Side& s, const WorkItem& item, int t0) {
 
 // The integer Q·K's queries (QuantizedQ): for each of the nq prepared queries of dim dk,
 // s_q = max|q| / 127 and qq = round_half_even(q / s_q) (|q / s_q| <= 127 up to a rounding,
-// clamped), placed in the int4 order when `int4_order`. False where a query has a non-finite
-// element or s_q == 0 (all zero, or so small that max|q| / 127 underflows): the item then
+// clamped), placed in the int4 order when `int4_order`; an all-zero query takes s_q = 1 and
+// zero codes (its logits are exactly 0, as in fp32). False where a query has a non-finite
+// element or max|q| / 127 is subnormal (its rounding bound would not hold): the item then
 // runs in fp32.
 bool quantize_queries(const float* q, int nq, int dk, bool int4_order, int8_t* qq, float* scale,
                       float* sum, int32_t* qq_sum, float* centre) {
@@ -177,8 +178,8 @@ bool quantize_queries(const float* q, int nq, int dk, bool int4_order, int8_t* q
       amax = std::max(amax, std::fabs(x[d]));
       total += x[d];
     }
-    const float s = amax / 127.0f;
-    if (!(s > 0.0f)) return false;
+    const float s = amax == 0.0f ? 1.0f : amax / 127.0f;
+    if (!(s >= std::numeric_limits<float>::min())) return false;
     int8_t* out = qq + static_cast<size_t>(i) * dk;
     int32_t code_sum = 0;
     for (int d = 0; d < dk; ++d) {

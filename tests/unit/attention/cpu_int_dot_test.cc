@@ -8,6 +8,7 @@
 // and shows that the bound is tight enough to reject a wrong zero point, scale or offset.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -138,7 +139,7 @@ TEST(CpuIntDot, ComputesTheQuantizedQLogitsToFp32Precision) {
 // make: the int4 zero-point term dropped, the scale S of the neighbouring row, the int8 offset
 // (c + 128) not taken off. Each mistake is the exact attention with the mistaken logits,
 // checked as check_int_q checks a kernel; decode rows of few tokens show any logit error in
-// the output. (Measured: none of 2000 runs of this test missed one; without the int4 centre
+// the output. (Measured on single draws: none of 2000 runs missed one; without the int4 centre
 // term of QuantizedQ the bound is about 3x looser and missed a dropped zero point in about a
 // third of the runs, at head_dim 256.)
 TEST(CpuIntDot, TheBoundRejectsAWrongZeroPointScaleOrOffset) {
@@ -150,42 +151,59 @@ TEST(CpuIntDot, TheBoundRejectsAWrongZeroPointScaleOrOffset) {
       c.v = k;
       c.kind = AttentionKind::kCausal;
       c.seqs = {{2, 1}, {5, 1}, {12, 1}, {37, 1}, {70, 5}};
-      const unsigned case_seed = seed + static_cast<unsigned>(++index);
-      const AttnProblem problem(c, case_seed);
-      const double tol = fp32_tolerance(c.k, c.v);
-      const auto where = [&] { return c.describe() + ", seed " + std::to_string(case_seed); };
-      if (k == KvDtype::kInt4PerTokenHead) {
-        auto no_zero_point = [&](size_t i, size_t q_row, int h, int t, double) {
-          return -problem.k_row_codes(i, t, h / c.ratio).zero * problem.prepared_q(q_row, h).sum;
+      // Each mistake on three fresh problems, rejected on at least two: a rare draw whose
+      // mistake hides inside the bound does not fail the test, a bound too loose to catch the
+      // mistake does.
+      int no_zero_point_rejected = 0, neighbour_rejected = 0, offset_rejected = 0;
+      std::string seeds;
+      for (int draw = 0; draw < 3; ++draw) {
+        const unsigned case_seed = seed + static_cast<unsigned>(++index);
+        seeds += " " + std::to_string(case_seed);
+        const AttnProblem problem(c, case_seed);
+        const double tol = fp32_tolerance(c.k, c.v);
+        if (k == KvDtype::kInt4PerTokenHead) {
+          auto no_zero_point = [&](size_t i, size_t q_row, int h, int t, double) {
+            return -problem.k_row_codes(i, t, h / c.ratio).zero * problem.prepared_q(q_row, h).sum;
+          };
+          no_zero_point_rejected += problem.int_q_check_rejects(tol, no_zero_point) ? 1 : 0;
+        }
+        // S of row t + 1 (t - 1 for the last row): logit x S_neighbour / S_t, minus the
+        // zero-point term's share for int4, which a wrong S does not touch.
+        auto neighbour_scale = [&](size_t i, size_t q_row, int h, int t, double x) {
+          const int kv_len = c.seqs[i].kv_len;
+          const int u = t + 1 < kv_len ? t + 1 : t - 1;
+          if (u < 0) return 0.0;
+          const auto& row = problem.k_row_codes(i, t, h / c.ratio);
+          const double scaled = x - row.zero * problem.prepared_q(q_row, h).sum;
+          return scaled * (problem.k_row_codes(i, u, h / c.ratio).scale / row.scale - 1.0);
         };
-        EXPECT_TRUE(problem.int_q_check_rejects(tol, no_zero_point)) << where();
+        neighbour_rejected += problem.int_q_check_rejects(tol, neighbour_scale) ? 1 : 0;
+        if (k == KvDtype::kInt8PerTokenHead) {
+          auto offset_kept = [&](size_t i, size_t q_row, int h, int t, double) {
+            const test::PreparedQ p = problem.prepared_q(q_row, h);
+            double qq_sum = 0.0;
+            for (int v : quantize(p)) qq_sum += v;
+            return 128.0 * p.scale * problem.k_row_codes(i, t, h / c.ratio).scale * qq_sum;
+          };
+          offset_rejected += problem.int_q_check_rejects(tol, offset_kept) ? 1 : 0;
+        }
       }
-      // S of row t + 1 (t - 1 for the last row): logit x S_neighbour / S_t, minus the
-      // zero-point term's share for int4, which a wrong S does not touch.
-      auto neighbour_scale = [&](size_t i, size_t q_row, int h, int t, double x) {
-        const int kv_len = c.seqs[i].kv_len;
-        const int u = t + 1 < kv_len ? t + 1 : t - 1;
-        if (u < 0) return 0.0;
-        const auto& row = problem.k_row_codes(i, t, h / c.ratio);
-        const double scaled = x - row.zero * problem.prepared_q(q_row, h).sum;
-        return scaled * (problem.k_row_codes(i, u, h / c.ratio).scale / row.scale - 1.0);
-      };
-      EXPECT_TRUE(problem.int_q_check_rejects(tol, neighbour_scale)) << where();
+      const std::string where = c.describe() + ", seeds" + seeds;
+      if (k == KvDtype::kInt4PerTokenHead) {
+        EXPECT_GE(no_zero_point_rejected, 2) << "dropped zero point, " << where;
+      }
+      EXPECT_GE(neighbour_rejected, 2) << "neighbour's scale, " << where;
       if (k == KvDtype::kInt8PerTokenHead) {
-        auto offset_kept = [&](size_t i, size_t q_row, int h, int t, double) {
-          const test::PreparedQ p = problem.prepared_q(q_row, h);
-          double qq_sum = 0.0;
-          for (int v : quantize(p)) qq_sum += v;
-          return 128.0 * p.scale * problem.k_row_codes(i, t, h / c.ratio).scale * qq_sum;
-        };
-        EXPECT_TRUE(problem.int_q_check_rejects(tol, offset_kept)) << where();
+        EXPECT_GE(offset_rejected, 2) << "offset kept, " << where;
       }
     }
 }
 
-// A work item with an all-zero query (no scale to quantize with) or a non-finite one runs the
-// fp32 path: its output is the fp32 kernel's, bit for bit (NaN where that has NaN).
-TEST(CpuIntDot, ZeroOrNonFiniteQueriesRunInFp32) {
+// All-zero queries give logits of exactly 0, so the fp32 kernel's outputs bit for bit; a work
+// item with a non-finite query element runs the fp32 path, so its other query's output (the
+// first sequence's first token has one work item per kv head: query heads 0 and 1 of kv head
+// 0) is the fp32 kernel's bit for bit too, and the poisoned query's NaN where that has NaN.
+TEST(CpuIntDot, ZeroOrNonFiniteQueriesMatchFp32) {
   const std::vector<Variant> vs = variants();
   if (vs.empty()) GTEST_SKIP() << "this CPU runs no integer Q·K (no AVX2)";
   const unsigned seed = test::fresh_seed();
@@ -198,17 +216,28 @@ TEST(CpuIntDot, ZeroOrNonFiniteQueriesRunInFp32) {
         const unsigned case_seed = seed + static_cast<unsigned>(++index);
         AttnProblem problem(c, case_seed);
         std::vector<float> q = problem.queries();
-        // Zero: every query (so every item falls back). NaN / inf: one element of every
-        // query row.
+        // Zero: every query. NaN / inf: element 5 of the first query row only, so the other
+        // rows of its item must still come out (finite, and equal to fp32's).
         for (size_t e = 0; e < q.size(); ++e)
-          if (poison == 0.0f || e % static_cast<size_t>(c.head_dim_k) == 5) q[e] = poison;
+          if (poison == 0.0f || e == 5) q[e] = poison;
         problem.set_queries(q);
         cpu_attn::run_tiled(problem.spec(), problem.args(), var.isa, KDot::kFloat);
         const std::vector<float> want = problem.out();
         cpu_attn::run_tiled(problem.spec(), problem.args(), var.isa, var.k_dot);
         const std::vector<float>& got = problem.out();
         ASSERT_EQ(got.size(), want.size());
-        for (size_t e = 0; e < got.size(); ++e)
+        // Zero: every output; NaN / inf: the poisoned query's work item (its output rows come
+        // first), the second row finite.
+        const size_t checked =
+            poison == 0.0f ? got.size() : static_cast<size_t>(c.ratio) * c.head_dim_v;
+        ASSERT_TRUE(poison == 0.0f || std::isfinite(want[checked - 1]))
+            << var.name() << ", seed " << case_seed;
+        // Only the poisoned query's rows may be NaN: most of the outputs are finite numbers.
+        ASSERT_GT(static_cast<size_t>(std::count_if(want.begin(), want.end(),
+                                                    [](float x) { return std::isfinite(x); })),
+                  want.size() / 2)
+            << var.name() << ", seed " << case_seed;
+        for (size_t e = 0; e < checked; ++e)
           ASSERT_TRUE(std::memcmp(&got[e], &want[e], sizeof(float)) == 0 ||
                       (std::isnan(got[e]) && std::isnan(want[e])))
               << var.name() << " query element " << poison << ", output " << e << ": got " << got[e]
