@@ -8,7 +8,7 @@
 //
 // Decoders reproduce the reference codecs bit for bit (the same arithmetic as the AVX-512
 // ones, eight lanes at a time): fp8 through fp16, int8 as float(q) * scale, int4 as
-// fma(q, S, Z). nvfp4 has no AVX2 decoder (the generic one runs).
+// fma(q, S, Z), nvfp4 as (fp4 * block scale) * T through two 8-entry tables.
 //
 // The item: per chunk of kChunk tokens, K and V rows are decoded once into fp32 scratch; each
 // query of the GQA group takes its chunk's logits (8-lane FMAs, two accumulators, a
@@ -185,6 +185,42 @@ void decode_int4_pth_avx2(const TileSource& s, int n, float* out) {
       nibbles_x16(r + c / 2, a, b);
       _mm256_storeu_ps(o + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), scale, zero));
       _mm256_storeu_ps(o + c + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), scale, zero));
+    }
+  }
+}
+
+// nvfp4: 16-element blocks, each with an e4m3 block scale after the row's codes; value =
+// (fp4 * block scale) * T, the two products of the reference in its order (the first exact).
+// The fp4 code's magnitude picks from an 8-entry table (vpermps uses the index's low 3 bits),
+// its sign bit (bit 3) chooses the negative table.
+void decode_nvfp4_avx2(const TileSource& s, int n, float* out) {
+  const __m256 pos = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256 neg = _mm256_setr_ps(-0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  const __m256 t = _mm256_set1_ps(s.tensor_scale);
+  const int blocks = s.dim / 16;  // <= 16 (head_dim <= 256)
+  for (int i = 0; i < n; ++i) {
+    const std::byte* r = row_values(s, i);
+    // The block scales (copied: a 16-byte load could pass the row's end), decoded exactly.
+    alignas(16) std::byte codes[16] = {};
+    __builtin_memcpy(codes, r + s.dim / 2, static_cast<size_t>(blocks));
+    __m256 lo, hi;
+    e4m3x16(_mm_load_si128(reinterpret_cast<const __m128i*>(codes)), 1.0f, lo, hi);
+    alignas(32) float bs[16];
+    _mm256_store_ps(bs, lo);
+    _mm256_store_ps(bs + 8, hi);
+    float* o = out + static_cast<size_t>(i) * s.dim;
+    for (int b = 0; b < blocks; ++b) {
+      const __m256 k = _mm256_set1_ps(bs[b]);
+      const __m256 tp = _mm256_mul_ps(_mm256_mul_ps(pos, k), t);
+      const __m256 tn = _mm256_mul_ps(_mm256_mul_ps(neg, k), t);
+      __m256i idx[2];
+      nibbles_x16(r + 8 * b, idx[0], idx[1]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(idx[h], 28));  // bit 3 -> 31
+        _mm256_storeu_ps(o + 16 * b + 8 * h,
+                         _mm256_blendv_ps(_mm256_permutevar8x32_ps(tp, idx[h]),
+                                          _mm256_permutevar8x32_ps(tn, idx[h]), sign));
+      }
     }
   }
 }
@@ -388,6 +424,7 @@ DecodeTileFn avx2_decoder(KvDtype dtype, int dim) {
     case KvDtype::kInt4PerTokenHead:
       return decode_int4_pth_avx2;
     case KvDtype::kNvfp4:
+      return decode_nvfp4_avx2;
     case KvDtype::kAuto:
       break;
   }
