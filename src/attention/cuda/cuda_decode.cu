@@ -26,8 +26,8 @@ namespace {
 // back; 8 tiles of fp8 K/V at head_dim 128 are 32 KB). A warp spends about 1 us per tile
 // whatever the grid, so where the grid is tiny items go down to 2 tiles: the launch shortens
 // more than the extra partial rows cost. One query per sequence: sequences x kv heads <= 16
-// (default model, batch 1: 0.238-0.245 -> 0.218-0.224 ms per plain step; 8B batch 1 x 1k:
-// -2%; larger grids measured slower). Several queries (verification, DFlash blocks), whose
+// (default model, batch 1: 0.238-0.245 -> 0.218-0.224 ms per plain step; larger grids
+// measured 1-3.5% slower with the small floor, and an 8B step at 1k plans for 96 tiles). Several queries (verification, DFlash blocks), whose
 // warps hold 16 rows: sequences x kv heads <= 8 (batch 8 of the default model measured
 // slower). Both at most 64 tiles (docs/notes/decode-tuning.md version 8).
 // KVQ_DECODE_MIN_CHUNK_TILES / KVQ_DECODE_MQ_MIN_CHUNK_TILES=n (1..64) override the small
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(128)
   float acc[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.0f;
-    // No split saw a key (a padding sequence of a graph step, seq_len 0): the output stays zeros.
+  // No split saw a key (a padding sequence of a graph step, seq_len 0): the output stays zeros.
 #pragma unroll 4
   for (int s = 0; s < (wsum > 0.0f ? nsplit : 0); ++s) {
     const size_t row = row0 + s * split_stride;
