@@ -27,11 +27,11 @@ namespace {
 // whatever the grid, so where the grid is tiny items go down to 2 tiles: the launch shortens
 // more than the extra partial rows cost. One query per sequence: sequences x kv heads <= 16
 // (default model, batch 1: 0.238-0.245 -> 0.218-0.224 ms per plain step; larger grids
-// measured 1-3.5% slower with the small floor, and an 8B step at 1k plans for 96 tiles). Several queries (verification, DFlash blocks), whose
-// warps hold 16 rows: sequences x kv heads <= 8 (batch 8 of the default model measured
-// slower). Both at most 64 tiles (docs/notes/decode-tuning.md version 8).
-// KVQ_DECODE_MIN_CHUNK_TILES / KVQ_DECODE_MQ_MIN_CHUNK_TILES=n (1..64) override the small
-// floor of one-query / multi-query plans (A/B switches).
+// measured 1-3.5% slower with the small floor, and an 8B step at 1k plans for 96 tiles). Several
+// queries (verification, DFlash blocks), whose warps hold 16 rows: sequences x kv heads <= 8 (batch
+// 8 of the default model measured slower). Both at most 64 tiles (docs/notes/decode-tuning.md
+// version 8). KVQ_DECODE_MIN_CHUNK_TILES / KVQ_DECODE_MQ_MIN_CHUNK_TILES=n (1..64) override the
+// small floor of one-query / multi-query plans (A/B switches).
 constexpr int kMinChunkTiles = 8;
 constexpr int kMinChunkTilesTinyGrid = 2;
 
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(128)
   float acc[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.0f;
-  // No split saw a key (a padding sequence of a graph step, seq_len 0): the output stays zeros.
+    // No split saw a key (a padding sequence of a graph step, seq_len 0): the output stays zeros.
 #pragma unroll 4
   for (int s = 0; s < (wsum > 0.0f ? nsplit : 0); ++s) {
     const size_t row = row0 + s * split_stride;
