@@ -124,6 +124,8 @@ struct LlmEngine::Impl {
     std::array<double, kSpecWindow> recent[2] = {};  // [0]: plain, [1]: drafting
     int samples[2] = {0, 0};
     int64_t decided = 0;
+    int probe_left = 0;  // steps of the current probe still to run after this one
+    bool probe_drafting = false;
     double best(int m) const {
       const int n = std::min(samples[m], kSpecWindow);
       return *std::min_element(recent[m].begin(), recent[m].begin() + n);
@@ -132,6 +134,10 @@ struct LlmEngine::Impl {
   std::array<SpecBucket, 32> spec_buckets;
   int step_bucket = -1;  // this step's bucket when auto_disable decided it, else -1
   bool step_drafting = false;
+  // The last decode step was run without drafts by auto_disable: the next drafting step is
+  // the drafter's catch-up (a draft model prefills the tokens it skipped), not a sample.
+  bool drafts_skipped = false;
+  bool step_catch_up = false;
 
   std::thread thread;
 };
@@ -413,7 +419,7 @@ void LlmEngine::Impl::schedule_and_forward() {
     counters.draft_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_features).count();
   }
-  if (step_bucket >= 0 && !preempted && sampled.size() == batch.size()) {
+  if (step_bucket >= 0 && !step_catch_up && !preempted && sampled.size() == batch.size()) {
     // A decode-only step (every scheduled sequence produced tokens): its time per token.
     bool decode_only = true;
     int64_t emitted = 0;
@@ -466,6 +472,7 @@ void LlmEngine::Impl::schedule_and_forward() {
 
 void LlmEngine::Impl::propose_drafts() {
   step_bucket = -1;
+  step_catch_up = false;
   if (!config.proposer || config.num_speculative_tokens <= 0) return;
   for (auto& r : running) {
     r->draft = Draft{};
@@ -498,10 +505,22 @@ void LlmEngine::Impl::propose_drafts() {
       step_drafting = true;
     } else if (b.samples[0] < kWarm) {
       step_drafting = false;
+    } else if (b.probe_left > 0) {
+      --b.probe_left;
+      step_drafting = b.probe_drafting;
     } else {
       const bool faster = b.best(1) <= b.best(0);
-      step_drafting = ++b.decided % kSpecProbeInterval == 0 ? !faster : faster;
+      step_drafting = faster;
+      if (++b.decided % kSpecProbeInterval == 0) {
+        // A probe of the other mode: kSpecProbeSteps steps, as a probe of drafting after a
+        // plain stretch starts with the drafter's catch-up, which is not sampled.
+        step_drafting = !faster;
+        b.probe_drafting = !faster;
+        b.probe_left = kSpecProbeSteps - 1;
+      }
     }
+    step_catch_up = step_drafting && drafts_skipped;
+    drafts_skipped = !step_drafting;
     if (!step_drafting) {
       ++counters.spec_steps_skipped;
       return;

@@ -37,9 +37,10 @@ struct EngineConfig {
   // load the batch already fills the GPU and verification work would only add cost.
   int32_t speculative_disable_by_batch_size = 0;
   // Drafts only where they pay: per batch-size bucket (the number of decoding sequences, by
-  // powers of two) the engine keeps a running mean of the wall time per generated token of
+  // powers of two) the engine keeps the wall time per generated token of its recent
   // decode-only steps with drafts and without, measures each (a few steps of each first), then
-  // runs the faster, and re-measures the other one step in every kSpecProbeInterval.
+  // runs the one with the lower best recent time, and re-measures the other for
+  // kSpecProbeSteps steps in every kSpecProbeInterval.
   bool speculative_auto_disable = false;
   // Greedy drafts of a drafter on the target's GPU stay there for the step's verification,
   // which reads them on the device (ForwardBatch::token_source): drafting and verifying run
@@ -49,6 +50,9 @@ struct EngineConfig {
 };
 
 inline constexpr int kSpecProbeInterval = 32;
+// A probe runs this many steps of the other mode; the first drafting step after steps without
+// drafts (the drafter catching up on the tokens it did not see) is not timed.
+inline constexpr int kSpecProbeSteps = 2;
 
 using RequestId = uint64_t;
 

@@ -659,21 +659,26 @@ TEST(SpeculativeSkipLayers, DrafterFollowsTheTargetsSkipRule) {
 namespace kvq::test {
 namespace {
 
-// Drafts whatever `next` says for the sequence so far, after sleeping `delay` per call.
+// Drafts whatever `next` says for the sequence so far, after sleeping per call for what
+// `delay` says (given the first request's tokens).
 class ScriptedProposer final : public Proposer {
  public:
+  using Delay = std::function<std::chrono::milliseconds(std::span<const int32_t>)>;
+  ScriptedProposer(Delay delay,
+                   std::function<std::vector<int32_t>(std::span<const int32_t>, int)> next)
+      : delay_(std::move(delay)), next_(std::move(next)) {}
   ScriptedProposer(std::chrono::milliseconds delay,
                    std::function<std::vector<int32_t>(std::span<const int32_t>, int)> next)
-      : delay_(delay), next_(std::move(next)) {}
+      : ScriptedProposer([delay](std::span<const int32_t>) { return delay; }, std::move(next)) {}
   SpecMethod method() const override { return SpecMethod::kNgram; }
   void propose(std::span<const DraftRequest> requests, std::span<Draft> out) override {
-    std::this_thread::sleep_for(delay_);
+    if (!requests.empty()) std::this_thread::sleep_for(delay_(requests.front().tokens));
     for (size_t i = 0; i < requests.size(); ++i)
       out[i].tokens = next_(requests[i].tokens, requests[i].max_drafts);
   }
 
  private:
-  std::chrono::milliseconds delay_;
+  Delay delay_;
   std::function<std::vector<int32_t>(std::span<const int32_t>, int)> next_;
 };
 
@@ -727,9 +732,11 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
   const Run slow = run(false, true);
   EXPECT_EQ(slow.ids, want.output_ids) << "seed " << seed;
   // Of ~max_new decode steps, 5 measure drafting, then plain wins (by its best time) and
-  // drafting is only probed one step in kSpecProbeInterval.
+  // drafting is only probed kSpecProbeSteps steps in kSpecProbeInterval.
   EXPECT_GE(slow.stats.spec_steps_skipped, max_new / 2) << "seed " << seed;
-  EXPECT_LE(slow.stats.spec.verify_steps, 5 + max_new / kSpecProbeInterval + 1) << "seed " << seed;
+  EXPECT_LE(slow.stats.spec.verify_steps,
+            5 + kSpecProbeSteps * (max_new / kSpecProbeInterval + 1))
+      << "seed " << seed;
 
   const Run always = run(false, false);
   EXPECT_EQ(always.ids, want.output_ids) << "seed " << seed;
@@ -744,7 +751,7 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
   // The policy compares wall-clock times, and under `ctest -j2` on 2 cores another test's
   // threads can stall a run's drafting steps (seen once: 36 steps skipped): up to three tries,
   // so only a policy that keeps turning a paying drafter off fails.
-  const int64_t bound = 5 + max_new / kSpecProbeInterval + 1;
+  const int64_t bound = 5 + kSpecProbeSteps * (max_new / kSpecProbeInterval + 1);
   Run good;
   for (int attempt = 0; attempt < 3; ++attempt) {
     good = run(true, true);
@@ -760,6 +767,66 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
     EXPECT_LE(good.stats.spec_steps_skipped, bound) << "seed " << seed;
   }
   EXPECT_EQ(good.stats.blocks_used, 0);
+}
+
+// auto_disable: a drafter that was slow at first (say, under load) and is fast now is turned
+// back on by a probe, although its first call after the steps without drafts is slow again
+// (a draft model prefilling the tokens it skipped). That catch-up call is not the drafter's
+// cost per step; a policy that times it keeps the drafter off for good.
+TEST(EngineSpeculation, AutoDisableProbeIsNotFooledByTheDrafterCatchingUp) {
+  KVQ_REQUIRE_MODEL();
+  if (kUnderSanitizer) GTEST_SKIP() << "wall-clock policy (see the test above)";
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  const KvPlan plan = default_plan(KvDtype::kBFloat16);
+  const std::unique_ptr<Model> solo_model = engine_model(plan);
+  const auto prompt = code_prompts(rng, 1, 20, 30).front();
+  const int max_new = 128;
+  const int k = 4;
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = max_new;
+  p.ignore_eos = true;
+  const GenerationResult want = generate(*solo_model, reference_tokenizer(), prompt, p, {});
+  ASSERT_EQ(want.output_ids.size(), static_cast<size_t>(max_new));
+  std::vector<int32_t> full = prompt;
+  full.insert(full.end(), want.output_ids.begin(), want.output_ids.end());
+
+  // Oracle drafts (k + 1 tokens per drafting step). Slow (40 ms) for its first kWarm calls
+  // and on any call where the sequence grew by more than one drafting step since the last.
+  int calls = 0;
+  size_t last_len = 0;
+  const auto delay = [&](std::span<const int32_t> tokens) {
+    const bool catch_up = tokens.size() > last_len + k + 1;
+    last_len = tokens.size();
+    return std::chrono::milliseconds(++calls <= 5 || catch_up ? 40 : 0);
+  };
+  EngineConfig config;
+  config.num_blocks = 64;
+  config.num_speculative_tokens = k;
+  config.speculative_auto_disable = true;
+  config.proposer = std::make_shared<ScriptedProposer>(
+      delay, [&](std::span<const int32_t> tokens, int max_drafts) {
+        std::vector<int32_t> d;
+        for (size_t i = tokens.size(); i < full.size() && d.size() < static_cast<size_t>(max_drafts);
+             ++i)
+          d.push_back(full[i]);
+        return d;
+      });
+  Collector collector;
+  auto engine = make_engine(config, plan);
+  const RequestId id = engine->add_request(prompt, p, collector.callback());
+  ASSERT_TRUE(collector.wait_finished(1)) << "seed " << seed;
+  const EngineStats stats = engine->stats();
+  EXPECT_EQ(collector.get(id).ids, want.output_ids) << "seed " << seed;
+  engine.reset();
+  // 5 slow drafting steps (20 tokens) and plain's 5 measured steps, plain until the probe at
+  // the kSpecProbeInterval-th decision (~56 tokens), then the probe's catch-up and a fast step,
+  // and drafting for the rest: ~62 tokens in ~13 steps. A one-step probe times only the
+  // catch-up and drafts in 5 + 2 steps (seen: 7).
+  EXPECT_GE(stats.spec.verify_steps, 5 + kSpecProbeSteps + 8)
+      << "seed " << seed << ", skipped " << stats.spec_steps_skipped;
+  EXPECT_EQ(stats.blocks_used, 0);
 }
 
 }  // namespace
