@@ -115,20 +115,35 @@ struct LlmEngine::Impl {
   std::vector<float> logits;
   std::vector<float> captured;  // target features for a DFlash proposer
   // speculative_auto_disable: per bucket of decoding sequences (bit width of their count), the
-  // seconds per generated token of the last kSpecWindow decode-only steps with and without
-  // drafts. Their minimum decides: a step of a shape seen for the first time captures a CUDA
-  // graph or tunes a GEMM (10-100x a replayed one), and the rarer mode meets new shapes more
-  // often, so a mean or even a median of its few samples would keep it looking slow.
+  // wall time and the tokens of recent decode-only steps with and without drafts. A mode's cost
+  // per token is its fastest step of the last kSpecWindow over its mean tokens per step of the
+  // last kSpecTokenWindow. The minimum time: a step of a shape seen for the first time captures
+  // a CUDA graph or tunes a GEMM (10-100x a replayed one), and the rarer mode meets new shapes
+  // more often, so a mean or even a median of its few times would keep it looking slow. The
+  // mean tokens over a longer window: acceptance comes in bursts, and a per-step minimum of
+  // time per token turned a paying drafter off after 7 poor steps in a row (a third of the
+  // draft model's steps at batch 1).
   static constexpr int kSpecWindow = 7;
+  static constexpr int kSpecTokenWindow = 32;
   struct SpecBucket {
-    std::array<double, kSpecWindow> recent[2] = {};  // [0]: plain, [1]: drafting
-    int samples[2] = {0, 0};
+    std::array<double, kSpecWindow> seconds[2] = {};       // [0]: plain, [1]: drafting
+    std::array<int64_t, kSpecTokenWindow> tokens[2] = {};  // same
+    int64_t samples[2] = {0, 0};
     int64_t decided = 0;
     int probe_left = 0;  // steps of the current probe still to run after this one
     bool probe_drafting = false;
-    double best(int m) const {
-      const int n = std::min(samples[m], kSpecWindow);
-      return *std::min_element(recent[m].begin(), recent[m].begin() + n);
+    void add(int m, double s, int64_t emitted) {
+      seconds[m][static_cast<size_t>(samples[m] % kSpecWindow)] = s;
+      tokens[m][static_cast<size_t>(samples[m] % kSpecTokenWindow)] = emitted;
+      ++samples[m];
+    }
+    double per_token(int m) const {
+      const int64_t n = std::min<int64_t>(samples[m], kSpecWindow);
+      const int64_t nt = std::min<int64_t>(samples[m], kSpecTokenWindow);
+      const double t = *std::min_element(seconds[m].begin(), seconds[m].begin() + n);
+      int64_t sum = 0;
+      for (int64_t i = 0; i < nt; ++i) sum += tokens[m][static_cast<size_t>(i)];
+      return t * static_cast<double>(nt) / static_cast<double>(std::max<int64_t>(sum, 1));
     }
   };
   std::array<SpecBucket, 32> spec_buckets;
@@ -429,13 +444,10 @@ void LlmEngine::Impl::schedule_and_forward() {
       emitted += static_cast<int64_t>(results[i].verified.tokens.size());
     }
     if (decode_only && emitted > 0) {
-      const double per_token =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_draft).count() /
-          static_cast<double>(emitted);
-      SpecBucket& b = spec_buckets[static_cast<size_t>(step_bucket)];
-      const int m = step_drafting ? 1 : 0;
-      b.recent[m][static_cast<size_t>(b.samples[m] % kSpecWindow)] = per_token;
-      ++b.samples[m];
+      spec_buckets[static_cast<size_t>(step_bucket)].add(
+          step_drafting ? 1 : 0,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_draft).count(),
+          emitted);
     }
   }
   for (size_t i = 0; i < sampled.size(); ++i) {
@@ -496,8 +508,8 @@ void LlmEngine::Impl::propose_drafts() {
   }
   if (requests.empty()) return;
   if (config.speculative_auto_disable) {
-    // kWarm samples of each mode, then the one with the lower best recent time per token, with
-    // a probe of the other every kSpecProbeInterval steps.
+    // kWarm samples of each mode, then the one with the lower recent time per token, with a
+    // probe of the other every kSpecProbeInterval steps.
     constexpr int kWarm = 5;
     step_bucket = std::bit_width(requests.size()) - 1;
     SpecBucket& b = spec_buckets[static_cast<size_t>(step_bucket)];
@@ -509,7 +521,7 @@ void LlmEngine::Impl::propose_drafts() {
       --b.probe_left;
       step_drafting = b.probe_drafting;
     } else {
-      const bool faster = b.best(1) <= b.best(0);
+      const bool faster = b.per_token(1) <= b.per_token(0);
       step_drafting = faster;
       if (++b.decided % kSpecProbeInterval == 0) {
         // A probe of the other mode: kSpecProbeSteps steps, as a probe of drafting after a

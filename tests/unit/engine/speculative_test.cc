@@ -734,8 +734,7 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
   // Of ~max_new decode steps, 5 measure drafting, then plain wins (by its best time) and
   // drafting is only probed kSpecProbeSteps steps in kSpecProbeInterval.
   EXPECT_GE(slow.stats.spec_steps_skipped, max_new / 2) << "seed " << seed;
-  EXPECT_LE(slow.stats.spec.verify_steps,
-            5 + kSpecProbeSteps * (max_new / kSpecProbeInterval + 1))
+  EXPECT_LE(slow.stats.spec.verify_steps, 5 + kSpecProbeSteps * (max_new / kSpecProbeInterval + 1))
       << "seed " << seed;
 
   const Run always = run(false, false);
@@ -808,8 +807,8 @@ TEST(EngineSpeculation, AutoDisableProbeIsNotFooledByTheDrafterCatchingUp) {
   config.proposer = std::make_shared<ScriptedProposer>(
       delay, [&](std::span<const int32_t> tokens, int max_drafts) {
         std::vector<int32_t> d;
-        for (size_t i = tokens.size(); i < full.size() && d.size() < static_cast<size_t>(max_drafts);
-             ++i)
+        for (size_t i = tokens.size();
+             i < full.size() && d.size() < static_cast<size_t>(max_drafts); ++i)
           d.push_back(full[i]);
         return d;
       });
@@ -827,6 +826,55 @@ TEST(EngineSpeculation, AutoDisableProbeIsNotFooledByTheDrafterCatchingUp) {
   EXPECT_GE(stats.spec.verify_steps, 5 + kSpecProbeSteps + 8)
       << "seed " << seed << ", skipped " << stats.spec_steps_skipped;
   EXPECT_EQ(stats.blocks_used, 0);
+}
+
+// auto_disable: a free drafter whose drafts come in bursts (16 wrong in a row, then 48 right
+// tokens) pays on average and stays on. Timing each step's tokens alone (the policy before)
+// turned it off after 7 wrong steps in a row, for kSpecProbeInterval steps each time.
+TEST(EngineSpeculation, AutoDisableKeepsADrafterWhoseAcceptanceComesInBursts) {
+  KVQ_REQUIRE_MODEL();
+  if (kUnderSanitizer) GTEST_SKIP() << "wall-clock policy (see the tests above)";
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  const KvPlan plan = default_plan(KvDtype::kBFloat16);
+  const std::unique_ptr<Model> solo_model = engine_model(plan);
+  const auto prompt = code_prompts(rng, 1, 20, 30).front();
+  const int max_new = 192;
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.max_tokens = max_new;
+  p.ignore_eos = true;
+  const GenerationResult want = generate(*solo_model, reference_tokenizer(), prompt, p, {});
+  ASSERT_EQ(want.output_ids.size(), static_cast<size_t>(max_new));
+  std::vector<int32_t> full = prompt;
+  full.insert(full.end(), want.output_ids.begin(), want.output_ids.end());
+  const int32_t vocab = solo_model->vocab_size();
+
+  EngineConfig config;
+  config.num_blocks = 64;
+  config.num_speculative_tokens = 4;
+  config.speculative_auto_disable = true;
+  config.proposer = std::make_shared<ScriptedProposer>(
+      std::chrono::milliseconds(0), [&](std::span<const int32_t> tokens, int max_drafts) {
+        const size_t generated = tokens.size() - prompt.size();
+        const bool wrong = (generated + 40) % 64 < 16;  // from the 24th token on
+        std::vector<int32_t> d;
+        for (size_t i = tokens.size();
+             i < full.size() && d.size() < static_cast<size_t>(max_drafts); ++i)
+          d.push_back(wrong ? (full[i] + 1) % vocab : full[i]);
+        return d;
+      });
+  Collector collector;
+  auto engine = make_engine(config, plan);
+  const RequestId id = engine->add_request(prompt, p, collector.callback());
+  ASSERT_TRUE(collector.wait_finished(1)) << "seed " << seed;
+  const EngineStats stats = engine->stats();
+  EXPECT_EQ(collector.get(id).ids, want.output_ids) << "seed " << seed;
+  engine.reset();
+  // Plain's 5 measured steps and the probes of plain; ~3 bursts would cost ~32 steps each.
+  EXPECT_LE(stats.spec_steps_skipped, 5 + kSpecProbeSteps * (max_new / kSpecProbeInterval + 1))
+      << "seed " << seed << ", verify steps " << stats.spec.verify_steps;
+  EXPECT_GT(stats.spec.accepted, max_new / 2);
 }
 
 }  // namespace
