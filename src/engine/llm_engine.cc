@@ -6,9 +6,12 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <limits>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -124,6 +127,7 @@ struct LlmEngine::Impl {
   // time per token turned a paying drafter off after 7 poor steps in a row (a third of the
   // draft model's steps at batch 1).
   static constexpr int kSpecWindow = 7;
+  static constexpr double kSpecPlainMargin = 1.1;
   static constexpr int kSpecTokenWindow = 32;
   struct SpecBucket {
     std::array<double, kSpecWindow> seconds[2] = {};       // [0]: plain, [1]: drafting
@@ -521,7 +525,10 @@ void LlmEngine::Impl::propose_drafts() {
       --b.probe_left;
       step_drafting = b.probe_drafting;
     } else {
-      const bool faster = b.per_token(1) <= b.per_token(0);
+      // Drafting stays on unless plain is kSpecPlainMargin faster: its estimate moves with
+      // acceptance and is refreshed only by probes while it is off, so a near tie (a draft
+      // model at batch 1: 0.20-0.23 ms per token against plain's 0.22) must not turn it off.
+      const bool faster = b.per_token(1) <= b.per_token(0) * kSpecPlainMargin;
       step_drafting = faster;
       if (++b.decided % kSpecProbeInterval == 0) {
         // A probe of the other mode: kSpecProbeSteps steps, as a probe of drafting after a
@@ -533,6 +540,18 @@ void LlmEngine::Impl::propose_drafts() {
     }
     step_catch_up = step_drafting && drafts_skipped;
     drafts_skipped = !step_drafting;
+    static const bool trace = [] {
+      const char* e = std::getenv("KVQ_SPEC_TRACE");
+      return e != nullptr && std::string_view(e) == "1";
+    }();
+    if (trace)  // KVQ_SPEC_TRACE=1: one line per decision, for diagnosing the policy
+      std::fprintf(stderr,
+                   "kvq auto_disable: bucket %d samples %lld/%lld ms per token plain %.4f "
+                   "drafting %.4f -> %s%s\n",
+                   step_bucket, static_cast<long long>(b.samples[0]),
+                   static_cast<long long>(b.samples[1]), b.samples[0] ? b.per_token(0) * 1e3 : -1.0,
+                   b.samples[1] ? b.per_token(1) * 1e3 : -1.0, step_drafting ? "draft" : "plain",
+                   step_catch_up ? " (catch-up)" : "");
     if (!step_drafting) {
       ++counters.spec_steps_skipped;
       return;

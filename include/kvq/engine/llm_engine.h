@@ -37,10 +37,11 @@ struct EngineConfig {
   // load the batch already fills the GPU and verification work would only add cost.
   int32_t speculative_disable_by_batch_size = 0;
   // Drafts only where they pay: per batch-size bucket (the number of decoding sequences, by
-  // powers of two) the engine keeps the wall time per generated token of its recent
-  // decode-only steps with drafts and without, measures each (a few steps of each first), then
-  // runs the one with the lower best recent time, and re-measures the other for
-  // kSpecProbeSteps steps in every kSpecProbeInterval.
+  // powers of two) the engine keeps the wall time and the tokens of its recent decode-only
+  // steps with drafts and without, measures each (a few steps of each first), then drafts
+  // unless plain decoding's time per token is 10% lower (fastest recent step over the mean
+  // tokens per step), and re-measures the other mode for kSpecProbeSteps steps in every
+  // kSpecProbeInterval. KVQ_SPEC_TRACE=1 prints each decision to stderr.
   bool speculative_auto_disable = false;
   // Greedy drafts of a drafter on the target's GPU stay there for the step's verification,
   // which reads them on the device (ForwardBatch::token_source): drafting and verifying run
