@@ -684,36 +684,47 @@ int32_t LlmEngine::context_length() const {
   return impl_->context;
 }
 
-RequestId LlmEngine::add_request(std::vector<int32_t> prompt, const SamplingParams& params,
-                                 OutputCallback on_output, bool want_logprobs, int top_logprobs) {
-  Impl& m = *impl_;
-  if (top_logprobs < 0 || top_logprobs > kMaxTopLogprobs)
+namespace {
+
+// Checks a request before it is queued (add_request's InputErrors); returns max_new.
+int32_t check_request(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                      int top_logprobs, int32_t vocab, int64_t context, int32_t block_tokens,
+                      int32_t num_blocks) {
+  if (top_logprobs < 0 || top_logprobs > LlmEngine::kMaxTopLogprobs)
     throw InputError("top_logprobs " + std::to_string(top_logprobs) + " is outside 0.." +
-                     std::to_string(kMaxTopLogprobs));
+                     std::to_string(LlmEngine::kMaxTopLogprobs));
   if (auto errors = sampling_param_errors(params); !errors.empty())
     throw InputError(errors.front());
   if (prompt.empty()) throw InputError("the prompt is empty (no tokens to start from)");
-  const int32_t vocab = m.model->vocab_size();
   for (int32_t id : prompt)
     if (id < 0 || id >= vocab)
       throw InputError("prompt token id " + std::to_string(id) +
                        " is out of range; the vocabulary has " + std::to_string(vocab) +
                        " tokens (0-" + std::to_string(vocab - 1) + ")");
   const int64_t prompt_len = static_cast<int64_t>(prompt.size());
-  if (prompt_len >= m.context)
+  if (prompt_len >= context)
     throw InputError("the prompt has " + std::to_string(prompt_len) +
-                     " tokens; the model's context is " + std::to_string(m.context) +
+                     " tokens; the model's context is " + std::to_string(context) +
                      " tokens (max_position_embeddings), and generation needs room for one more");
   const int32_t max_new =
-      static_cast<int32_t>(std::min<int64_t>(params.max_tokens, m.context - prompt_len));
-  const int32_t bt = m.blocks.block_tokens();
-  const int64_t need = ceil_div(prompt_len + max_new, bt);
-  if (need > m.config.num_blocks)
+      static_cast<int32_t>(std::min<int64_t>(params.max_tokens, context - prompt_len));
+  const int64_t need = ceil_div(prompt_len + max_new, block_tokens);
+  if (need > num_blocks)
     throw InputError("the prompt (" + std::to_string(prompt_len) + " tokens) plus max_tokens (" +
                      std::to_string(max_new) + ") need " + std::to_string(need) +
-                     " KV cache blocks of " + std::to_string(bt) + " tokens; the whole cache has " +
-                     std::to_string(m.config.num_blocks) + " blocks (" +
-                     std::to_string(m.config.num_blocks * bt) + " tokens)");
+                     " KV cache blocks of " + std::to_string(block_tokens) +
+                     " tokens; the whole cache has " + std::to_string(num_blocks) + " blocks (" +
+                     std::to_string(num_blocks * block_tokens) + " tokens)");
+  return max_new;
+}
+
+}  // namespace
+
+RequestId LlmEngine::add_request(std::vector<int32_t> prompt, const SamplingParams& params,
+                                 OutputCallback on_output, bool want_logprobs, int top_logprobs) {
+  Impl& m = *impl_;
+  const int32_t max_new = check_request(prompt, params, top_logprobs, m.model->vocab_size(),
+                                        m.context, m.blocks.block_tokens(), m.config.num_blocks);
   RequestId id = 0;
   {
     std::lock_guard lock(m.mu);
@@ -724,6 +735,26 @@ RequestId LlmEngine::add_request(std::vector<int32_t> prompt, const SamplingPara
   }
   m.cv.notify_all();
   return id;
+}
+
+std::vector<RequestId> LlmEngine::add_requests(std::vector<NewRequest> requests) {
+  Impl& m = *impl_;
+  std::vector<int32_t> max_new;
+  for (const NewRequest& r : requests)
+    max_new.push_back(check_request(r.prompt, r.params, 0, m.model->vocab_size(), m.context,
+                                    m.blocks.block_tokens(), m.config.num_blocks));
+  std::vector<RequestId> ids;
+  {
+    std::lock_guard lock(m.mu);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      ids.push_back(m.next_id++);
+      m.inbox.push_back(std::make_unique<Request>(ids.back(), std::move(requests[i].prompt),
+                                                  requests[i].params, max_new[i], *m.tokenizer,
+                                                  std::move(requests[i].on_output), false, 0));
+    }
+  }
+  m.cv.notify_all();
+  return ids;
 }
 
 void LlmEngine::cancel(RequestId id) {

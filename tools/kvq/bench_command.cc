@@ -9,15 +9,15 @@
 // rate is then measured on the K real ones.
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
-#include <fstream>
-#include <iterator>
-#include <mutex>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
@@ -28,9 +28,9 @@
 #include "commands.h"
 #include "kvq/core/error.h"
 #include "kvq/core/log.h"
-#include "kvq/plan/tensor_parallel.h"
 #include "kvq/engine/llm_engine.h"
 #include "kvq/model/cuda_model.h"
+#include "kvq/plan/tensor_parallel.h"
 #include "model_flags.h"
 #ifdef KVQ_WITH_CUDA
 #include <cuda_runtime.h>
@@ -132,11 +132,13 @@ std::string gib(double bytes) {
 int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B, int N, int L,
                       int M, int64_t seed, bool json) {
   if (dataset.empty())
-    throw InputError("--speculative-config in kvq bench needs --dataset FILE (a text file the "
-                     "prompts are cut from: drafts of random tokens are never accepted)");
+    throw InputError(
+        "--speculative-config in kvq bench needs --dataset FILE (a text file the "
+        "prompts are cut from: drafts of random tokens are never accepted)");
   if (!flags.plan.synthetic.empty())
-    throw InputError("--speculative-config in kvq bench needs --model (a real model and its "
-                     "tokenizer), not --synthetic; --verify-tokens times verification steps there");
+    throw InputError(
+        "--speculative-config in kvq bench needs --model (a real model and its "
+        "tokenizer), not --synthetic; --verify-tokens times verification steps there");
   std::ifstream f(dataset, std::ios::binary);
   if (!f) throw InputError("--dataset: cannot read '" + dataset + "'");
   const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -176,7 +178,8 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
     config.max_num_batched_tokens = std::max(flags.max_num_batched_tokens, B * (k + 1));
     config.enable_prefix_caching = false;
     if (speculate) {
-      config.proposer = spec->proposer(static_cast<int32_t>(num_blocks), flags.max_num_batched_tokens);
+      config.proposer =
+          spec->proposer(static_cast<int32_t>(num_blocks), flags.max_num_batched_tokens);
       config.num_speculative_tokens = k;
       config.speculative_disable_by_batch_size = spec->config.disable_by_batch_size;
       config.speculative_auto_disable = spec->config.auto_disable;
@@ -208,15 +211,21 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
       before_stats = engine.stats();
       before = before_stats.spec;
       t0 = Clock::now();
+      // All at once: the engine's first step sees every prompt in every pass, so the passes
+      // run the same step shapes (one by one, the first steps' batches followed the threads'
+      // timing, and a shape new in the timed pass paid its graph capture there).
+      std::vector<LlmEngine::NewRequest> batch;
       for (size_t i = 0; i < prompts.size(); ++i)
-        engine.add_request(prompts[i], p, [&, i](const RequestOutput& o) {
-          std::lock_guard lock(mu);
-          r.outputs[i].insert(r.outputs[i].end(), o.token_ids.begin(), o.token_ids.end());
-          if (o.finished) {
-            ++finished;
-            cv.notify_all();
-          }
-        });
+        batch.push_back({prompts[i], p, [&, i](const RequestOutput& o) {
+                           std::lock_guard lock(mu);
+                           r.outputs[i].insert(r.outputs[i].end(), o.token_ids.begin(),
+                                               o.token_ids.end());
+                           if (o.finished) {
+                             ++finished;
+                             cv.notify_all();
+                           }
+                         }});
+      engine.add_requests(std::move(batch));
       std::unique_lock lock(mu);
       cv.wait(lock, [&] { return finished == prompts.size(); });
     }
@@ -284,18 +293,20 @@ int speculative_bench(const ModelFlags& flags, const std::string& dataset, int B
   std::printf("plain:       %.1f tokens/s (%.2f s)\n", plain_tps, plain.seconds);
   std::printf("speculative: %.1f tokens/s (%.2f s), speedup %.2fx\n", spec_tps, specd.seconds,
               spec_tps / plain_tps);
-  std::printf("drafted %lld, accepted %lld (%.1f%%), mean accepted length %.2f tokens per verify "
-              "step; greedy outputs identical %d/%d\n",
-              static_cast<long long>(specd.spec.drafted), static_cast<long long>(specd.spec.accepted),
-              100.0 * specd.spec.acceptance_rate(), specd.spec.mean_accepted_length(), same,
-              static_cast<int>(prompts.size()));
-  std::printf("per engine step: plain %.3f ms (forward %.3f) over %lld steps; speculative %.3f ms "
-              "(drafting %.3f, forward and verification %.3f) over %lld steps, %lld of them "
-              "without drafts (auto_disable)\n",
-              per_step(plain, plain.seconds), per_step(plain, plain.forward_seconds),
-              static_cast<long long>(plain.steps), per_step(specd, specd.seconds),
-              per_step(specd, specd.draft_seconds), per_step(specd, specd.forward_seconds),
-              static_cast<long long>(specd.steps), static_cast<long long>(specd.skipped));
+  std::printf(
+      "drafted %lld, accepted %lld (%.1f%%), mean accepted length %.2f tokens per verify "
+      "step; greedy outputs identical %d/%d\n",
+      static_cast<long long>(specd.spec.drafted), static_cast<long long>(specd.spec.accepted),
+      100.0 * specd.spec.acceptance_rate(), specd.spec.mean_accepted_length(), same,
+      static_cast<int>(prompts.size()));
+  std::printf(
+      "per engine step: plain %.3f ms (forward %.3f) over %lld steps; speculative %.3f ms "
+      "(drafting %.3f, forward and verification %.3f) over %lld steps, %lld of them "
+      "without drafts (auto_disable)\n",
+      per_step(plain, plain.seconds), per_step(plain, plain.forward_seconds),
+      static_cast<long long>(plain.steps), per_step(specd, specd.seconds),
+      per_step(specd, specd.draft_seconds), per_step(specd, specd.forward_seconds),
+      static_cast<long long>(specd.steps), static_cast<long long>(specd.skipped));
   return 0;
 }
 
@@ -353,8 +364,9 @@ Action add_bench_command(CLI::App& app) {
       return speculative_bench(st->model, st->dataset, st->batch, st->num_prompts, st->input_len,
                                st->output_len, st->seed, st->json);
     if (!st->dataset.empty())
-      throw InputError("--dataset is for --speculative-config runs (the plain bench uses random "
-                       "prompts)");
+      throw InputError(
+          "--dataset is for --speculative-config runs (the plain bench uses random "
+          "prompts)");
     const int B = st->batch, L = st->input_len, M = st->output_len;
     const int V = st->verify_tokens;
     const int P = st->prefill_sequences == 0 ? B : st->prefill_sequences;
@@ -575,8 +587,11 @@ Action add_bench_command(CLI::App& app) {
     }
     std::printf("model: %s on %s | KV plan: %s\n", j["model"].get<std::string>().c_str(),
                 st->model.device.c_str(), summarize_kv_plan(plan).c_str());
-    std::printf("batch %d, input %d, output %d tokens (%d prefilled for real)%s\n", B, L, M, P,
-                V > 0 ? (", verification steps of 1 + " + std::to_string(V) + " tokens per sequence").c_str() : "");
+    std::printf(
+        "batch %d, input %d, output %d tokens (%d prefilled for real)%s\n", B, L, M, P,
+        V > 0
+            ? (", verification steps of 1 + " + std::to_string(V) + " tokens per sequence").c_str()
+            : "");
     std::printf("prefill: %.0f tokens/s (%.2f s)\n", prefill_tps, prefill_s);
     std::printf(
         "decode:  %.0f tokens/s, %.3f ms/step mean, %.3f ms/step median (%zu steps timed)\n",
@@ -592,13 +607,13 @@ Action add_bench_command(CLI::App& app) {
                   static_cast<long long>(max_blocks * bt), L + M,
                   static_cast<long long>(largest_batch));
     if (!mem.is_null())
-      std::printf("memory: device %s, weights %s (%s), activations %s, KV allocated %s of %s budget\n",
-                  gib(mem["device_total"].get<double>()).c_str(),
-                  gib(mem["weights"].get<double>()).c_str(),
-                  mem["weight_dtype"].get<std::string>().c_str(),
-                  gib(mem["activations"].get<double>()).c_str(),
-                  gib(mem["kv_allocated"].get<double>()).c_str(),
-                  gib(mem["kv_budget"].get<double>()).c_str());
+      std::printf(
+          "memory: device %s, weights %s (%s), activations %s, KV allocated %s of %s budget\n",
+          gib(mem["device_total"].get<double>()).c_str(), gib(mem["weights"].get<double>()).c_str(),
+          mem["weight_dtype"].get<std::string>().c_str(),
+          gib(mem["activations"].get<double>()).c_str(),
+          gib(mem["kv_allocated"].get<double>()).c_str(),
+          gib(mem["kv_budget"].get<double>()).c_str());
     return 0;
   };
 }

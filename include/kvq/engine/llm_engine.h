@@ -131,6 +131,15 @@ class LlmEngine {
   RequestId add_request(std::vector<int32_t> prompt, const SamplingParams& params,
                         OutputCallback on_output, bool want_logprobs = false, int top_logprobs = 0);
   static constexpr int kMaxTopLogprobs = 20;
+  // Queues several requests at once, as add_request would one by one (ids in order), so the
+  // engine's next step sees all of them: none is queued if one is invalid. A benchmark's
+  // batch is then the same in every run, whatever the threads' timing.
+  struct NewRequest {
+    std::vector<int32_t> prompt;
+    SamplingParams params;
+    OutputCallback on_output;
+  };
+  std::vector<RequestId> add_requests(std::vector<NewRequest> requests);
   // Cancels a request (no-op when it has finished or is unknown): frees everything it holds.
   // Takes effect at the engine's next step, before any further token of that request; the
   // final "cancelled" event follows on the engine thread. May be called from a callback.

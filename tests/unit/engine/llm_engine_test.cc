@@ -676,5 +676,41 @@ TEST(LlmEngine, BadRequestsAreRefusedBeforeQueueing) {
   EXPECT_THROW(make_engine(broken), InputError);
 }
 
+// add_requests queues a batch at once: ids in order, the same outputs as solo runs, and an
+// invalid request anywhere in the batch queues none of them.
+TEST(LlmEngine, AddRequestsQueuesABatchOrNone) {
+  KVQ_REQUIRE_MODEL();
+  const uint32_t seed = fresh_seed();
+  std::mt19937 rng(seed);
+  EngineConfig config;
+  config.num_blocks = 64;
+  auto engine = make_engine(config);
+  Collector collector;
+  std::vector<LlmEngine::NewRequest> batch;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 3; ++i) {
+    prompts.push_back(random_prompt(rng, std::uniform_int_distribution<int>(1, 40)(rng)));
+    batch.push_back({prompts.back(), greedy(8), collector.callback()});
+  }
+  auto bad = batch;
+  bad[1].prompt.clear();
+  EXPECT_THROW(engine->add_requests(std::move(bad)), InputError);
+  const std::vector<RequestId> ids = engine->add_requests(std::move(batch));
+  ASSERT_EQ(ids.size(), 3u);
+  EXPECT_LT(ids[0], ids[1]);
+  EXPECT_LT(ids[1], ids[2]);
+  ASSERT_TRUE(collector.wait_finished(3)) << "seed " << seed;
+  for (size_t i = 0; i < 3; ++i) {
+    const GenerationResult want =
+        generate(engine->model(), engine->tokenizer(), prompts[i], greedy(8), {});
+    int near_ties = 0;
+    EXPECT_EQ(compare_greedy(prompts[i], want, collector.get(ids[i]), &near_ties, &engine->model()),
+              "")
+        << "seed " << seed;
+  }
+  EXPECT_EQ(engine->stats().requests_finished, 3) << "the refused batch queued nothing";
+  expect_idle(*engine);
+}
+
 }  // namespace
 }  // namespace kvq::test
