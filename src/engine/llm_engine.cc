@@ -161,6 +161,15 @@ struct LlmEngine::Impl {
   std::thread thread;
 };
 
+// KVQ_SPEC_TRACE=1: auto_disable's samples and decisions on stderr.
+static bool spec_trace() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVQ_SPEC_TRACE");
+    return e != nullptr && std::string_view(e) == "1";
+  }();
+  return on;
+}
+
 RequestOutput LlmEngine::Impl::base_output(const Request& r) const {
   RequestOutput o;
   o.id = r.id;
@@ -448,6 +457,13 @@ void LlmEngine::Impl::schedule_and_forward() {
       emitted += static_cast<int64_t>(results[i].verified.tokens.size());
     }
     if (decode_only && emitted > 0) {
+      if (spec_trace())
+        std::fprintf(
+            stderr, "kvq auto_disable: bucket %d %s step %.4f ms, %lld tokens\n", step_bucket,
+            step_drafting ? "drafting" : "plain",
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_draft)
+                .count(),
+            static_cast<long long>(emitted));
       spec_buckets[static_cast<size_t>(step_bucket)].add(
           step_drafting ? 1 : 0,
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t_draft).count(),
@@ -540,11 +556,7 @@ void LlmEngine::Impl::propose_drafts() {
     }
     step_catch_up = step_drafting && drafts_skipped;
     drafts_skipped = !step_drafting;
-    static const bool trace = [] {
-      const char* e = std::getenv("KVQ_SPEC_TRACE");
-      return e != nullptr && std::string_view(e) == "1";
-    }();
-    if (trace)  // KVQ_SPEC_TRACE=1: one line per decision, for diagnosing the policy
+    if (spec_trace())  // KVQ_SPEC_TRACE=1: one line per decision, for diagnosing the policy
       std::fprintf(stderr,
                    "kvq auto_disable: bucket %d samples %lld/%lld ms per token plain %.4f "
                    "drafting %.4f -> %s%s\n",
