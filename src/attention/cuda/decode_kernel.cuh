@@ -108,7 +108,8 @@ struct PairShape {
   using SK = Shape<DK, HD>;
   using SV = Shape<DV, HD>;
   // Keep the next tile's raw bytes in flight while computing this one, when they are few.
-  // Only where the second tile fits the register budget of kMinBlocks (no spills).
+  // Only where the second tile fits the register budget of kMinBlocks (no spills); the
+  // kernel adds 16-row warps of 8-bit tiles.
   // (Tried for 8-bit rows at head_dim 128 too: 196 registers, 2 blocks/SM instead of 3, and
   // 5-15% slower at large batches; see docs/notes/decode-tuning.md, version 1.)
   static constexpr bool kPrefetch = SK::kCodeBytes + SV::kCodeBytes <= 128;
@@ -451,6 +452,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     qfactor[h] = qm.x;
     qsum[h] = qm.y;
   }
+  // 16-row warps of 8-bit tiles at head_dim <= 128 keep the next tile in flight too: they
+  // run at 2 blocks per SM either way (fp8 at head_dim 128: 218 registers instead of 199, no
+  // spill), so the raw tile costs no occupancy (docs/notes/decode-tuning.md version 11).
+  constexpr bool kPrefetch =
+      P::kPrefetch || (kMulti && kR == 16 && HD <= 128 && SK::kBits == 8 && SV::kBits == 8);
   const bool capped = p.soft_cap != 0.0f;
   const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
 
@@ -597,7 +603,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
       load_tile<DK, DV, HD, 5>(cur, p, x, tile);
       process(cur, tile);
     }
-  } else if constexpr (P::kPrefetch) {
+  } else if constexpr (kPrefetch) {
     load_tile<DK, DV, HD>(cur, p, x, tb);
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
