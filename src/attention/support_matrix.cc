@@ -58,6 +58,11 @@ std::string notes(const AttentionBackend& b) {
 
 }  // namespace
 
+void check_cpu_kernel_env() {
+  // (The model's products read KVQ_CPU_ISA too, with the same values.)
+  (void)cpu_attn::default_k_dot(cpu_attn::best_isa(), KvDtype::kInt8PerTokenHead);
+}
+
 nlohmann::json attention_support_matrix_json() {
   nlohmann::json backends = nlohmann::json::array();
   for (const AttentionBackend* b : all_attention_backends()) {

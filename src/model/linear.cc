@@ -58,8 +58,7 @@ bool cpu_has_avx512f() {
 
 const char* linear_kernel() {
   static const char* k = [] {
-    const char* e = std::getenv("KVQ_CPU_ISA");
-    const std::string want = e != nullptr ? e : "";
+    const std::string want = env_choice("KVQ_CPU_ISA", {"avx512", "avx2", "portable"});
     if (want != "avx2" && want != "portable" && cpu_has_avx512f()) return "avx512";
     if (want != "portable" && cpu_has_avx2_fma()) return "avx2";
     return "portable";
@@ -124,8 +123,8 @@ void Linear::apply(int m, const float* in, int lda, float* out, int ldc, float b
         bf16_gemv_avx512(m, j1 - j0, k, in, lda, w + static_cast<size_t>(j0) * k, out + j0, ldc,
                          beta, scratch);
       else
-        bf16_gemv_avx2(m, j1 - j0, k, in, lda, w + static_cast<size_t>(j0) * k, out + j0, ldc,
-                       beta, scratch);
+        bf16_gemv_avx2(m, j1 - j0, k, in, lda, w + static_cast<size_t>(j0) * k, out + j0, ldc, beta,
+                       scratch);
     } else {
       bf16_sgemm_slices(m, j0, j1, k, in, lda, w, out, ldc, beta);
     }

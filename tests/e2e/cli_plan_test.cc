@@ -2,6 +2,8 @@
 // giving one line on stderr and exit code 2.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -126,6 +128,31 @@ TEST(CliPlanBadInput, ForcedBackendThatCannotRunALayer) {
   const auto r = run_kvq({"plan", "--model", kStories, "--attention-backend", "cpu_avx512"});
   expect_one_line_error(r, "cpu_avx512");
   EXPECT_NE(r.err.find("head_dim 8"), std::string::npos) << r.err;
+}
+
+// The CPU kernels' A/B switches refuse a value they do not take (it used to run the default
+// silently), before any work, with a one-line error naming the variable and the values.
+TEST(CliBadInput, CpuKernelEnvironmentSwitches) {
+  struct Case {
+    const char* name;
+    const char* bad;
+    const char* good;
+    const char* accepted;
+  };
+  for (const Case& c : {Case{"KVQ_CPU_ISA", "avx3", "avx2", "portable"},
+                        Case{"KVQ_CPU_INT_DOT", "yes", "maddubs", "maddubs"}}) {
+    ASSERT_EQ(setenv(c.name, c.bad, 1), 0);
+    const CommandResult bad = run_kvq({"backends"});
+    ASSERT_EQ(setenv(c.name, c.good, 1), 0);
+    const CommandResult good = run_kvq({"backends"});
+    unsetenv(c.name);
+    EXPECT_EQ(bad.exit_code, 2) << c.name;
+    EXPECT_NE(bad.err.find(std::string(c.name) + "=" + c.bad), std::string::npos) << bad.err;
+    EXPECT_NE(bad.err.find(c.accepted), std::string::npos) << bad.err;
+    EXPECT_EQ(std::count(bad.err.begin(), bad.err.end(), '\n'), 1) << bad.err;
+    EXPECT_TRUE(bad.out.empty());
+    EXPECT_EQ(good.exit_code, 0) << c.name << "=" << c.good << ": " << good.err;
+  }
 }
 
 TEST(CliBackends, JsonListsEveryBackendInPriorityOrder) {

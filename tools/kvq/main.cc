@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "commands.h"
+#include "kvq/attention/support_matrix.h"
 #include "kvq/core/error.h"
 #include "plan_flags.h"
 
@@ -39,6 +40,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    kvq::check_cpu_kernel_env();
     for (auto* sub : app.get_subcommands())
       if (auto it = actions.find(sub); it != actions.end()) return it->second();
     return 2;

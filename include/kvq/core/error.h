@@ -3,6 +3,7 @@
 // it into exit code 2; nothing below ever exits or aborts on bad input.
 #pragma once
 
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -21,9 +22,15 @@ class InternalError : public std::logic_error {
 
 [[noreturn]] void throw_internal(const char* file, int line, const std::string& message);
 
+// The value of environment variable `name` ("" when unset or empty), which must be one of
+// `accepted`; anything else is an InputError naming the variable and the accepted values.
+// For kvq's A/B switches (KVQ_CPU_ISA and the like), so a mistyped value is refused
+// instead of silently running the default.
+std::string env_choice(const char* name, std::initializer_list<const char*> accepted);
+
 }  // namespace kvq
 
-#define KVQ_CHECK(cond, msg)                                          \
-  do {                                                                \
-    if (!(cond)) ::kvq::throw_internal(__FILE__, __LINE__, (msg));    \
+#define KVQ_CHECK(cond, msg)                                       \
+  do {                                                             \
+    if (!(cond)) ::kvq::throw_internal(__FILE__, __LINE__, (msg)); \
   } while (0)

@@ -80,8 +80,7 @@ Isa best_isa() {
   // KVQ_CPU_ISA=avx2 or portable: a narrower kernel than the CPU allows (A/B measurements; an
   // AVX-512 machine standing in for an AVX2-only one). The model's products read it too.
   static const Isa isa = [] {
-    const char* e = std::getenv("KVQ_CPU_ISA");
-    const std::string want = e != nullptr ? e : "";
+    const std::string want = env_choice("KVQ_CPU_ISA", {"avx512", "avx2", "portable"});
     if (want != "avx2" && want != "portable" && cpu_has_avx512()) return Isa::kAvx512;
     if (want != "portable" && cpu_has_avx2()) return Isa::kAvx2;
     return Isa::kPortable;
@@ -129,10 +128,7 @@ bool k_dot_supported(Isa isa, KDot k_dot) {
 KDot default_k_dot(Isa isa, KvDtype k) {
   // KVQ_CPU_INT_DOT=0: K decoded to fp32 for every dtype (A/B, or to take the quantization of
   // q out of the results); =maddubs: vpmaddubsw even where VNNI exists.
-  static const std::string mode = [] {
-    const char* e = std::getenv("KVQ_CPU_INT_DOT");
-    return std::string(e != nullptr ? e : "");
-  }();
+  static const std::string mode = env_choice("KVQ_CPU_INT_DOT", {"0", "1", "maddubs"});
   if (!integer_k(k) || mode == "0") return KDot::kFloat;
   if (mode != "maddubs" && k_dot_supported(isa, KDot::kVnni)) return KDot::kVnni;
   return k_dot_supported(isa, KDot::kMaddubs) ? KDot::kMaddubs : KDot::kFloat;
