@@ -690,11 +690,152 @@ struct Dot {
 #pragma GCC pop_options
 #endif
 
+// ---- fp8 K's Q·K in bf16 pairs with vdpbf16ps (AVX512-BF16): called only after
+// cpu_has_avx512_bf16() -----------------------------------------------------------------------
+
+#if defined(__clang__)
+#pragma clang attribute push( \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")
+#endif
+
+namespace kvq::cpu_attn {
+namespace {
+namespace bf16dot {
+
+// 32 fp8 codes -> their 32 values as bf16, exactly (bf16 holds every e4m3 and e5m2 value).
+// A normal code's exponent and mantissa land in bf16's by one shift and one add of the bias
+// difference (e4m3: 127 - 7 = 120, e5m2: 127 - 15 = 112); subnormal codes come from a table;
+// e4m3's NaN (S.1111.111) and e5m2's Inf / NaN (S.11111.xx) are set apart.
+template <bool kE5M2>
+inline __attribute__((always_inline)) __m512i fp8_to_bf16(__m256i codes) {
+  const __m512i w = _mm512_cvtepu8_epi16(codes);
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8);
+  __m512i r;
+  if constexpr (!kE5M2) {
+    // Subnormals m * 2^-9, m = 0..7.
+    const __m512i sub =
+        _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                         0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+    r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    r = _mm512_mask_mov_epi16(r, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)),
+                              _mm512_permutexvar_epi16(mag, sub));
+    r = _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)),
+                              _mm512_set1_epi16(0x7FC0));
+  } else {
+    // Subnormals m * 2^-16, m = 0..3.
+    const __m512i sub = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         0, 0, 0, 0, 0, 0, 0, 0, 0x3840, 0x3800, 0x3780, 0);
+    r = _mm512_add_epi16(_mm512_slli_epi16(mag, 5), _mm512_set1_epi16(112 << 7));
+    r = _mm512_mask_mov_epi16(r, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(4)),
+                              _mm512_permutexvar_epi16(mag, sub));
+    r = _mm512_mask_mov_epi16(r, _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(0x7C)),
+                              _mm512_set1_epi16(0x7FC0));
+    r = _mm512_mask_mov_epi16(r, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7C)),
+                              _mm512_set1_epi16(0x7F80));
+  }
+  return _mm512_or_si512(r, sign);
+}
+
+inline __attribute__((always_inline)) __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// Queries qi .. qi + Q - 1 against the 16 rows of an fp8 tile: out[i * kChunk + t] =
+// tensor scale * sum over the row of bf16(q) * k. The per-token fp32 vectors are reduced as
+// reduce16 does, the first round (two tokens) as soon as they are computed.
+template <bool kE5M2, int DK, int Q>
+inline __attribute__((always_inline)) void fp8_tile(const TileSource& k, const WorkItem& item,
+                                                    int qi, float* out) {
+  constexpr int CK = DK / 32;  // 32 bf16 per vector
+  __m512i qv[Q][CK];
+  for (int i = 0; i < Q; ++i)
+    for (int c = 0; c < CK; ++c)
+      qv[i][c] = _mm512_loadu_si512(item.qq.qbf + static_cast<size_t>(qi + i) * DK + 32 * c);
+  __m512 s1[Q][kTile / 2];
+  for (int t = 0; t < kTile; t += 2) {
+    const std::byte* r0 = k.values + static_cast<size_t>(t) * k.row_data_bytes;
+    const std::byte* r1 = r0 + k.row_data_bytes;
+    __m512 d0[Q], d1[Q];
+    for (int i = 0; i < Q; ++i) d0[i] = d1[i] = _mm512_setzero_ps();
+    for (int c = 0; c < CK; ++c) {
+      const __m512i k0 =
+          fp8_to_bf16<kE5M2>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 32 * c)));
+      const __m512i k1 =
+          fp8_to_bf16<kE5M2>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 32 * c)));
+      for (int i = 0; i < Q; ++i) {
+        d0[i] = dot_bf16(d0[i], k0, qv[i][c]);
+        d1[i] = dot_bf16(d1[i], k1, qv[i][c]);
+      }
+    }
+    for (int i = 0; i < Q; ++i)
+      s1[i][t / 2] =
+          _mm512_add_ps(_mm512_unpacklo_ps(d0[i], d1[i]), _mm512_unpackhi_ps(d0[i], d1[i]));
+  }
+  const __m512 scale = _mm512_set1_ps(k.tensor_scale);
+  for (int i = 0; i < Q; ++i) {
+    __m512 s2[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512d x = _mm512_castps_pd(s1[i][2 * j]), y = _mm512_castps_pd(s1[i][2 * j + 1]);
+      s2[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                            _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 s3[2];
+    for (int j = 0; j < 2; ++j)
+      s3[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * j], s2[2 * j + 1], 0x88),
+                            _mm512_shuffle_f32x4(s2[2 * j], s2[2 * j + 1], 0xDD));
+    const __m512 dot = _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88),
+                                     _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+    _mm512_storeu_ps(out + i * kChunk, _mm512_mul_ps(dot, scale));
+  }
+}
+
+template <bool kE5M2, int DK>
+void fp8_logits(const TileSource& k, const WorkItem& item, int qi0, int nq, float* out) {
+  int i = 0;
+  for (; i + 2 <= nq; i += 2) fp8_tile<kE5M2, DK, 2>(k, item, qi0 + i, out + i * kChunk);
+  if (i < nq) fp8_tile<kE5M2, DK, 1>(k, item, qi0 + i, out + i * kChunk);
+}
+
+template <bool kE5M2>
+KLogitsFn fp8_logits_for(int dim) {
+  switch (dim) {
+    case 64:
+      return fp8_logits<kE5M2, 64>;
+    case 128:
+      return fp8_logits<kE5M2, 128>;
+    case 256:
+      return fp8_logits<kE5M2, 256>;
+  }
+  return nullptr;
+}
+
+KLogitsFn logits_for(KvDtype dtype, int dim) {
+  if (dtype == KvDtype::kFp8E4M3) return fp8_logits_for<false>(dim);
+  if (dtype == KvDtype::kFp8E5M2) return fp8_logits_for<true>(dim);
+  return nullptr;
+}
+
+}  // namespace bf16dot
+}  // namespace
+}  // namespace kvq::cpu_attn
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
 namespace kvq::cpu_attn {
 
 // Generic code: only picks a function pointer.
 KLogitsFn avx512_k_logits(KDot k_dot, KvDtype dtype, int dim) {
   switch (k_dot) {
+    case KDot::kBf16:
+      return bf16dot::logits_for(dtype, dim);
     case KDot::kVnni:
       return vnni::logits_for(dtype, dim);
     case KDot::kMaddubs:
