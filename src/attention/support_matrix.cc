@@ -37,22 +37,14 @@ std::string notes(const AttentionBackend& b) {
                (cpu_attn::k_dot_supported(isa, cpu_attn::KDot::kVnni) ? ", KVQ_CPU_INT_DOT=maddubs"
                                                                       : "") +
                ")";
-      case cpu_attn::KDot::kBf16:  // not for integer codes
       case cpu_attn::KDot::kFloat:
         break;
     }
     return "; int8/int4 K decoded to fp32 (KVQ_CPU_INT_DOT=0)";
   };
-  // fp8 K: bf16 dot products (AVX512-BF16) or decoded to fp32.
-  auto fp8_dot = [](cpu_attn::Isa isa) -> std::string {
-    if (cpu_attn::default_k_dot(isa, KvDtype::kFp8E4M3) == cpu_attn::KDot::kBf16)
-      return "; fp8 K: logits as bf16 dot products (vdpbf16ps, AVX512-BF16)";
-    return "";
-  };
   switch (cpu_attn::best_isa()) {
     case cpu_attn::Isa::kAvx512:
-      return "AVX-512 kernels active on this CPU" + int_dot(cpu_attn::Isa::kAvx512) +
-             fp8_dot(cpu_attn::Isa::kAvx512);
+      return "AVX-512 kernels active on this CPU" + int_dot(cpu_attn::Isa::kAvx512);
     case cpu_attn::Isa::kAvx2:
       return (cpu_attn::cpu_has_avx512() ? "AVX2/FMA kernels active (KVQ_CPU_ISA=avx2)"
                                          : "this CPU lacks AVX-512: AVX2/FMA kernels active") +

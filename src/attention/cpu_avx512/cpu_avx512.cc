@@ -14,7 +14,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <span>
 #include <string>
@@ -48,14 +47,6 @@ bool cpu_has_avx512() {
 
 // AVX512-VNNI: CPUID leaf 7 subleaf 0, ECX bit 11 (the OS saving ZMM state is part of
 // cpu_has_avx512()).
-bool cpu_has_avx512_bf16() {
-  static const bool has = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    return cpu_has_avx512() && __get_cpuid_count(7, 1, &a, &b, &c, &d) != 0 && (a & (1u << 5));
-  }();
-  return has;
-}
-
 bool cpu_has_avx512_vnni() {
   static const bool has = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
@@ -115,8 +106,6 @@ const char* k_dot_name(KDot k_dot) {
       return "vnni";
     case KDot::kMaddubs:
       return "maddubs";
-    case KDot::kBf16:
-      return "bf16";
     case KDot::kFloat:
       break;
   }
@@ -132,8 +121,6 @@ bool k_dot_supported(Isa isa, KDot k_dot) {
              (isa == Isa::kAvx2 && cpu_has_avx_vnni());
     case KDot::kMaddubs:
       return (isa == Isa::kAvx512 && cpu_has_avx512()) || (isa == Isa::kAvx2 && cpu_has_avx2());
-    case KDot::kBf16:
-      return isa == Isa::kAvx512 && cpu_has_avx512_bf16();
   }
   return false;
 }
@@ -142,9 +129,7 @@ KDot default_k_dot(Isa isa, KvDtype k) {
   // KVQ_CPU_INT_DOT=0: K decoded to fp32 for every dtype (A/B, or to take the quantization of
   // q out of the results); =maddubs: vpmaddubsw even where VNNI exists.
   static const std::string mode = env_choice("KVQ_CPU_INT_DOT", {"0", "1", "maddubs"});
-  if (mode == "0") return KDot::kFloat;
-  if (bf16_dot_k(k)) return k_dot_supported(isa, KDot::kBf16) ? KDot::kBf16 : KDot::kFloat;
-  if (!integer_k(k)) return KDot::kFloat;
+  if (!integer_k(k) || mode == "0") return KDot::kFloat;
   if (mode != "maddubs" && k_dot_supported(isa, KDot::kVnni)) return KDot::kVnni;
   return k_dot_supported(isa, KDot::kMaddubs) ? KDot::kMaddubs : KDot::kFloat;
 }
@@ -204,20 +189,6 @@ bool quantize_queries(const float* q, int nq, int dk, bool int4_order, int8_t* q
     sum[i] = static_cast<float>(total);
     qq_sum[i] = code_sum;
     centre[i] = static_cast<float>(7.5 * (total - static_cast<double>(s) * code_sum));
-  }
-  return true;
-}
-
-// The bf16 Q·K's queries (QuantizedQ::qbf): each element rounded to the nearest bf16 (ties to
-// even). False where a query has a non-finite element: the item then runs in fp32.
-bool round_queries_bf16(const float* q, int nq, int dk, uint16_t* out) {
-  const size_t n = static_cast<size_t>(nq) * dk;
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(q[i])) return false;
-    uint32_t bits = 0;
-    std::memcpy(&bits, q + i, 4);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);  // finite: no carry into the sign
-    out[i] = static_cast<uint16_t>(bits >> 16);
   }
   return true;
 }
@@ -317,14 +288,12 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, KDot
   KVQ_CHECK(k_dot_supported(isa, k_dot), std::string("run_tiled: the ") + isa_name(isa) +
                                              " kernel has no " + k_dot_name(k_dot) +
                                              " q.k on this CPU");
-  // Narrow Q·K: integer (int8/int4_per_token_head K) or bf16 pairs (fp8 K).
-  const bool bf16_q = k_dot == KDot::kBf16 && bf16_dot_k(spec.k_dtype);
-  KLogitsFn k_logits = nullptr;
-  if ((k_dot != KDot::kFloat && integer_k(spec.k_dtype)) || bf16_q) {
+  KLogitsFn k_logits = nullptr;  // integer Q·K (int8/int4_per_token_head K only)
+  if (k_dot != KDot::kFloat && integer_k(spec.k_dtype)) {
     k_logits = isa == Isa::kAvx512 ? avx512_k_logits(k_dot, spec.k_dtype, dk)
                                    : avx2_k_logits(k_dot, spec.k_dtype, dk);
-    KVQ_CHECK(k_logits != nullptr && (bf16_q || args.cache.layout(KvSide::kK).row_scale_bytes == 4),
-              "run_tiled: no narrow q.k for this K layout");
+    KVQ_CHECK(k_logits != nullptr && args.cache.layout(KvSide::kK).row_scale_bytes == 4,
+              "run_tiled: no integer q.k for this K layout");
   }
   const bool int4_order = spec.k_dtype == KvDtype::kInt4PerTokenHead;
 
@@ -407,8 +376,7 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, KDot
     std::vector<float> p(2 * kChunk);
     std::vector<int> lo(pos_per_item), hi(pos_per_item);
     // Integer Q·K: the quantized queries and one position's logits per chunk.
-    std::vector<int8_t> qq(k_logits != nullptr && !bf16_q ? max_nq * dk : 0);
-    std::vector<uint16_t> qbf(bf16_q ? max_nq * dk : 0);
+    std::vector<int8_t> qq(k_logits != nullptr ? max_nq * dk : 0);
     std::vector<float> q_scale(k_logits != nullptr ? max_nq : 0), q_sum(q_scale.size());
     std::vector<int32_t> qq_sum(q_scale.size());
     std::vector<float> q_centre(q_scale.size());
@@ -470,16 +438,11 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, KDot
       item.k_tile = k_tile.data();
       item.v_tile = v_tile.data();
       item.p = p.data();
-      if (bf16_q && round_queries_bf16(q.data(), unit.num_pos * ratio, dk, qbf.data())) {
+      if (k_logits != nullptr &&
+          quantize_queries(q.data(), unit.num_pos * ratio, dk, int4_order, qq.data(),
+                           q_scale.data(), q_sum.data(), qq_sum.data(), q_centre.data())) {
         item.k_logits = k_logits;
-        item.qq.qbf = qbf.data();
-        item.logits = logits.data();
-      } else if (k_logits != nullptr && !bf16_q &&
-                 quantize_queries(q.data(), unit.num_pos * ratio, dk, int4_order, qq.data(),
-                                  q_scale.data(), q_sum.data(), qq_sum.data(), q_centre.data())) {
-        item.k_logits = k_logits;
-        item.qq = {nullptr,      qq.data(),     q_scale.data(),
-                   q_sum.data(), qq_sum.data(), q_centre.data()};
+        item.qq = {qq.data(), q_scale.data(), q_sum.data(), qq_sum.data(), q_centre.data()};
         item.logits = logits.data();
       }
       if (unit.splits == 1) {

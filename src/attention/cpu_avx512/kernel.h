@@ -56,16 +56,10 @@ struct Side {
 //   int4: logit = S * (s_q * sum(qq_i * c_i) + centre) + Z * sum(q_i)  (QuantizedQ).
 // kVnni: vpdpbusd (AVX512-VNNI in the AVX-512 kernel, AVX-VNNI in the AVX2 one); kMaddubs:
 // vpmaddubsw + vpmaddwd (AVX-512BW / AVX2), for CPUs without VNNI.
-// kBf16 (fp8_e4m3 / fp8_e5m2 K, AVX-512 kernel with AVX512-BF16): each query is rounded to
-// bf16 once per work item, the codes become bf16 exactly (bit operations), and vdpbf16ps
-// multiplies pairs into fp32 sums; the per-tensor scale multiplies the sum.
-enum class KDot { kFloat, kVnni, kMaddubs, kBf16 };
+enum class KDot { kFloat, kVnni, kMaddubs };
 const char* k_dot_name(KDot k_dot);
 inline bool integer_k(KvDtype k) {
   return k == KvDtype::kInt8PerTokenHead || k == KvDtype::kInt4PerTokenHead;
-}
-inline bool bf16_dot_k(KvDtype k) {
-  return k == KvDtype::kFp8E4M3 || k == KvDtype::kFp8E5M2;
 }
 
 struct WorkItem;
@@ -85,7 +79,6 @@ using KLogitsFn = void (*)(const TileSource& k, const WorkItem& item, int qi0, i
 // the middle term back, so what quantizing q loses is sum(e_i (c_i - 7.5)), |c_i - 7.5| <= 7.5,
 // instead of sum(e_i c_i) with c_i up to 15 (about 3x less on typical rows).
 struct QuantizedQ {
-  const uint16_t* qbf = nullptr;  // kBf16: the queries rounded to bf16 (element order)
   const int8_t* qq = nullptr;
   const float* scale = nullptr;
   const float* sum = nullptr;
@@ -139,11 +132,8 @@ DecodeTileFn avx512_decoder(KvDtype dtype, int dim);
 bool cpu_has_avx512();
 // AVX512-VNNI on top of cpu_has_avx512().
 bool cpu_has_avx512_vnni();
-// AVX512-BF16 on top of cpu_has_avx512().
-bool cpu_has_avx512_bf16();
-// The AVX-512 narrow Q·K for K rows of `dim` values of `dtype` with `k_dot` (int8/int4 codes:
-// kVnni only when cpu_has_avx512_vnni(), kMaddubs; fp8: kBf16 only when
-// cpu_has_avx512_bf16()), or nullptr.
+// The AVX-512 integer Q·K for K rows of `dim` values of `dtype` (int8/int4_per_token_head)
+// with `k_dot` (kVnni: only when cpu_has_avx512_vnni()), or nullptr.
 KLogitsFn avx512_k_logits(KDot k_dot, KvDtype dtype, int dim);
 
 // AVX2 + FMA + F16C (kernel_avx2.cc). Only call when cpu_has_avx2().
@@ -165,8 +155,8 @@ const char* isa_name(Isa isa);
 // portable kernel has only kFloat).
 bool k_dot_supported(Isa isa, KDot k_dot);
 // What the backend runs for K dtype `k` with kernel `isa`: an integer Q·K where the dtype has
-// codes, a bf16 one for fp8 K, where the kernel has it and KVQ_CPU_INT_DOT (read once) is not 0
-// (`maddubs`: kMaddubs even where VNNI exists, for A/B); kFloat otherwise.
+// codes, the kernel has one and KVQ_CPU_INT_DOT (read once) is not 0 (`maddubs`: kMaddubs even
+// where VNNI exists, for A/B); kFloat otherwise.
 KDot default_k_dot(Isa isa, KvDtype k);
 // The whole backend minus the argument checks of AttentionBackend::run (tests call it with
 // every Isa the machine supports, kPortable included, to cover each kernel). `k_dot` applies to

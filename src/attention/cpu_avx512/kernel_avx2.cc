@@ -487,7 +487,6 @@ KLogitsFn avx2_k_logits(KDot k_dot, KvDtype dtype, int dim) {
       return avx_vnni::logits_for(dtype, dim);
     case KDot::kMaddubs:
       return maddubs::logits_for(dtype, dim);
-    case KDot::kBf16:  // AVX2 has no bf16 dot product
     case KDot::kFloat:
       break;
   }

@@ -218,9 +218,6 @@ inline void quantize_dequantize(KvDtype dtype, std::span<const float> x, float t
 //   |o'_d - o_d| <= e^D sum_t p_t (e^(D_t) - 1) |v_td - o_d|,
 // element by element. A split kv range merges the same logits exactly, so the bound holds
 // for the merged output too.
-// The bf16 Q·K of fp8 K (KDot::kBf16) rounds each q_i to bf16 (|e_i| <= 2^-9 |q_i|) and
-// multiplies by the exact K values: |x'_t - x_t| <= D_t = 2^-9 sum|q_i k_i| (times 1 + 1e-3
-// for the fp32 sums), and the same argument follows.
 
 // Per K row: S, Z (0 for int8) and sum|c_i - m| (m: 0 for int8, 7.5 for int4).
 struct KRowCodes {
@@ -285,7 +282,6 @@ IntQAttention int_q_attention(const LayerKvSpec& spec, float softmax_scale, floa
   const int nkv = spec.num_kv_heads, nq_heads = spec.num_q_heads, ratio = spec.gqa_ratio();
   const int hk = spec.head_dim_k, hv = spec.head_dim_v;
   const bool rotated = traits(spec.k_dtype).rotated;
-  const bool fp8_k = spec.k_dtype == KvDtype::kFp8E4M3 || spec.k_dtype == KvDtype::kFp8E5M2;
   size_t total_q = 0;
   for (const auto& s : seqs) total_q += static_cast<size_t>(s.q_len);
   IntQAttention r;
@@ -323,16 +319,8 @@ IntQAttention int_q_attention(const LayerKvSpec& spec, float softmax_scale, floa
           mx = std::max(mx, dot);
           mx_shifted = std::max(mx_shifted, moved);
           const KRowCodes& c = k_codes(i, t, g);
-          if (fp8_k) {
-            // The bf16 Q·K of fp8 K (KDot::kBf16): each prepared q element rounded to bf16
-            // moves by at most 2^-9 of itself.
-            double l1 = 0.0;
-            for (int e = 0; e < hk; ++e) l1 += std::fabs(static_cast<double>(pq.q[e]) * k[e]);
-            d[t] = std::ldexp(l1, -9) * (1.0 + 1e-3);
-          } else {
-            d[t] = 0.5 * pq.scale * c.scale * c.code_l1 * (1.0 + 1e-4) +
-                   2e-7 * std::fabs(c.zero * pq.sum);
-          }
+          d[t] = 0.5 * pq.scale * c.scale * c.code_l1 * (1.0 + 1e-4) +
+                 2e-7 * std::fabs(c.zero * pq.sum);
           dmax = std::max(dmax, d[t]);
         }
         std::vector<double> p(x.size(), 0.0), ps(x.size(), 0.0);
