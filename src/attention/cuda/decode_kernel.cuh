@@ -384,7 +384,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   int first_tile = 0, chunk = 0;
   const int tiles = decode_visible_tiles(kv_len, q_len, p.attention_kind, p.window, first_tile);
   const int nsplit = decode_num_splits(tiles, p.chunk_tiles, p.max_splits, chunk);
-  if (split >= nsplit) return;  // whole warp: no block-level synchronization in this kernel
+  // A sequence with no visible tile (a padding sequence of a graph step, seq_len 0) under a
+  // one-split plan has no merge after this kernel: its first item writes its rows' zeros (an
+  // empty partial, normalized by a zero sum). With several splits the merge writes them.
+  const bool zero_fill = nsplit == 0 && split == 0 && p.out != nullptr && p.max_splits == 1;
+  if (split >= nsplit && !zero_fill) return;  // whole warp: no block-level synchronization
   TileCtx x;
   // Loads: the union of the warp's rows' visible ranges (zeros outside it); the logits: each
   // of the lane's rows' own range.
@@ -628,7 +632,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   if constexpr (SV::kRowScale) scale_o = s_run;
   if constexpr (SV::kTensorScale) scale_o = p.v.tensor_scale[kvh];
   // A sequence with a single split is final here (when V is not rotated): write the output.
-  const bool direct = p.out != nullptr && nsplit == 1;
+  const bool direct = p.out != nullptr && (nsplit == 1 || zero_fill);
 #pragma unroll
   for (int h = 0; h < kH; ++h) {
     const float l_tot = quad_sum(l[h]);
