@@ -327,8 +327,9 @@ TEST(DflashCuda, ContextRowsFusedIntoTheBlockPassEqualASeparateWrite) {
         // The fused rows' K/V come out of a q|k|v product of C + T rows (they ride ahead of the
         // block's), the reference's out of one of n rows: cuBLAS may sum in another order, and a
         // last-bit difference can move an fp8 cache code by one step. Seen: 1.04 x 1e-4
-        // (1 + max|logit|) on one seed; a wrong row, slot or position costs O(1).
-        const double tol = 1e-3 * (1.0 + row_max);
+        // (1 + max|logit|) on one seed, and 2.2 x 1e-3 (1 + max|logit|) with graphs on seed
+        // 3979461096 (0.0-0.4 x 1e-3 on seven others); a wrong row, slot or position costs O(1).
+        const double tol = 5e-3 * (1.0 + row_max);
         for (int e = 0; e < V; ++e) {
           const double d = std::abs((*got)[size_t(r) * V + e] - want[size_t(r) * V + e]);
           worst = std::max(worst, d / tol);
