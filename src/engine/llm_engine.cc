@@ -755,14 +755,22 @@ std::vector<RequestId> LlmEngine::add_requests(std::vector<NewRequest> requests)
   for (const NewRequest& r : requests)
     max_new.push_back(check_request(r.prompt, r.params, 0, m.model->vocab_size(), m.context,
                                     m.blocks.block_tokens(), m.config.num_blocks));
+  // Built before the lock (a sampler's seeding may throw): nothing is queued unless every
+  // request was made; numbered and queued together under the lock.
+  std::vector<std::unique_ptr<Request>> made;
+  made.reserve(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i)
+    made.push_back(std::make_unique<Request>(0, std::move(requests[i].prompt), requests[i].params,
+                                             max_new[i], *m.tokenizer,
+                                             std::move(requests[i].on_output), false, 0));
   std::vector<RequestId> ids;
+  ids.reserve(made.size());
   {
     std::lock_guard lock(m.mu);
-    for (size_t i = 0; i < requests.size(); ++i) {
-      ids.push_back(m.next_id++);
-      m.inbox.push_back(std::make_unique<Request>(ids.back(), std::move(requests[i].prompt),
-                                                  requests[i].params, max_new[i], *m.tokenizer,
-                                                  std::move(requests[i].on_output), false, 0));
+    for (auto& r : made) {
+      r->id = m.next_id++;
+      ids.push_back(r->id);
+      m.inbox.push_back(std::move(r));
     }
   }
   m.cv.notify_all();

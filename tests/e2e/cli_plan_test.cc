@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "e2e/cli_test_util.h"
 #include "support/fixtures.h"
@@ -141,11 +142,17 @@ TEST(CliBadInput, CpuKernelEnvironmentSwitches) {
   };
   for (const Case& c : {Case{"KVQ_CPU_ISA", "avx3", "avx2", "portable"},
                         Case{"KVQ_CPU_INT_DOT", "yes", "maddubs", "maddubs"}}) {
-    ASSERT_EQ(setenv(c.name, c.bad, 1), 0);
+    // Restored afterwards, whatever it was (CI may set it for the whole run).
+    const char* before = std::getenv(c.name);
+    const std::string saved = before != nullptr ? before : "";
+    setenv(c.name, c.bad, 1);
     const CommandResult bad = run_kvq({"backends"});
-    ASSERT_EQ(setenv(c.name, c.good, 1), 0);
+    setenv(c.name, c.good, 1);
     const CommandResult good = run_kvq({"backends"});
-    unsetenv(c.name);
+    if (before != nullptr)
+      setenv(c.name, saved.c_str(), 1);
+    else
+      unsetenv(c.name);
     EXPECT_EQ(bad.exit_code, 2) << c.name;
     EXPECT_NE(bad.err.find(std::string(c.name) + "=" + c.bad), std::string::npos) << bad.err;
     EXPECT_NE(bad.err.find(c.accepted), std::string::npos) << bad.err;

@@ -771,7 +771,9 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
 // auto_disable: a drafter that was slow at first (say, under load) and is fast now is turned
 // back on by a probe, although its first call after the steps without drafts is slow again
 // (a draft model prefilling the tokens it skipped). That catch-up call is not the drafter's
-// cost per step; a policy that times it keeps the drafter off for good.
+// cost per step; a one-step probe times only it and keeps the drafter off for good. (The
+// policy also leaves the catch-up step untimed; with its fastest-of-7 timing that part does
+// not change this outcome.)
 TEST(EngineSpeculation, AutoDisableProbeIsNotFooledByTheDrafterCatchingUp) {
   KVQ_REQUIRE_MODEL();
   if (kUnderSanitizer) GTEST_SKIP() << "wall-clock policy (see the test above)";
