@@ -457,17 +457,13 @@ void LlmEngine::Impl::schedule_and_forward() {
       emitted += static_cast<int64_t>(results[i].verified.tokens.size());
     }
     if (decode_only && emitted > 0) {
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_draft).count();
       if (spec_trace())
-        std::fprintf(
-            stderr, "kvq auto_disable: bucket %d %s step %.4f ms, %lld tokens\n", step_bucket,
-            step_drafting ? "drafting" : "plain",
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_draft)
-                .count(),
-            static_cast<long long>(emitted));
-      spec_buckets[static_cast<size_t>(step_bucket)].add(
-          step_drafting ? 1 : 0,
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_draft).count(),
-          emitted);
+        std::fprintf(stderr, "kvq auto_disable: bucket %d %s step %.4f ms, %lld tokens\n",
+                     step_bucket, step_drafting ? "drafting" : "plain", seconds * 1e3,
+                     static_cast<long long>(emitted));
+      spec_buckets[static_cast<size_t>(step_bucket)].add(step_drafting ? 1 : 0, seconds, emitted);
     }
   }
   for (size_t i = 0; i < sampled.size(); ++i) {
@@ -734,35 +730,27 @@ int32_t check_request(const std::vector<int32_t>& prompt, const SamplingParams& 
 
 RequestId LlmEngine::add_request(std::vector<int32_t> prompt, const SamplingParams& params,
                                  OutputCallback on_output, bool want_logprobs, int top_logprobs) {
-  Impl& m = *impl_;
-  const int32_t max_new = check_request(prompt, params, top_logprobs, m.model->vocab_size(),
-                                        m.context, m.blocks.block_tokens(), m.config.num_blocks);
-  RequestId id = 0;
-  {
-    std::lock_guard lock(m.mu);
-    id = m.next_id++;
-    m.inbox.push_back(std::make_unique<Request>(id, std::move(prompt), params, max_new,
-                                                *m.tokenizer, std::move(on_output), want_logprobs,
-                                                top_logprobs));
-  }
-  m.cv.notify_all();
-  return id;
+  std::vector<NewRequest> one;
+  one.push_back({std::move(prompt), params, std::move(on_output), want_logprobs, top_logprobs});
+  return add_requests(std::move(one)).front();
 }
 
 std::vector<RequestId> LlmEngine::add_requests(std::vector<NewRequest> requests) {
   Impl& m = *impl_;
   std::vector<int32_t> max_new;
   for (const NewRequest& r : requests)
-    max_new.push_back(check_request(r.prompt, r.params, 0, m.model->vocab_size(), m.context,
-                                    m.blocks.block_tokens(), m.config.num_blocks));
+    max_new.push_back(check_request(r.prompt, r.params, r.top_logprobs, m.model->vocab_size(),
+                                    m.context, m.blocks.block_tokens(), m.config.num_blocks));
   // Built before the lock (a sampler's seeding may throw): nothing is queued unless every
   // request was made; numbered and queued together under the lock.
   std::vector<std::unique_ptr<Request>> made;
   made.reserve(requests.size());
-  for (size_t i = 0; i < requests.size(); ++i)
-    made.push_back(std::make_unique<Request>(0, std::move(requests[i].prompt), requests[i].params,
-                                             max_new[i], *m.tokenizer,
-                                             std::move(requests[i].on_output), false, 0));
+  for (size_t i = 0; i < requests.size(); ++i) {
+    NewRequest& r = requests[i];
+    made.push_back(std::make_unique<Request>(0, std::move(r.prompt), r.params, max_new[i],
+                                             *m.tokenizer, std::move(r.on_output), r.want_logprobs,
+                                             r.top_logprobs));
+  }
   std::vector<RequestId> ids;
   ids.reserve(made.size());
   {

@@ -138,6 +138,8 @@ class LlmEngine {
     std::vector<int32_t> prompt;
     SamplingParams params;
     OutputCallback on_output;
+    bool want_logprobs = false;
+    int top_logprobs = 0;
   };
   std::vector<RequestId> add_requests(std::vector<NewRequest> requests);
   // Cancels a request (no-op when it has finished or is unknown): frees everything it holds.
