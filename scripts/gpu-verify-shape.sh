@@ -75,25 +75,33 @@ model-tests)
   ;;
 grid)
   # The default model, held-out text, k = 8: dflash and ngram at batch 1 / 8 / 32 (bundle).
-  # METHODS may name draft_model too (models/kvq-code-tiny-draft, k = K_DRAFT, default 4);
+  # METHODS may name draft_model too (models/kvq-code-tiny-draft, k = K_DRAFT, default 4, or a list;
+  # DRAFT_MODELS="dir1 dir2" runs each draft model at each point, interleaved);
   # K sets dflash's and ngram's k (default 8); DFLASH_MODEL another DFlash drafter.
   DFLASH="\"method\":\"dflash\",\"model\":\"${DFLASH_MODEL:-models/kvq-code-tiny-dflash}\""
   NGRAM='"method":"ngram","prompt_lookup_min":1,"prompt_lookup_max":3'
-  DRAFT='"method":"draft_model","model":"models/kvq-code-tiny-draft"'
   for kv in ${KVS:-bfloat16}; do
     for batch in ${BATCHES:-1 8 32}; do
       for method in ${METHODS:-dflash ngram}; do
-       spec=$DFLASH k=${K:-8}
-       [ "$method" = ngram ] && spec=$NGRAM
-       [ "$method" = draft_model ] && spec=$DRAFT k=${K_DRAFT:-4}
+       drafters=-
+       [ "$method" = draft_model ] && drafters=${DRAFT_MODELS:-models/kvq-code-tiny-draft}
        # AB: settings to compare in the same run, e.g. AB="KVQ_DFLASH_FUSE=1 KVQ_DFLASH_FUSE=0".
        for ab in ${AB:-KVQ_AB=none}; do
+       for dm in $drafters; do
+       ks=${K:-8}
+       [ "$method" = draft_model ] && ks=${K_DRAFT:-4}
+       for k in $ks; do
+        spec=$DFLASH
+        [ "$method" = ngram ] && spec=$NGRAM
+        [ "$method" = draft_model ] && spec="\"method\":\"draft_model\",\"model\":\"$dm\""
         env "$ab" timeout 60 bundle/build/kvq bench --model models/kvq-code-tiny --device cuda --kv-cache-dtype $kv \
           --batch $batch --input-len 256 --output-len 128 --num-prompts $((${WAVES:-0} > 0 ? batch * ${WAVES:-0} : (batch < 16 ? 16 : batch))) \
           --dataset models/kvq-code-tiny/heldout.txt \
           --speculative-config "{$spec,\"num_speculative_tokens\":$k${SPEC_EXTRA:-}}" --json 2>/dev/null |
-          AB="$ab" python3 -c "import json,os,sys; j=json.load(sys.stdin); j['ab']=os.environ['AB']; print(json.dumps(j)); print(f\"{j['ab']:18s} {j['plan'][:10]:10s} {j['method']:6s} B={j['batch']:2d} plain {j['plain_tokens_per_s']:8.0f} spec {j['speculative_tokens_per_s']:8.0f} x{j['speedup']:.2f} len {j['mean_accepted_length']:.2f} same {j['greedy_outputs_identical']}/{j['num_prompts']} ms/step {j['plain_ms_per_step']:.3f} / {j['spec_ms_per_step']:.3f} ({j['spec_draft_ms_per_step']:.3f} + {j['spec_forward_ms_per_step']:.3f})\", file=sys.stderr)" \
+          AB="$ab" DM="$dm" python3 -c "import json,os,sys; j=json.load(sys.stdin); j['ab']=os.environ['AB']; j['drafter_dir']=os.environ['DM']; print(json.dumps(j)); print(f\"{j['ab']:18s} {j['drafter_dir'][-28:]:28s} k={j.get('num_speculative_tokens','?')} {j['plan'][:10]:10s} {j['method']:6s} B={j['batch']:2d} plain {j['plain_tokens_per_s']:8.0f} spec {j['speculative_tokens_per_s']:8.0f} x{j['speedup']:.2f} len {j['mean_accepted_length']:.2f} same {j['greedy_outputs_identical']}/{j['num_prompts']} ms/step {j['plain_ms_per_step']:.3f} / {j['spec_ms_per_step']:.3f} ({j['spec_draft_ms_per_step']:.3f} + {j['spec_forward_ms_per_step']:.3f})\", file=sys.stderr)" \
             >> "$OUT/spec-grid.jsonl"
+       done
+       done
        done
       done
     done
