@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "kv_block_manager.h"
+#include "kvq/core/cpu_threads.h"
 #include "kvq/core/error.h"
 #include "kvq/engine/generator.h"
 #include "text_stream.h"
@@ -670,7 +671,13 @@ LlmEngine::LlmEngine(std::unique_ptr<Model> model, std::unique_ptr<Tokenizer> to
   const int32_t num_blocks = static_cast<int32_t>(config.num_blocks);
   impl_ = std::make_unique<Impl>(std::move(model), std::move(tokenizer), config, num_blocks);
   impl_->publish_stats();
-  impl_->thread = std::thread([impl = impl_.get()] { impl->run(); });
+  // The engine thread runs the CPU kernels with this thread's count, and this thread's idle
+  // OpenMP team goes (kvq/core/cpu_threads.h).
+  const int cpu_threads = hand_over_cpu_threads();
+  impl_->thread = std::thread([impl = impl_.get(), cpu_threads] {
+    adopt_cpu_threads(cpu_threads);
+    impl->run();
+  });
 }
 
 LlmEngine::~LlmEngine() {
