@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "kvq/attention/support_matrix.h"
 #include "kvq/core/error.h"
 #include "kvq/model/model.h"
 #include "model/checkpoint_reader.h"
@@ -496,6 +497,8 @@ void DecoderModel::finish_kv_row(const LayerWeights& w, const float* k_row, cons
 }  // namespace
 
 std::unique_ptr<Model> Model::load(const KvPlan& plan, std::string_view forced_backend) {
+  // A bad KVQ_CPU_ISA / KVQ_CPU_INT_DOT fails here, not in each request on an engine thread.
+  check_cpu_kernel_env();
   if (parse_architecture(plan.model).dflash)
     throw InputError(plan.model.dir +
                      ": a DFlash drafter is loaded over its target "

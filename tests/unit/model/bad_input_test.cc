@@ -1,6 +1,8 @@
 // Checkpoints and configs kvq cannot run fail at load with one line naming what is wrong.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 
 #include "kvq/io/safetensors.h"
@@ -133,6 +135,29 @@ TEST_F(BadInput, TokenOutsideVocabulary) {
   Runner run(Model::load(plan_for(dir)), 4);
   const std::string m = input_error([&] { run.step({1}, {{3, 211}}); });
   EXPECT_NE(m.find("211"), std::string::npos) << m;
+}
+
+// A bad CPU kernel switch fails the load with its one-line error, rather than every request
+// later on an engine thread. In a fresh process (the switches are read once per process); the
+// check comes before the plan is read, so the empty plan creates nothing.
+TEST(BadCpuSwitch, FailsTheLoad) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  for (const char* var : {"KVQ_CPU_ISA", "KVQ_CPU_INT_DOT"}) {
+    EXPECT_EXIT(
+        {
+          setenv(var, "avx9000", 1);
+          try {
+            (void)Model::load(KvPlan{});
+          } catch (const InputError& e) {
+            const std::string m = e.what();
+            std::fprintf(stderr, "%s\n", m.c_str());
+            std::exit(m.find(var) != std::string::npos && m.find('\n') == std::string::npos ? 0
+                                                                                           : 1);
+          }
+          std::exit(2);
+        },
+        ::testing::ExitedWithCode(0), var);
+  }
 }
 
 TEST_F(BadInput, ForcedBackend) {
