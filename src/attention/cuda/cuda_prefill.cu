@@ -1,6 +1,7 @@
 // Host side of the CUDA prefill: support checks, plan, and the launch (dispatch over the
 // (K, V) pairs of kv_pairs.h, each instantiated in its own prefill_*.cu file).
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -34,6 +35,18 @@ std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec) {
                 std::to_string(kPrefillMaxKvHeads));
   return r;
 }
+
+namespace {
+// KVQ_PREFILL_SPLIT_RULE=blocks: the small-q grids' splits by the older rule (about four blocks
+// per SM) instead of whole waves (an A/B switch).
+bool split_by_waves() {
+  static const bool waves = [] {
+    const char* e = std::getenv("KVQ_PREFILL_SPLIT_RULE");
+    return e == nullptr || std::string(e) != "blocks";
+  }();
+  return waves;
+}
+}  // namespace
 
 PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_indptr,
                          std::span<const int32_t> seq_lens, const PrefillOptions& options) {
@@ -70,15 +83,31 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   plan.total_q = q_indptr.empty() ? 0 : q_indptr.back();
   plan.workspace_bytes = 0;
   if (options.num_sms > 0 && max_tiles > 0 && plan.total_q > 0) {
-    // About four blocks per SM (a few waves, so no long tail), each split at least 4 kv tiles of
-    // the longest sequence, at most 32 splits, and the partials within kPrefillSplitWorkspaceBytes.
+    // Each split at least 4 kv tiles of the longest sequence, at most 32 splits, and the
+    // partials within kPrefillSplitWorkspaceBytes; within that, about four blocks per SM (a few
+    // waves, so no long tail), or for a small-q grid that fits two waves of resident blocks, the
+    // count that minimizes (waves) x (kv tiles per split), fewer splits on ties (less to merge):
+    // those blocks are latency-bound, so a block takes about its tile count, and a launch of 1.1
+    // waves takes as long as 2 (Llama-3-8B verification, batch 8 x 8 queries x 8 kv heads: 9
+    // splits made 576 blocks for 396 slots; 6 make one wave; docs/notes/prefill-tuning.md).
     const int64_t blocks = max_tiles * spec.num_kv_heads * plan.num_seqs;
     const int64_t kv_tile = spec.head_dim_k <= 64 ? 64 : 32;
     const int64_t kv_tiles = (max_kv + kv_tile - 1) / kv_tile;
     const int64_t per_split = int64_t{plan.total_q} * spec.num_q_heads * (spec.head_dim_v * 4 + 8);
+    const int64_t cap = std::min({int64_t{32}, kv_tiles / 4,
+                                  static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
+    const int64_t slots = int64_t{options.num_sms} *
+                          prefill_blocks_per_sm(spec.head_dim_k, static_cast<int>(rows_per_block));
     int64_t splits = (4 * int64_t{options.num_sms} + blocks - 1) / blocks;
-    splits = std::min({splits, int64_t{32}, kv_tiles / 4,
-                       static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
+    if (rows_per_block == small && blocks <= slots && split_by_waves()) {
+      splits = 1;
+      int64_t best = -1;
+      for (int64_t s = 1; s <= cap && blocks * s <= 2 * slots; ++s) {
+        const int64_t cost = (blocks * s + slots - 1) / slots * ((kv_tiles + s - 1) / s);
+        if (best < 0 || cost < best) best = cost, splits = s;
+      }
+    }
+    splits = std::min(splits, cap);
     if (splits > 1) {
       plan.num_splits = static_cast<int32_t>(splits);
       plan.workspace_bytes = static_cast<size_t>(splits * per_split);

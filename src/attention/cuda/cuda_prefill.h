@@ -55,6 +55,11 @@ constexpr int prefill_rows_per_block(int head_dim) {
 constexpr int prefill_small_q_rows(int head_dim) {
   return head_dim <= 128 ? 64 : 0;
 }
+// Blocks per SM the kernel is built for (its launch bounds; shared memory fits them too): 3 for
+// the small-q block, 2 for the full one, 1 at head_dim 256. The split planner counts waves with it.
+constexpr int prefill_blocks_per_sm(int head_dim, int rows_per_block) {
+  return head_dim == 256 ? 1 : (rows_per_block < prefill_rows_per_block(head_dim) ? 3 : 2);
+}
 inline constexpr int kPrefillMaxKvHeads = 128;
 
 // Empty when the kernels can run `spec`: a (K, V) pair of kv_pairs.h, head_dim 64 / 128 / 256

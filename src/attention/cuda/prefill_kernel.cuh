@@ -354,7 +354,7 @@ __device__ __forceinline__ int q_col_reg8(int d) {
 }
 
 template <int HD, int kRowsPerBlock>
-constexpr int kMinBlocks = HD == 256 ? 1 : (kRowsPerBlock < prefill_rows_per_block(HD) ? 3 : 2);
+constexpr int kMinBlocks = prefill_blocks_per_sm(HD, kRowsPerBlock);
 
 template <KvDtype DK, KvDtype DV, int HD, int kRowsPerBlock>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<HD, kRowsPerBlock>)
