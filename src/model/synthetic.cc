@@ -134,6 +134,13 @@ const std::vector<std::pair<std::string, json>>& synthetic_configs() {
     };
     c.insert(c.begin() + 2, {{"llama3-70b", seventy(c[0].second)},
                              {"llama3.1-70b", seventy(c[1].second)}});
+    // The body of a 5-layer DFlash drafter for Llama-3-8B (the layer count of the published
+    // DFlash drafters): Llama-3-8B's decoder layers and LM head, 5 layers; its block pass is this
+    // model's verification step of 1 + 15 tokens, plus the fc projection of the target's features
+    // (not in it). For timing only (`kvq bench --verify-tokens`).
+    json draft5 = c[0].second;
+    draft5["num_hidden_layers"] = 5;
+    c.push_back({"llama3-8b-dflash5", draft5});
     return c;
   }();
   return kConfigs;

@@ -41,6 +41,9 @@ const std::vector<Shape>& shapes() {
        false, true, RopeScaling::Kind::kNone},
       {"qwen2.5-7b", ModelFamily::kQwen2, 28, 3584, 28, 4, 128, 18944, 152064, 131072, 1e6f, 1e-6f,
        true, false, RopeScaling::Kind::kNone},
+      // Llama-3-8B's layers, 5 of them: the body of a DFlash drafter for it (timing only).
+      {"llama3-8b-dflash5", ModelFamily::kLlama, 5, 4096, 32, 8, 128, 14336, 128256, 8192,
+       500000.0f, 1e-5f, false, false, RopeScaling::Kind::kNone},
   };
   return k;
 }
