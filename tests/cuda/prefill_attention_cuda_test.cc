@@ -330,6 +330,37 @@ TEST(CudaPrefill, SmallForSanitizers) {
   }
 }
 
+// The small-q grid's split count fills whole waves of resident blocks (a plan only, no device).
+// Llama-3-8B verification at batch 8: 8 sequences x 8 kv heads of 8 queries x 4 heads (32 rows:
+// one small-q block each) = 64 blocks; 132 SMs x 3 blocks = 396 slots. 6 splits make 384 blocks
+// (one wave of 6 tiles each at 1k); the older rule's 8 made 512 (two waves of 4).
+TEST(CudaPrefill, SmallQSplitsFillWholeWaves) {
+  CudaAttnCase c;
+  c.num_kv_heads = 8;
+  c.ratio = 4;
+  const LayerKvSpec spec = spec_for(c);
+  std::vector<int32_t> q_indptr = {0}, seq_lens;
+  for (int s = 0; s < 8; ++s) {
+    q_indptr.push_back(q_indptr.back() + 8);
+    seq_lens.push_back(1024);
+  }
+  cuda::PrefillOptions o;
+  o.num_sms = 132;
+  const cuda::PrefillPlan plan = cuda::plan_prefill(spec, q_indptr, seq_lens, o);
+  EXPECT_EQ(plan.rows_per_block, cuda::prefill_small_q_rows(128));
+  EXPECT_EQ(plan.num_splits, 6);
+  // Batch 1: 8 blocks; the most splits the tiles allow (32 tiles / 4 = 8), as before.
+  const std::vector<int32_t> one_q = {0, 8}, one_len = {1024};
+  EXPECT_EQ(cuda::plan_prefill(spec, one_q, one_len, o).num_splits, 8);
+  // A grid beyond one wave unsplit (batch 64: 512 blocks) keeps the older rule: 2 splits.
+  std::vector<int32_t> big_q = {0}, big_len;
+  for (int s = 0; s < 64; ++s) {
+    big_q.push_back(big_q.back() + 8);
+    big_len.push_back(1024);
+  }
+  EXPECT_EQ(cuda::plan_prefill(spec, big_q, big_len, o).num_splits, 2);
+}
+
 TEST(CudaPrefill, PlanRejectsBadBatches) {
   CudaAttnCase c;
   const LayerKvSpec spec = spec_for(c);

@@ -3,7 +3,10 @@
 // thread started later runs with the default count, and while the first thread's idle team
 // lives, libgomp wakes the second thread's workers through the kernel for every parallel
 // region (measured on a 2-vCPU machine: ~40 us per region instead of ~2; the CPU engine's
-// decode step 2.5 ms instead of 0.5, docs/notes/cpu-decode-profile.md).
+// decode step 2.5 ms instead of 0.5, docs/notes/cpu-decode-profile.md). libgomp falls back to
+// that slow wake-up whenever the process's OpenMP workers outnumber the CPUs, so two engines
+// running CPU kernels at once, or the constructing thread running them again while the engine
+// runs, bring it back.
 #pragma once
 
 namespace kvq {

@@ -1041,7 +1041,9 @@ bool CudaDecoderModel::verify_on_decode_kernel(int num_seqs, int q_per_seq, int 
   // (2026-11-27, docs/BENCHMARKS.md), where Llama-3-8B's (head_dim 128) batch 8 x 8 queries,
   // also 64 pairs, is faster on the prefill block.
   const int64_t pairs = static_cast<int64_t>(num_seqs) * nkv_;
-  return context <= 2048 && (pairs <= 16 || (d_ <= 64 && pairs <= 64));
+  // (Measured with 9 queries per sequence; 64 pairs at head_dim 64 stay on the prefill block for
+  // more, unmeasured.)
+  return context <= 2048 && (pairs <= 16 || (d_ <= 64 && pairs <= 64 && q_per_seq <= 9));
 }
 
 cuda::DecodePlan CudaDecoderModel::decode_plan(int group, int num_seqs, int context,

@@ -140,7 +140,7 @@ TEST_F(BadInput, TokenOutsideVocabulary) {
 // A bad CPU kernel switch fails the load with its one-line error, rather than every request
 // later on an engine thread. In a fresh process (the switches are read once per process); the
 // check comes before the plan is read, so the empty plan creates nothing.
-TEST(BadCpuSwitch, FailsTheLoad) {
+TEST(BadCpuSwitchDeathTest, FailsTheLoad) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   for (const char* var : {"KVQ_CPU_ISA", "KVQ_CPU_INT_DOT"}) {
     EXPECT_EXIT(
