@@ -1,6 +1,7 @@
 // Synthetic model shapes for `kvq bench --synthetic NAME`: each name is the config.json of a
-// published checkpoint (or, for llama3-8b-dflash5, of a part of one), written out here and parsed by the same parse_model_config a real
-// checkpoint goes through, so a synthetic model is planned and built exactly like the real one.
+// published checkpoint (or, for llama3-8b-dflash5, of a part of one), written out here and
+// parsed by the same parse_model_config a real checkpoint goes through, so a synthetic model is
+// planned and built exactly like the real one.
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>

@@ -94,8 +94,8 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
     const int64_t kv_tile = spec.head_dim_k <= 64 ? 64 : 32;
     const int64_t kv_tiles = (max_kv + kv_tile - 1) / kv_tile;
     const int64_t per_split = int64_t{plan.total_q} * spec.num_q_heads * (spec.head_dim_v * 4 + 8);
-    const int64_t cap = std::min({int64_t{32}, kv_tiles / 4,
-                                  static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
+    const int64_t cap = std::min(
+        {int64_t{32}, kv_tiles / 4, static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
     const int64_t slots = int64_t{options.num_sms} *
                           prefill_blocks_per_sm(spec.head_dim_k, static_cast<int>(rows_per_block));
     int64_t splits = (4 * int64_t{options.num_sms} + blocks - 1) / blocks;

@@ -1035,14 +1035,12 @@ bool CudaDecoderModel::verify_on_decode_kernel(int num_seqs, int q_per_seq, int 
   // Measured on an H100 (docs/notes/decode-tuning.md, version 6): the decode kernel's step is
   // shorter where the grid is small (few sequences x kv heads, short context: the default
   // model at batch 1 and 8, Llama-3-8B at batch 1 x 1k) and longer where the prefill block's
-  // staged tiles serve more rows (Llama-3-8B at batch 8, or batch 1 x 8k). At head_dim 64 the
-  // decode kernel also wins at 64 (sequence, kv head) pairs: the default model's verification
-  // forward at batch 32 x 9 queries, 0.37-0.39 ms against the prefill block's 0.40-0.41
-  // (2026-11-27, docs/BENCHMARKS.md), where Llama-3-8B's (head_dim 128) batch 8 x 8 queries,
-  // also 64 pairs, is faster on the prefill block.
+  // staged tiles serve more rows (Llama-3-8B at batch 8, or batch 1 x 8k). At head_dim 64 and up
+  // to 9 queries per sequence (as measured) the decode kernel also wins at 64 (sequence, kv
+  // head) pairs: the default model's verification forward at batch 32 x 9 queries, 0.37-0.39 ms
+  // against the prefill block's 0.40-0.41 (2026-11-27, docs/BENCHMARKS.md), where Llama-3-8B's
+  // (head_dim 128) batch 8 x 8 queries, also 64 pairs, is faster on the prefill block.
   const int64_t pairs = static_cast<int64_t>(num_seqs) * nkv_;
-  // (Measured with 9 queries per sequence; 64 pairs at head_dim 64 stay on the prefill block for
-  // more, unmeasured.)
   return context <= 2048 && (pairs <= 16 || (d_ <= 64 && pairs <= 64 && q_per_seq <= 9));
 }
 

@@ -768,14 +768,14 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
   // plain step is ~2.5 ms against the drafter's 40 ms sleep, but on a loaded 2-core machine
   // (the CI's sanitizer run under `ctest -j2` while the machine was also compiling: 10 steps
   // skipped, 36 verified) every plain step of a run can take as long as the sleep.
-  const int64_t verify_bound = 5 + kSpecProbeSteps * (max_new / kSpecProbeInterval + 1);
+  const int64_t bound = 5 + kSpecProbeSteps * (max_new / kSpecProbeInterval + 1);
   const EngineStats slow = retried(
       3, [&] { return run(false, true); },
       [&](const EngineStats& s) {
-        return s.spec_steps_skipped >= max_new / 2 && s.spec.verify_steps <= verify_bound;
+        return s.spec_steps_skipped >= max_new / 2 && s.spec.verify_steps <= bound;
       });
   EXPECT_GE(slow.spec_steps_skipped, max_new / 2) << "seed " << seed;
-  EXPECT_LE(slow.spec.verify_steps, verify_bound) << "seed " << seed;
+  EXPECT_LE(slow.spec.verify_steps, bound) << "seed " << seed;
 
   const EngineStats always = run(false, false);
   EXPECT_EQ(always.spec_steps_skipped, 0);
@@ -786,7 +786,6 @@ TEST(EngineSpeculation, AutoDisableTurnsOffADrafterThatDoesNotPay) {
 
   // Five tokens per drafting step against one: drafting stays on after plain's 5 measured steps.
   // Up to three tries (seen once under `ctest -j2`: 36 steps skipped).
-  const int64_t bound = 5 + kSpecProbeSteps * (max_new / kSpecProbeInterval + 1);
   const EngineStats good = retried(
       3, [&] { return run(true, true); },
       [&](const EngineStats& s) { return s.spec_steps_skipped <= bound; });

@@ -152,7 +152,7 @@ TEST(BadCpuSwitchDeathTest, FailsTheLoad) {
             const std::string m = e.what();
             std::fprintf(stderr, "%s\n", m.c_str());
             std::exit(m.find(var) != std::string::npos && m.find('\n') == std::string::npos ? 0
-                                                                                           : 1);
+                                                                                            : 1);
           }
           std::exit(2);
         },
