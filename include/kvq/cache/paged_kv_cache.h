@@ -130,7 +130,8 @@ class PagedKvCache {
   int32_t block_tokens_ = 0;
   BlockAllocator allocator_;
   struct AlignedDelete {
-    void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{64}); }
+    std::align_val_t align{64};  // what the storage was allocated with
+    void operator()(std::byte* p) const { ::operator delete[](p, align); }
   };
   using Storage = std::unique_ptr<std::byte[], AlignedDelete>;
   std::vector<Storage> k_storage_, v_storage_;

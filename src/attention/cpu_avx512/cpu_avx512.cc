@@ -134,6 +134,18 @@ KDot default_k_dot(Isa isa, KvDtype k) {
   return k_dot_supported(isa, KDot::kMaddubs) ? KDot::kMaddubs : KDot::kFloat;
 }
 
+float unscaled_factor(KvDtype dtype, float tensor_scale) {
+  float f = 0.0f;
+  if (dtype == KvDtype::kFp8E4M3) f = 256.0f * tensor_scale;
+  if (dtype == KvDtype::kFp8E5M2) f = tensor_scale;
+  return std::isnormal(f) ? f : 0.0f;
+}
+
+bool default_fp8_scale_after() {
+  static const bool on = env_choice("KVQ_CPU_FP8_SCALE_AFTER", {"0", "1"}) != "0";
+  return on;
+}
+
 void decode_tile_generic(const TileSource& src, int n, float* out) {
   for (int i = 0; i < n; ++i)
     quant::decode_row(
@@ -260,7 +272,7 @@ void run_item_portable(const WorkItem& item) {
 }
 
 void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, KDot k_dot,
-               int min_tasks) {
+               int min_tasks, bool fp8_scale_after) {
   const BlockTableView& bt = args.block_table;
   const int ratio = spec.gqa_ratio();
   const int dk = spec.head_dim_k, dv = spec.head_dim_v;
@@ -285,6 +297,14 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, KDot
     return f ? f : decode_tile_generic;
   };
   const DecodeTileFn k_decode = decoder(spec.k_dtype, dk), v_decode = decoder(spec.v_dtype, dv);
+  auto unscaled = [&](KvDtype d, int dim) -> DecodeTileFn {
+    if (!fp8_scale_after) return nullptr;
+    return isa == Isa::kAvx512 ? avx512_unscaled_decoder(d, dim)
+           : isa == Isa::kAvx2 ? avx2_unscaled_decoder(d, dim)
+                               : nullptr;
+  };
+  const DecodeTileFn k_unscaled = unscaled(spec.k_dtype, dk),
+                     v_unscaled = unscaled(spec.v_dtype, dv);
   KVQ_CHECK(k_dot_supported(isa, k_dot), std::string("run_tiled: the ") + isa_name(isa) +
                                              " kernel has no " + k_dot_name(k_dot) +
                                              " q.k on this CPU");
@@ -407,7 +427,7 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, KDot
         }
       }
 
-      auto side = [&](KvSide s, DecodeTileFn decode) {
+      auto side = [&](KvSide s, DecodeTileFn decode, DecodeTileFn unscaled_decode) {
         const KvSideLayout& layout = args.cache.layout(s);
         Side out;
         out.base = args.cache.base(s);
@@ -420,6 +440,11 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, KDot
         out.tensor_scale = spec.scale(s).for_head(unit.kv_head);
         out.dtype = spec.dtype(s);
         out.decode = decode;
+        const float factor = unscaled_factor(out.dtype, out.tensor_scale);
+        if (unscaled_decode != nullptr && factor != 0.0f) {
+          out.decode = unscaled_decode;
+          out.post_scale = factor;
+        }
         return out;
       };
       WorkItem item;
@@ -430,8 +455,8 @@ void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, KDot
       item.hi = hi.data();
       item.blocks = bt.indices + bt.indptr[unit.seq];
       item.block_tokens = bt.block_tokens;
-      item.k = side(KvSide::kK, k_decode);
-      item.v = side(KvSide::kV, v_decode);
+      item.k = side(KvSide::kK, k_decode, k_unscaled);
+      item.v = side(KvSide::kV, v_decode, v_unscaled);
       item.soft_cap = args.logit_soft_cap;
       item.out_pos_stride = static_cast<size_t>(spec.num_q_heads) * dv;
       item.out = out_row(unit, 0, 0);
@@ -517,7 +542,8 @@ class CpuAvx512Backend final : public AttentionBackend {
  protected:
   void run_impl(const LayerKvSpec& spec, const AttentionArgs& args) const override {
     const cpu_attn::Isa isa = cpu_attn::best_isa();
-    cpu_attn::run_tiled(spec, args, isa, cpu_attn::default_k_dot(isa, spec.k_dtype));
+    cpu_attn::run_tiled(spec, args, isa, cpu_attn::default_k_dot(isa, spec.k_dtype), 0,
+                        cpu_attn::default_fp8_scale_after());
   }
 
  private:

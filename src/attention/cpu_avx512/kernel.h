@@ -47,7 +47,23 @@ struct Side {
   float tensor_scale = 1.0f;
   KvDtype dtype = KvDtype::kFloat32;
   DecodeTileFn decode = nullptr;
+  // A factor `decode` leaves out of every value (an unscaled fp8 decoder, below), applied by
+  // the kernel after the products: K's logits, V's accumulated output. 1 for every other
+  // decoder.
+  float post_scale = 1.0f;
 };
+
+// fp8_e4m3 / fp8_e5m2 (one scale per tensor or kv head): decoders that leave the scale out,
+// the kernel applying it once per logit and once per output row instead of once per value.
+// e4m3's raw value is its magnitude bits placed in an fp16 (the value / 256, exact for normal
+// and subnormal codes alike); e5m2's is the fp16 whose top byte it is. NaN codes give NaN.
+// raw * unscaled_factor(dtype, scale) is the reference decode bit for bit; the factor is 0
+// where it is not a normal float (256 * scale overflowing, a zero scale): the scaled decoder
+// runs then.
+float unscaled_factor(KvDtype dtype, float tensor_scale);
+// Whether the backend takes fp8 K/V through the unscaled decoders: yes unless
+// KVQ_CPU_FP8_SCALE_AFTER=0 (read once; A/B measurements).
+bool default_fp8_scale_after();
 
 // Q·K for integer-coded K (int8_per_token_head, int4_per_token_head): either K is decoded to
 // fp32 like every other dtype (kFloat), or each query is quantized to int8 once per work item
@@ -128,6 +144,8 @@ void run_item_avx512(const WorkItem& item);
 // The AVX-512 decoder for rows of `dim` values of `dtype`, or nullptr where the generic one
 // must be used.
 DecodeTileFn avx512_decoder(KvDtype dtype, int dim);
+// The unscaled fp8 decoder (see unscaled_factor), or nullptr for other dtypes.
+DecodeTileFn avx512_unscaled_decoder(KvDtype dtype, int dim);
 
 bool cpu_has_avx512();
 // AVX512-VNNI on top of cpu_has_avx512().
@@ -140,6 +158,7 @@ KLogitsFn avx512_k_logits(KDot k_dot, KvDtype dtype, int dim);
 void run_item_avx2(const WorkItem& item);
 // The AVX2 decoder for rows of `dim` values of `dtype`, or nullptr (the generic one runs).
 DecodeTileFn avx2_decoder(KvDtype dtype, int dim);
+DecodeTileFn avx2_unscaled_decoder(KvDtype dtype, int dim);
 
 bool cpu_has_avx2();
 // AVX-VNNI (the VEX-coded vpdpbusd) on top of cpu_has_avx2().
@@ -162,8 +181,9 @@ KDot default_k_dot(Isa isa, KvDtype k);
 // every Isa the machine supports, kPortable included, to cover each kernel). `k_dot` applies to
 // int8/int4_per_token_head K (other dtypes always decode to fp32) and must be supported by
 // `isa`. Units of work whose kv range is long are split until there are about `min_tasks` tasks
-// (0: twice the OpenMP threads).
+// (0: twice the OpenMP threads). `fp8_scale_after`: fp8_e4m3/e5m2 K and V through the
+// unscaled decoders (AVX-512 and AVX2 kernels; the portable one always scales as it decodes).
 void run_tiled(const LayerKvSpec& spec, const AttentionArgs& args, Isa isa, KDot k_dot,
-               int min_tasks = 0);
+               int min_tasks = 0, bool fp8_scale_after = true);
 
 }  // namespace kvq::cpu_attn

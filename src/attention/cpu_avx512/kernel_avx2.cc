@@ -149,6 +149,51 @@ void decode_e5m2_avx2(const TileSource& s, int n, float* out) {
   }
 }
 
+// ---- unscaled fp8 decoders (kernel.h: unscaled_factor; as in kernel_avx512.cc) -----------
+
+bool e4m3_row_has_nan_avx2(const std::byte* r, int dim) {
+  __m256i nan = _mm256_setzero_si256();
+  for (int c = 0; c < dim; c += 32) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + c));
+    nan = _mm256_or_si256(
+        nan, _mm256_cmpeq_epi8(_mm256_or_si256(x, _mm256_set1_epi8(static_cast<char>(0x80))),
+                               _mm256_set1_epi8(-1)));
+  }
+  return !_mm256_testz_si256(nan, nan);
+}
+
+void decode_e4m3_unscaled_avx2(const TileSource& s, int n, float* out) {
+  for (int i = 0; i < n; ++i) {
+    const std::byte* r = row_values(s, i);
+    float* o = out + static_cast<size_t>(i) * s.dim;
+    if (e4m3_row_has_nan_avx2(r, s.dim)) {
+      e4m3_row(r, 1.0f / 256, s.dim, o);
+      continue;
+    }
+    for (int c = 0; c < s.dim; c += 16) {
+      const __m256i u =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + c)));
+      const __m256i h =
+          _mm256_and_si256(_mm256_slli_epi16(u, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+      _mm256_storeu_ps(o + c, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+      _mm256_storeu_ps(o + c + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    }
+  }
+}
+
+void decode_e5m2_unscaled_avx2(const TileSource& s, int n, float* out) {
+  for (int i = 0; i < n; ++i) {
+    const std::byte* r = row_values(s, i);
+    float* o = out + static_cast<size_t>(i) * s.dim;
+    for (int c = 0; c < s.dim; c += 16) {
+      const __m256i h = _mm256_slli_epi16(
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + c))), 8);
+      _mm256_storeu_ps(o + c, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+      _mm256_storeu_ps(o + c + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+    }
+  }
+}
+
 void decode_int8_pth_avx2(const TileSource& s, int n, float* out) {
   for (int i = 0; i < n; ++i) {
     const std::byte* r = row_values(s, i);
@@ -271,54 +316,159 @@ TileSource tile_source_avx2(const Side& s, const WorkItem& item, int t0) {
   return src;
 }
 
-// Query qi against chunk tokens [a, b) (decoded at k_tile / v_tile): one online-softmax step.
-// logits: the chunk's raw logits of this query from the integer Q·K, or nullptr (fp32 dots
-// with k_tile).
-void attend_chunk_avx2(const WorkItem& item, int qi, int a, int b, const float* logits) {
-  const int dk = item.k.dim, dv = item.v.dim;
-  const float* q = item.q + static_cast<size_t>(qi) * dk;
-  float* p = item.p;
-  float cmax = -__builtin_inff();
-  for (int t = a; t < b; ++t) {
-    float dot;
-    if (logits != nullptr) {
-      dot = logits[t];
-    } else {
-      const float* k = item.k_tile + static_cast<size_t>(t) * dk;
-      __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-      for (int c = 0; c < dk; c += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), s1);
-      }
-      dot = hsum8(_mm256_add_ps(s0, s1));
+// e^x, 8 lanes: exp16's Cephes polynomial (kernel_avx512.cc), 2^n built in the exponent
+// field, so x is clamped to [-87, 88] to keep n a normal exponent (below e^-87 a softmax weight
+// is far under the resolution of a sum that holds a 1). x goes second into min/max, which
+// return their second operand for a NaN: a NaN stays NaN.
+__m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+float hmax8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Requests the rows and per-row scales of chunk c0's tiles of both sides (as prefetch_chunk in
+// kernel_avx512.cc: a tile is the next one of its kv head a block's worth of other heads away).
+void prefetch_chunk_avx2(const WorkItem& item, int c0, int last) {
+  for (int t0 = c0; t0 < c0 + kChunk && t0 < last; t0 += kTile) {
+    const int n = imin2(kTile, last - t0);
+    for (const Side* side : {&item.k, &item.v}) {
+      const TileSource src = tile_source_avx2(*side, item, t0);
+      const char* v = reinterpret_cast<const char*>(src.values);
+      for (size_t off = 0; off < static_cast<size_t>(n) * src.row_data_bytes; off += 64)
+        _mm_prefetch(v + off, _MM_HINT_T0);
+      const char* sc = reinterpret_cast<const char*>(src.scales);
+      for (size_t off = 0; off < static_cast<size_t>(n) * src.row_scale_bytes; off += 64)
+        _mm_prefetch(sc + off, _MM_HINT_T0);
     }
-    if (item.soft_cap != 0.0f) dot = item.soft_cap * __builtin_tanhf(dot / item.soft_cap);
-    p[t] = dot;
-    cmax = cmax > dot ? cmax : dot;
   }
-  const float m_old = item.m[qi];
-  const float m_new = m_old > cmax ? m_old : cmax;
-  float sum = 0.0f;
-  for (int t = a; t < b; ++t) {
-    p[t] = __builtin_expf(p[t] - m_new);
-    sum += p[t];
+}
+
+// Four tokens' dot-product vectors -> per 128-bit lane L, lane t = token t's sum over lane L.
+inline __attribute__((always_inline)) __m256 merge4(const __m256* a) {
+  return _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+}
+
+// Queries qi0 .. qi0 + Q - 1 (one position) against chunk tokens [a, b) (decoded at k_tile /
+// v_tile, or their raw logits in item.logits from the integer Q·K): one online-softmax step
+// per query. The queries share every K and V vector they load; logits go 8 tokens to a
+// vector (no horizontal sum per token), and the softmax runs on those vectors.
+template <int Q>
+void attend_chunk_avx2(const WorkItem& item, int qi0, int a, int b) {
+  const int dk = item.k.dim, dv = item.v.dim;
+  const int g_first = a / 8, g_end = (b - 1) / 8 + 1;
+  constexpr int kGroups = kChunk / 8;
+  __m256 logits[Q][kGroups];
+  for (int g = g_first; g < g_end; ++g) {
+    if (item.k_logits != nullptr) {
+      for (int i = 0; i < Q; ++i)
+        logits[i][g] = _mm256_loadu_ps(item.logits + (qi0 % item.ratio + i) * kChunk + 8 * g);
+    } else {
+      __m256 half[Q][2];
+      for (int h = 0; h < 2; ++h) {
+        const float* k = item.k_tile + static_cast<size_t>(8 * g + 4 * h) * dk;
+        __m256 dots[Q][4];
+        for (int i = 0; i < Q; ++i)
+          for (int t = 0; t < 4; ++t) dots[i][t] = _mm256_setzero_ps();
+        for (int c = 0; c < dk; c += 8) {
+          __m256 qv[Q];
+          for (int i = 0; i < Q; ++i)
+            qv[i] = _mm256_loadu_ps(item.q + static_cast<size_t>(qi0 + i) * dk + c);
+          for (int t = 0; t < 4; ++t) {
+            const __m256 kv = _mm256_loadu_ps(k + static_cast<size_t>(t) * dk + c);
+            for (int i = 0; i < Q; ++i) dots[i][t] = _mm256_fmadd_ps(qv[i], kv, dots[i][t]);
+          }
+        }
+        for (int i = 0; i < Q; ++i) half[i][h] = merge4(dots[i]);
+      }
+      for (int i = 0; i < Q; ++i) {
+        logits[i][g] = _mm256_add_ps(_mm256_permute2f128_ps(half[i][0], half[i][1], 0x20),
+                                     _mm256_permute2f128_ps(half[i][0], half[i][1], 0x31));
+        if (item.k.post_scale != 1.0f)
+          logits[i][g] = _mm256_mul_ps(logits[i][g], _mm256_set1_ps(item.k.post_scale));
+      }
+    }
+    if (item.soft_cap != 0.0f)
+      for (int i = 0; i < Q; ++i) {
+        alignas(32) float x[8];
+        _mm256_store_ps(x, logits[i][g]);
+        for (float& e : x) e = item.soft_cap * __builtin_tanhf(e / item.soft_cap);
+        logits[i][g] = _mm256_load_ps(x);
+      }
   }
-  const float corr = m_old == -__builtin_inff() ? 0.0f : __builtin_expf(m_old - m_new);
-  item.l[qi] = item.l[qi] * corr + sum;
-  item.m[qi] = m_new;
-  float* acc = item.acc + static_cast<size_t>(qi) * dv;
-  const __m256 wc = _mm256_set1_ps(corr);
+
+  // Lanes of group g inside [a, b).
+  __m256 lanes[kGroups];
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int g = g_first; g < g_end; ++g) {
+    const __m256i t = _mm256_add_epi32(iota, _mm256_set1_epi32(8 * g));
+    lanes[g] = _mm256_castsi256_ps(_mm256_andnot_si256(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(a), t), _mm256_cmpgt_epi32(_mm256_set1_epi32(b), t)));
+  }
+  const __m256 neg_inf = _mm256_set1_ps(-__builtin_inff());
+  float* p[Q];
+  __m256 w_corr[Q];
+  for (int i = 0; i < Q; ++i) {
+    const int qi = qi0 + i;
+    __m256 cmax = neg_inf;
+    for (int g = g_first; g < g_end; ++g)
+      cmax = _mm256_max_ps(cmax, _mm256_blendv_ps(neg_inf, logits[i][g], lanes[g]));
+    const float m_old = item.m[qi];
+    const float c = hmax8(cmax);
+    const float m_new = m_old > c ? m_old : c;
+    const __m256 mv = _mm256_set1_ps(m_new);
+    __m256 psum = _mm256_setzero_ps();
+    p[i] = item.p + i * kChunk;
+    for (int g = g_first; g < g_end; ++g) {
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(logits[i][g], mv)), lanes[g]);
+      _mm256_storeu_ps(p[i] + 8 * g, e);
+      psum = _mm256_add_ps(psum, e);
+    }
+    const float corr = m_old == -__builtin_inff() ? 0.0f : __builtin_expf(m_old - m_new);
+    item.l[qi] = item.l[qi] * corr + hsum8(psum);
+    item.m[qi] = m_new;
+    w_corr[i] = _mm256_set1_ps(corr);
+  }
+
   for (int c = 0; c < dv; c += 16) {
-    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc + c), wc);
-    __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 8), wc);
+    __m256 acc[Q][2];
+    for (int i = 0; i < Q; ++i) {
+      const float* row = item.acc + static_cast<size_t>(qi0 + i) * dv + c;
+      acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(row), w_corr[i]);
+      acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(row + 8), w_corr[i]);
+    }
     for (int t = a; t < b; ++t) {
       const float* v = item.v_tile + static_cast<size_t>(t) * dv + c;
-      const __m256 w = _mm256_set1_ps(p[t]);
-      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
-      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+      for (int i = 0; i < Q; ++i) {
+        const __m256 w = _mm256_broadcast_ss(p[i] + t);
+        acc[i][0] = _mm256_fmadd_ps(w, v0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(w, v1, acc[i][1]);
+      }
     }
-    _mm256_storeu_ps(acc + c, a0);
-    _mm256_storeu_ps(acc + c + 8, a1);
+    for (int i = 0; i < Q; ++i) {
+      float* row = item.acc + static_cast<size_t>(qi0 + i) * dv + c;
+      _mm256_storeu_ps(row, acc[i][0]);
+      _mm256_storeu_ps(row + 8, acc[i][1]);
+    }
   }
 }
 
@@ -365,8 +515,10 @@ void run_item_avx2(const WorkItem& item) {
     last = imax2(last, item.hi[j]);
   }
   const int begin = first - first % kTile;
+  prefetch_chunk_avx2(item, begin, last);
   for (int c0 = begin; c0 < last; c0 += kChunk) {
     const int cn = imin2(kChunk, last - c0);
+    prefetch_chunk_avx2(item, c0 + kChunk, last);
     bool decoded = false;
     for (int j = 0; j < item.num_pos; ++j) {
       const int a = imax2(item.lo[j], c0) - c0, b = imin2(item.hi[j], c0 + cn) - c0;
@@ -386,11 +538,15 @@ void run_item_avx2(const WorkItem& item) {
         for (int sub = a / kTile; sub <= (b - 1) / kTile; ++sub)
           item.k_logits(tile_source_avx2(item.k, item, c0 + sub * kTile), item, j * item.ratio,
                         item.ratio, item.logits + sub * kTile);
-      for (int r = 0; r < item.ratio; ++r)
-        attend_chunk_avx2(item, j * item.ratio + r, a, b,
-                          item.k_logits != nullptr ? item.logits + r * kChunk : nullptr);
+      int r = 0;
+      for (; r + 2 <= item.ratio; r += 2) attend_chunk_avx2<2>(item, j * item.ratio + r, a, b);
+      if (r < item.ratio) attend_chunk_avx2<1>(item, j * item.ratio + r, a, b);
     }
   }
+  if (item.v.post_scale != 1.0f)
+    for (int i = 0; i < nq * dv; i += 8)
+      _mm256_storeu_ps(item.acc + i, _mm256_mul_ps(_mm256_loadu_ps(item.acc + i),
+                                                   _mm256_set1_ps(item.v.post_scale)));
   if (!item.normalize) return;
   for (int j = 0; j < item.num_pos; ++j)
     for (int r = 0; r < item.ratio; ++r) {
@@ -402,6 +558,13 @@ void run_item_avx2(const WorkItem& item) {
       for (int c = 0; c < dv; c += 8)
         _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(acc + c), inv));
     }
+}
+
+DecodeTileFn avx2_unscaled_decoder(KvDtype dtype, int dim) {
+  if (dim % 32 != 0) return nullptr;
+  if (dtype == KvDtype::kFp8E4M3) return decode_e4m3_unscaled_avx2;
+  if (dtype == KvDtype::kFp8E5M2) return decode_e5m2_unscaled_avx2;
+  return nullptr;
 }
 
 DecodeTileFn avx2_decoder(KvDtype dtype, int dim) {

@@ -180,6 +180,55 @@ void decode_e4m3(const TileSource& s, int n, float* out) {
   });
 }
 
+// ---- unscaled fp8 decoders (kernel.h: unscaled_factor) ------------------------------------
+
+// Whether any of the row's dim codes (dim a multiple of 64) is an e4m3 NaN (magnitude 0x7F).
+bool e4m3_row_has_nan(const std::byte* row, int dim) {
+  const __m512i m = _mm512_set1_epi8(0x7F);
+  __mmask64 nan = 0;
+  for (int c = 0; c < dim; c += 64)
+    nan |= _mm512_testn_epi8_mask(_mm512_xor_si512(_mm512_loadu_si512(row + c), m), m);
+  return nan != 0;
+}
+
+// The codes sign-extended to 16 bits and shifted left by 7 put the magnitude at bits 7-13 and
+// the sign at bits 14 and up; clearing bit 14 leaves the fp16 of value / 256. A row with a NaN
+// code (a NaN in the model) takes e4m3x32, whose factor 256 * (1 / 256) is exactly 1.
+void decode_e4m3_unscaled(const TileSource& s, int n, float* out) {
+  for_each_chunk(s, n, out, [](const std::byte* row, const std::byte*, int chunks, float* o) {
+    if (e4m3_row_has_nan(row, 16 * chunks)) {
+      for (int c = 0; c < chunks; c += 2) {
+        __m512 lo, hi;
+        e4m3x32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c)), 1.0f / 256, lo,
+                hi);
+        _mm512_storeu_ps(o + 16 * c, lo);
+        _mm512_storeu_ps(o + 16 * c + 16, hi);
+      }
+      return;
+    }
+    for (int c = 0; c < chunks; c += 2) {
+      const __m512i u =
+          _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c)));
+      const __m512i h =
+          _mm512_and_si512(_mm512_slli_epi16(u, 7), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+      _mm512_storeu_ps(o + 16 * c, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+      _mm512_storeu_ps(o + 16 * c + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+    }
+  });
+}
+
+void decode_e5m2_unscaled(const TileSource& s, int n, float* out) {
+  for_each_chunk(s, n, out, [](const std::byte* row, const std::byte*, int chunks, float* o) {
+    for (int c = 0; c < chunks; c += 2) {
+      const __m512i h = _mm512_slli_epi16(
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))),
+          8);
+      _mm512_storeu_ps(o + 16 * c, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+      _mm512_storeu_ps(o + 16 * c + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+    }
+  });
+}
+
 void decode_e5m2(const TileSource& s, int n, float* out) {
   const __m512 k = _mm512_set1_ps(s.tensor_scale);
   for_each_chunk(s, n, out, [k](const std::byte* row, const std::byte*, int chunks, float* o) {
@@ -259,9 +308,11 @@ void decode_nvfp4(const TileSource& s, int n, float* out) {
 // ---- math ---------------------------------------------------------------------------------
 
 // e^x, about 1 ulp (Cephes expf polynomial, scalef for the 2^n step: no overflow tricks).
+// x goes second into min/max, which return their second operand for a NaN: a NaN logit (a NaN
+// or unwritten K row) stays NaN instead of becoming e^88.7.
 __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  x = _mm512_min_ps(_mm512_set1_ps(88.7f), x);
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -448,6 +499,8 @@ void attend_chunk(const WorkItem& item, int qi0, int a, int b, const __mmask16* 
     }
     for (int i = 0; i < Q; ++i) {
       logits[i][sub] = reduce16(dots[i]);
+      if (item.k.post_scale != 1.0f)
+        logits[i][sub] = _mm512_mul_ps(logits[i][sub], _mm512_set1_ps(item.k.post_scale));
       if (item.soft_cap != 0.0f) logits[i][sub] = soft_cap16(logits[i][sub], item.soft_cap);
     }
   }
@@ -546,6 +599,10 @@ void run_item_t(const WorkItem& item) {
     }
   }
 
+  if (item.v.post_scale != 1.0f)
+    for (int i = 0; i < nq * DV; i += 16)
+      _mm512_storeu_ps(item.acc + i, _mm512_mul_ps(_mm512_loadu_ps(item.acc + i),
+                                                   _mm512_set1_ps(item.v.post_scale)));
   if (!item.normalize) return;
   for (int j = 0; j < item.num_pos; ++j)
     for (int r = 0; r < item.ratio; ++r) {
@@ -613,6 +670,13 @@ void run_item_avx512(const WorkItem& item) {
       return run_item_dk<256>(item);
   }
   // Unreachable: run_tiled checks the head dims before any item runs.
+}
+
+DecodeTileFn avx512_unscaled_decoder(KvDtype dtype, int dim) {
+  if (dim % 64 != 0) return nullptr;
+  if (dtype == KvDtype::kFp8E4M3) return decode_e4m3_unscaled;
+  if (dtype == KvDtype::kFp8E5M2) return decode_e5m2_unscaled;
+  return nullptr;
 }
 
 DecodeTileFn avx512_decoder(KvDtype dtype, int dim) {

@@ -7,9 +7,12 @@
 // cpu_int_dot_test.cc).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <ostream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -117,7 +120,7 @@ TEST_P(AttentionBackendGrid, MatchesExactAttentionOverDequantizedKv) {
   const std::vector<AttentionKind> kinds = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
                                             AttentionKind::kNonCausal};
   const std::vector<int> blocks = block_sizes(prm.impl);
-  const int ratios[] = {1, 2, 4, 8};
+  const int ratios[] = {1, 2, 4, 8, 3};
   int index = 0;
   for (int hd : head_dims(prm.impl)) {
     if (!storable(prm.k, hd) || !storable(prm.v, hd)) continue;
@@ -128,7 +131,7 @@ TEST_P(AttentionBackendGrid, MatchesExactAttentionOverDequantizedKv) {
       c.kind = kind;
       c.window = index % 2 ? 7 : 20;
       c.head_dim_k = c.head_dim_v = hd;
-      c.ratio = ratios[index % 4];
+      c.ratio = ratios[index % 5];
       c.num_kv_heads = 2;
       c.block_tokens = blocks[static_cast<size_t>(index) % blocks.size()];
       c.soft_cap = index % 3 == 2 ? 4.0f : 0.0f;
@@ -316,6 +319,127 @@ TEST(CpuAvx512Decoders, MatchReferenceDecodeBitForBit) {
 TEST(CpuAvx2Decoders, MatchReferenceDecodeBitForBit) {
   if (!cpu_attn::cpu_has_avx2()) GTEST_SKIP() << "this CPU has no AVX2/FMA/F16C";
   check_decoders(cpu_attn::Isa::kAvx2);
+}
+
+// The unscaled fp8 decoders (kernel.h: unscaled_factor): raw * factor is the reference decode
+// bit for bit, for every code (NaN codes included: a row with one takes the patched path, a
+// row without the shift path), and the factor is 0 where it is not a normal float.
+void check_unscaled_decoders(cpu_attn::Isa isa) {
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> log_scale(-12.0f, 12.0f);
+  for (KvDtype dtype : {KvDtype::kFp8E4M3, KvDtype::kFp8E5M2}) {
+    EXPECT_EQ(cpu_attn::unscaled_factor(dtype, 0.0f), 0.0f);
+    if (dtype == KvDtype::kFp8E4M3) {
+      EXPECT_EQ(cpu_attn::unscaled_factor(dtype, 3.0e38f), 0.0f);
+    }
+    for (int dim : {64, 128, 256}) {
+      const cpu_attn::DecodeTileFn raw = isa == cpu_attn::Isa::kAvx512
+                                             ? cpu_attn::avx512_unscaled_decoder(dtype, dim)
+                                             : cpu_attn::avx2_unscaled_decoder(dtype, dim);
+      ASSERT_NE(raw, nullptr) << to_string(dtype) << " " << cpu_attn::isa_name(isa);
+      constexpr int kRows = 16;
+      std::vector<std::byte> values(static_cast<size_t>(kRows) * dim), scales(4);
+      for (int i = 0; i < kRows; ++i)
+        for (int e = 0; e < dim; ++e) {
+          int code = i < 4 ? (i * dim + e) % 256 : byte(rng);  // rows 0-3: every code in order
+          if (i >= 4 && i % 2 == 0 && (code & 0x7F) == 0x7F) code = 0x7E;  // rows without NaN
+          values[static_cast<size_t>(i) * dim + static_cast<size_t>(e)] = std::byte(code);
+        }
+      const float ts = std::exp2(log_scale(rng));
+      const float factor = cpu_attn::unscaled_factor(dtype, ts);
+      ASSERT_NE(factor, 0.0f);
+      cpu_attn::TileSource src{values.data(), scales.data(), static_cast<size_t>(dim), 0, dim, ts,
+                               dtype};
+      std::vector<float> want(static_cast<size_t>(kRows) * dim), got(want.size());
+      cpu_attn::decode_tile_generic(src, kRows, want.data());
+      raw(src, kRows, got.data());
+      for (size_t e = 0; e < want.size(); ++e) {
+        const float scaled = got[e] * factor;
+        const bool same = std::bit_cast<uint32_t>(scaled) == std::bit_cast<uint32_t>(want[e]) ||
+                          (std::isnan(scaled) && std::isnan(want[e]));
+        ASSERT_TRUE(same) << cpu_attn::isa_name(isa) << " " << to_string(dtype) << " dim " << dim
+                          << " code " << static_cast<int>(values[e]) << ": raw " << got[e] << " x "
+                          << factor << " = " << scaled << ", want " << want[e] << ", seed " << seed;
+      }
+    }
+  }
+}
+
+TEST(CpuFp8UnscaledDecoders, TimesTheFactorAreTheReferenceBitForBit) {
+  int ran = 0;
+  for (cpu_attn::Isa isa : {cpu_attn::Isa::kAvx512, cpu_attn::Isa::kAvx2}) {
+    if (isa == cpu_attn::Isa::kAvx512 ? !cpu_attn::cpu_has_avx512() : !cpu_attn::cpu_has_avx2())
+      continue;
+    check_unscaled_decoders(isa);
+    ++ran;
+  }
+  if (ran == 0) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512";
+}
+
+// The kernels with the scale applied after the products (logits, output) against the same
+// kernels scaling as they decode: the same outputs within fp32 rounding, and a NaN code in K or
+// V makes exactly the same outputs NaN, those of the queries of its kv head that see the token
+// (the exact attention's NaNs).
+TEST(CpuFp8ScaleAfter, MatchesScalingInTheDecoderNanCodesIncluded) {
+  const unsigned seed = test::fresh_seed();
+  int ran = 0;
+  for (cpu_attn::Isa isa : {cpu_attn::Isa::kAvx512, cpu_attn::Isa::kAvx2}) {
+    if (isa == cpu_attn::Isa::kAvx512 ? !cpu_attn::cpu_has_avx512() : !cpu_attn::cpu_has_avx2())
+      continue;
+    ++ran;
+    for (KvDtype dtype : {KvDtype::kFp8E4M3, KvDtype::kFp8E5M2}) {
+      for (KvSide nan_side : {KvSide::kK, KvSide::kV}) {
+        AttnCase c;
+        c.k = c.v = dtype;
+        c.kind = AttentionKind::kCausal;
+        c.head_dim_k = c.head_dim_v = 64;
+        c.ratio = 2;
+        c.num_kv_heads = 2;
+        c.block_tokens = 16;
+        c.seqs = {{37, 1}, {33, 33}, {300, 1}};
+        const unsigned case_seed = seed + static_cast<unsigned>(ran * 4) +
+                                   (dtype == KvDtype::kFp8E5M2 ? 2u : 0u) +
+                                   (nan_side == KvSide::kV ? 1u : 0u);
+        AttnProblem problem(c, case_seed);
+        AttentionArgs args = problem.args();
+        // A NaN code in element 3 of token 9 of sequence 1, kv head 1 (e4m3: 0x7F; e5m2: 0x7F
+        // is NaN too: exponent 11111, mantissa 11).
+        const KvSideLayout& layout = args.cache.layout(nan_side);
+        const int32_t block =
+            args.block_table.indices[args.block_table.indptr[1] + 9 / c.block_tokens];
+        std::byte* base = const_cast<std::byte*>(args.cache.base(nan_side));
+        base[static_cast<size_t>(block) * layout.block_bytes +
+             layout.value_offset(1, 9 % c.block_tokens) + 3] = std::byte{0x7F};
+        cpu_attn::run_tiled(problem.spec(), args, isa, cpu_attn::KDot::kFloat, 0, false);
+        const std::vector<float> want = problem.out();
+        args = problem.args();
+        cpu_attn::run_tiled(problem.spec(), args, isa, cpu_attn::KDot::kFloat, 64, true);
+        const std::vector<float>& got = problem.out();
+        float amax = 0.0f;
+        for (float x : want)
+          if (std::isfinite(x)) amax = std::max(amax, std::abs(x));
+        int nans = 0;
+        for (size_t e = 0; e < want.size(); ++e) {
+          nans += std::isnan(want[e]) ? 1 : 0;
+          ASSERT_EQ(std::isnan(got[e]), std::isnan(want[e]))
+              << cpu_attn::isa_name(isa) << " " << to_string(dtype) << " element " << e << ", seed "
+              << case_seed;
+          if (!std::isnan(want[e])) {
+            ASSERT_NEAR(got[e], want[e], 1e-5 * amax)
+                << cpu_attn::isa_name(isa) << " " << to_string(dtype) << " element " << e
+                << ", seed " << case_seed;
+          }
+        }
+        // Sequence 1's positions 9..32 of both q heads of kv head 1: a NaN logit makes every
+        // element of those rows NaN, a NaN in V element 3 of them.
+        EXPECT_EQ(nans, 24 * 2 * (nan_side == KvSide::kK ? 64 : 1))
+            << cpu_attn::isa_name(isa) << " " << to_string(dtype) << ", seed " << case_seed;
+      }
+    }
+  }
+  if (ran == 0) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512";
 }
 
 }  // namespace
