@@ -119,12 +119,21 @@ void Linear::apply(int m, const float* in, int lda, float* out, int ldc, float b
         if (panel.size() < bf16_gemv_scratch(k)) panel = FloatArray(bf16_gemv_scratch(k));
         scratch = panel.data();
       }
-      if (avx512)
-        bf16_gemv_avx512(m, j1 - j0, k, in, lda, w + static_cast<size_t>(j0) * k, out + j0, ldc,
-                         beta, scratch);
-      else
-        bf16_gemv_avx2(m, j1 - j0, k, in, lda, w + static_cast<size_t>(j0) * k, out + j0, ldc, beta,
-                       scratch);
+      // Input rows in blocks of kRowBlock, each against every W row of the slice: the kernels
+      // stream all their input rows past each 4-row W panel, and a prefill's rows (4096 x 768
+      // floats = 12 MiB) would come from L3 for every panel; a block's stays in L2. Each output
+      // is the same sequence of operations whatever the blocking (see the kernels).
+      constexpr int kRowBlock = 96;
+      for (int i0 = 0; i0 < m; i0 += kRowBlock) {
+        const int mb = std::min(kRowBlock, m - i0);
+        const float* in_b = in + static_cast<size_t>(i0) * lda;
+        float* out_b = out + static_cast<size_t>(i0) * ldc + j0;
+        const uint16_t* w_b = w + static_cast<size_t>(j0) * k;
+        if (avx512)
+          bf16_gemv_avx512(mb, j1 - j0, k, in_b, lda, w_b, out_b, ldc, beta, scratch);
+        else
+          bf16_gemv_avx2(mb, j1 - j0, k, in_b, lda, w_b, out_b, ldc, beta, scratch);
+      }
     } else {
       bf16_sgemm_slices(m, j0, j1, k, in, lda, w, out, ldc, beta);
     }

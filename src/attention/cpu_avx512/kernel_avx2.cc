@@ -345,23 +345,6 @@ float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
 }
 
-// Requests the rows and per-row scales of chunk c0's tiles of both sides (as prefetch_chunk in
-// kernel_avx512.cc: a tile is the next one of its kv head a block's worth of other heads away).
-void prefetch_chunk_avx2(const WorkItem& item, int c0, int last) {
-  for (int t0 = c0; t0 < c0 + kChunk && t0 < last; t0 += kTile) {
-    const int n = imin2(kTile, last - t0);
-    for (const Side* side : {&item.k, &item.v}) {
-      const TileSource src = tile_source_avx2(*side, item, t0);
-      const char* v = reinterpret_cast<const char*>(src.values);
-      for (size_t off = 0; off < static_cast<size_t>(n) * src.row_data_bytes; off += 64)
-        _mm_prefetch(v + off, _MM_HINT_T0);
-      const char* sc = reinterpret_cast<const char*>(src.scales);
-      for (size_t off = 0; off < static_cast<size_t>(n) * src.row_scale_bytes; off += 64)
-        _mm_prefetch(sc + off, _MM_HINT_T0);
-    }
-  }
-}
-
 // Four tokens' dot-product vectors -> per 128-bit lane L, lane t = token t's sum over lane L.
 inline __attribute__((always_inline)) __m256 merge4(const __m256* a) {
   return _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -515,10 +498,8 @@ void run_item_avx2(const WorkItem& item) {
     last = imax2(last, item.hi[j]);
   }
   const int begin = first - first % kTile;
-  prefetch_chunk_avx2(item, begin, last);
   for (int c0 = begin; c0 < last; c0 += kChunk) {
     const int cn = imin2(kChunk, last - c0);
-    prefetch_chunk_avx2(item, c0 + kChunk, last);
     bool decoded = false;
     for (int j = 0; j < item.num_pos; ++j) {
       const int a = imax2(item.lo[j], c0) - c0, b = imin2(item.hi[j], c0 + cn) - c0;

@@ -3,6 +3,8 @@
 // 0 (the output is not read: poisoned with NaN) and beta 1, shapes with tails.
 #include <gtest/gtest.h>
 
+#include <bit>
+
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -96,6 +98,32 @@ TEST(Linear, MatchesFloat64ForEveryPathAndShape) {
       for (int c = 0; c < s.k; ++c)
         ASSERT_EQ(r[static_cast<size_t>(c)], w[static_cast<size_t>(s.n - 1) * s.k + c]);
     }
+}
+
+// Linear::apply on a prefill-sized batch (its input rows go to the kernel in blocks, the last
+// of 1-2 rows here): every row the same bits as that row alone.
+TEST(Linear, PrefillBatchRowsEqualTheRowsAlone) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 0.5f);
+  const int n = 72, k = 136;
+  FloatArray values(static_cast<size_t>(n) * k);
+  for (size_t i = 0; i < values.size(); ++i) values.data()[i] = round_bf16(nd(rng));
+  const Linear lin(std::move(values), n, k, Linear::Storage::kBFloat16);
+  for (int m : {193, 290}) {
+    std::vector<float> in(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n),
+        solo(static_cast<size_t>(n));
+    for (float& x : in) x = nd(rng);
+    lin.apply(m, in.data(), k, out.data(), n, 0.0f);
+    for (int i = 0; i < m; ++i) {
+      lin.apply(1, in.data() + static_cast<size_t>(i) * k, k, solo.data(), n, 0.0f);
+      for (int j = 0; j < n; ++j)
+        ASSERT_EQ(std::bit_cast<uint32_t>(out[static_cast<size_t>(i) * n + j]),
+                  std::bit_cast<uint32_t>(solo[static_cast<size_t>(j)]))
+            << "m " << m << " row " << i << " column " << j;
+    }
+  }
 }
 
 // One bf16 kernel directly (Linear::apply picks it on CPUs that have its instructions): with
