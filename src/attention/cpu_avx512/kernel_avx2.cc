@@ -10,11 +10,12 @@
 // ones, eight lanes at a time): fp8 through fp16, int8 as float(q) * scale, int4 as
 // fma(q, S, Z), nvfp4 as (fp4 * block scale) * T through two 8-entry tables.
 //
-// The item: per chunk of kChunk tokens, K and V rows are decoded once into fp32 scratch; each
-// query of the GQA group takes its chunk's logits (8-lane FMAs, two accumulators, a
-// horizontal sum per token), one online-softmax step for the chunk (scalar max and exp), and
-// accumulates the chunk's V rows eight output dims at a time, the accumulator in a register
-// across the chunk's tokens.
+// The item: per chunk of kChunk tokens, K and V rows are decoded once into fp32 scratch (fp8
+// without its scale: Side::post_scale); the queries of the GQA group, two at a time, share
+// every K and V vector they load: logits of 4 tokens into 4 accumulators per query, merged
+// by hadd into one vector of 8 tokens, one online-softmax step per chunk on those vectors
+// (exp8), and the chunk's V rows accumulated 16 output dims at a time, the accumulators in
+// registers across the chunk's tokens.
 //
 // Integer Q·K (int8/int4_per_token_head K, see KDot in kernel.h): int_dot_avx2.inc, compiled
 // twice: with vpmaddubsw + vpmaddwd under this file's target, and with the VEX vpdpbusd in a
@@ -318,8 +319,8 @@ TileSource tile_source_avx2(const Side& s, const WorkItem& item, int t0) {
 
 // e^x, 8 lanes: exp16's Cephes polynomial (kernel_avx512.cc), 2^n built in the exponent
 // field, so x is clamped to [-87, 88] to keep n a normal exponent (below e^-87 a softmax weight
-// is far under the resolution of a sum that holds a 1). x goes second into min/max, which
-// return their second operand for a NaN: a NaN stays NaN.
+// is far under the resolution of a sum that holds a 1, and is taken as 0). x goes second into
+// min/max, which return their second operand for a NaN: a NaN stays NaN.
 __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
   x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
@@ -336,7 +337,10 @@ __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  // At the lower clamp the weight is 0, as e^x rounds to there (a -inf logit among them); a
+  // NaN compares unordered and is kept.
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)),
+                       _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLE_UQ));
 }
 
 float hmax8(__m256 v) {

@@ -223,7 +223,8 @@ TEST(CpuAvx512SplitKv, PiecesMergeToExactAttention) {
       {KvDtype::kBFloat16, KvDtype::kBFloat16},
       {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead},
       {KvDtype::kInt8PerTokenHead, KvDtype::kBFloat16},
-      {KvDtype::kFp8E4M3, KvDtype::kNvfp4}};
+      {KvDtype::kFp8E4M3, KvDtype::kNvfp4},
+      {KvDtype::kFp8E5M2, KvDtype::kFp8E4M3}};
   int n = 0;
   for (cpu_attn::Isa isa :
        {cpu_attn::Isa::kAvx512, cpu_attn::Isa::kAvx2, cpu_attn::Isa::kPortable}) {
@@ -398,7 +399,7 @@ TEST(CpuFp8ScaleAfter, MatchesScalingInTheDecoderNanCodesIncluded) {
         c.ratio = 2;
         c.num_kv_heads = 2;
         c.block_tokens = 16;
-        c.seqs = {{37, 1}, {33, 33}, {300, 1}};
+        c.seqs = {{37, 1}, {33, 33}, {900, 1}};  // 900: split into pieces with min_tasks 64
         const unsigned case_seed = seed + static_cast<unsigned>(ran * 4) +
                                    (dtype == KvDtype::kFp8E5M2 ? 2u : 0u) +
                                    (nan_side == KvSide::kV ? 1u : 0u);
