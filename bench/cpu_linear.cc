@@ -65,7 +65,7 @@ void BM_DecodeLayerProducts(benchmark::State& state) {
 }
 BENCHMARK(BM_DecodeLayerProducts)
     ->ArgNames({"bf16", "m", "copies"})
-    ->ArgsProduct({{0, 1}, {1, 2, 8, 16}, {1, 8}})
+    ->ArgsProduct({{0, 1}, {1, 2, 5, 8, 9, 16}, {1, 8}})
     ->UseRealTime();
 
 // Reading the bf16 weights' bytes once (sum of 32-bit words, split over the OpenMP threads).

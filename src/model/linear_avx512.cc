@@ -148,11 +148,13 @@ void bf16_gemv_avx512(int m, int n, int k, const float* in, int lda, const uint1
       for (; i + 4 <= m; i += 4)
         block512_panel<4>(nr, k, kp, in + static_cast<size_t>(i) * lda, lda, scratch, wj,
                           oj + static_cast<size_t>(i) * ldc, ldc, beta);
-      if (m - i == 3) {
-        block512_panel<3>(nr, k, kp, in + static_cast<size_t>(i) * lda, lda, scratch, wj,
-                          oj + static_cast<size_t>(i) * ldc, ldc, beta);
-        i += 3;
-      }
+      // The last 1-3 rows read the panel too (the same arithmetic as widening inline).
+      const float* in_i = in + static_cast<size_t>(i) * lda;
+      float* out_i = oj + static_cast<size_t>(i) * ldc;
+      if (m - i == 3) block512_panel<3>(nr, k, kp, in_i, lda, scratch, wj, out_i, ldc, beta);
+      if (m - i == 2) block512_panel<2>(nr, k, kp, in_i, lda, scratch, wj, out_i, ldc, beta);
+      if (m - i == 1) block512_panel<1>(nr, k, kp, in_i, lda, scratch, wj, out_i, ldc, beta);
+      i = m;
     }
     for (; i + 2 <= m; i += 2)
       block512<2>(nr, k, in + static_cast<size_t>(i) * lda, lda, wj,
