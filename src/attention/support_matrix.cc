@@ -42,13 +42,17 @@ std::string notes(const AttentionBackend& b) {
     }
     return "; int8/int4 K decoded to fp32 (KVQ_CPU_INT_DOT=0)";
   };
+  // fp8_e4m3/e5m2 K and V: the scale applied after the products, or while decoding.
+  const std::string fp8 = cpu_attn::default_fp8_scale_after()
+                              ? "; fp8 K/V: the scale applied after the products"
+                              : "; fp8 K/V: scaled while decoding (KVQ_CPU_FP8_SCALE_AFTER=0)";
   switch (cpu_attn::best_isa()) {
     case cpu_attn::Isa::kAvx512:
-      return "AVX-512 kernels active on this CPU" + int_dot(cpu_attn::Isa::kAvx512);
+      return "AVX-512 kernels active on this CPU" + int_dot(cpu_attn::Isa::kAvx512) + fp8;
     case cpu_attn::Isa::kAvx2:
       return (cpu_attn::cpu_has_avx512() ? "AVX2/FMA kernels active (KVQ_CPU_ISA=avx2)"
                                          : "this CPU lacks AVX-512: AVX2/FMA kernels active") +
-             int_dot(cpu_attn::Isa::kAvx2);
+             int_dot(cpu_attn::Isa::kAvx2) + fp8;
     case cpu_attn::Isa::kPortable:
       break;
   }
@@ -61,6 +65,7 @@ std::string notes(const AttentionBackend& b) {
 void check_cpu_kernel_env() {
   // (The model's products read KVQ_CPU_ISA too, with the same values.)
   (void)cpu_attn::default_k_dot(cpu_attn::best_isa(), KvDtype::kInt8PerTokenHead);
+  (void)cpu_attn::default_fp8_scale_after();
 }
 
 nlohmann::json attention_support_matrix_json() {

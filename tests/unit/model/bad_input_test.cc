@@ -142,7 +142,7 @@ TEST_F(BadInput, TokenOutsideVocabulary) {
 // check comes before the plan is read, so the empty plan creates nothing.
 TEST(BadCpuSwitchDeathTest, FailsTheLoad) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  for (const char* var : {"KVQ_CPU_ISA", "KVQ_CPU_INT_DOT"}) {
+  for (const char* var : {"KVQ_CPU_ISA", "KVQ_CPU_INT_DOT", "KVQ_CPU_FP8_SCALE_AFTER"}) {
     EXPECT_EXIT(
         {
           setenv(var, "avx9000", 1);
