@@ -135,7 +135,10 @@ void decode_fp8_pth_avx2(const TileSource& s, int n, float* out) {
              out + static_cast<size_t>(i) * s.dim);
 }
 
-void decode_e5m2_avx2(const TileSource& s, int n, float* out) {
+// e5m2 is the top byte of an fp16: the value, times the tensor scale unless kScaled is false
+// (the unscaled decoder, kernel.h: unscaled_factor).
+template <bool kScaled>
+void decode_e5m2_avx2_t(const TileSource& s, int n, float* out) {
   const __m256 k = _mm256_set1_ps(s.tensor_scale);
   for (int i = 0; i < n; ++i) {
     const std::byte* r = row_values(s, i);
@@ -143,9 +146,14 @@ void decode_e5m2_avx2(const TileSource& s, int n, float* out) {
     for (int c = 0; c < s.dim; c += 16) {
       const __m256i h = _mm256_slli_epi16(
           _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + c))), 8);
-      _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k));
-      _mm256_storeu_ps(o + c + 8,
-                       _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k));
+      __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+      __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+      if constexpr (kScaled) {
+        lo = _mm256_mul_ps(lo, k);
+        hi = _mm256_mul_ps(hi, k);
+      }
+      _mm256_storeu_ps(o + c, lo);
+      _mm256_storeu_ps(o + c + 8, hi);
     }
   }
 }
@@ -176,19 +184,6 @@ void decode_e4m3_unscaled_avx2(const TileSource& s, int n, float* out) {
           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + c)));
       const __m256i h =
           _mm256_and_si256(_mm256_slli_epi16(u, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-      _mm256_storeu_ps(o + c, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-      _mm256_storeu_ps(o + c + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
-    }
-  }
-}
-
-void decode_e5m2_unscaled_avx2(const TileSource& s, int n, float* out) {
-  for (int i = 0; i < n; ++i) {
-    const std::byte* r = row_values(s, i);
-    float* o = out + static_cast<size_t>(i) * s.dim;
-    for (int c = 0; c < s.dim; c += 16) {
-      const __m256i h = _mm256_slli_epi16(
-          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + c))), 8);
       _mm256_storeu_ps(o + c, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
       _mm256_storeu_ps(o + c + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
     }
@@ -548,7 +543,7 @@ void run_item_avx2(const WorkItem& item) {
 DecodeTileFn avx2_unscaled_decoder(KvDtype dtype, int dim) {
   if (dim % 32 != 0) return nullptr;
   if (dtype == KvDtype::kFp8E4M3) return decode_e4m3_unscaled_avx2;
-  if (dtype == KvDtype::kFp8E5M2) return decode_e5m2_unscaled_avx2;
+  if (dtype == KvDtype::kFp8E5M2) return decode_e5m2_avx2_t<false>;
   return nullptr;
 }
 
@@ -564,7 +559,7 @@ DecodeTileFn avx2_decoder(KvDtype dtype, int dim) {
     case KvDtype::kFp8E4M3:
       return decode_e4m3_avx2;
     case KvDtype::kFp8E5M2:
-      return decode_e5m2_avx2;
+      return decode_e5m2_avx2_t<true>;
     case KvDtype::kInt8PerTokenHead:
       return decode_int8_pth_avx2;
     case KvDtype::kFp8PerTokenHead:

@@ -217,28 +217,24 @@ void decode_e4m3_unscaled(const TileSource& s, int n, float* out) {
   });
 }
 
-void decode_e5m2_unscaled(const TileSource& s, int n, float* out) {
-  for_each_chunk(s, n, out, [](const std::byte* row, const std::byte*, int chunks, float* o) {
-    for (int c = 0; c < chunks; c += 2) {
-      const __m512i h = _mm512_slli_epi16(
-          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))),
-          8);
-      _mm512_storeu_ps(o + 16 * c, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
-      _mm512_storeu_ps(o + 16 * c + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
-    }
-  });
-}
-
-void decode_e5m2(const TileSource& s, int n, float* out) {
+// e5m2 is the top byte of an fp16: the value, times the tensor scale unless kScaled is false
+// (the unscaled decoder, kernel.h: unscaled_factor).
+template <bool kScaled>
+void decode_e5m2_t(const TileSource& s, int n, float* out) {
   const __m512 k = _mm512_set1_ps(s.tensor_scale);
   for_each_chunk(s, n, out, [k](const std::byte* row, const std::byte*, int chunks, float* o) {
     for (int c = 0; c < chunks; c += 2) {
       const __m512i h = _mm512_slli_epi16(
           _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))),
           8);
-      _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), k));
-      _mm512_storeu_ps(o + 16 * c + 16,
-                       _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), k));
+      __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+      __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      if constexpr (kScaled) {
+        lo = _mm512_mul_ps(lo, k);
+        hi = _mm512_mul_ps(hi, k);
+      }
+      _mm512_storeu_ps(o + 16 * c, lo);
+      _mm512_storeu_ps(o + 16 * c + 16, hi);
     }
   });
 }
@@ -675,7 +671,7 @@ void run_item_avx512(const WorkItem& item) {
 DecodeTileFn avx512_unscaled_decoder(KvDtype dtype, int dim) {
   if (dim % 64 != 0) return nullptr;
   if (dtype == KvDtype::kFp8E4M3) return decode_e4m3_unscaled;
-  if (dtype == KvDtype::kFp8E5M2) return decode_e5m2_unscaled;
+  if (dtype == KvDtype::kFp8E5M2) return decode_e5m2_t<false>;
   return nullptr;
 }
 
@@ -691,7 +687,7 @@ DecodeTileFn avx512_decoder(KvDtype dtype, int dim) {
     case KvDtype::kFp8E4M3:
       return decode_e4m3;
     case KvDtype::kFp8E5M2:
-      return decode_e5m2;
+      return decode_e5m2_t<true>;
     case KvDtype::kInt8PerTokenHead:
       return decode_int8_pth;
     case KvDtype::kFp8PerTokenHead:
