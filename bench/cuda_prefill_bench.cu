@@ -2,8 +2,11 @@
 //
 // Shapes: batch 1, 32 query heads over 8 kv heads, head_dim 128, block 16 (blocks in random
 // order), causal:
-//   prefill8192  8192 new queries over their own 8192 tokens;
-//   chunk2048    the last 2048-token chunk of 8192 (6144 cached before it).
+//   prefillN     N new queries over their own N tokens (N = 1k, 4k, 8k, 16k; --quick: 8k);
+//   chunk2048    the last 2048-token chunk of 8192 (6144 cached before it);
+//   chunk8192    the last 8192-token chunk of 32768.
+// Each shape runs on the mma.sync kernel and, where it is built for the dtype, on the
+// warpgroup-MMA (wgmma) kernel (PrefillOptions::Kernel), one line each.
 // The cache is filled through write_kv_cuda from random rows (never zeros). Q is fp32 (kvq's
 // contract), the output fp32.
 //
@@ -43,7 +46,8 @@ namespace {
 
 using namespace kvq;
 
-constexpr int kHq = 32, kHkv = 8, kHd = 128, kBlock = 16, kCtx = 8192;
+constexpr int kHq = 32, kHkv = 8, kHd = 128, kBlock = 16, kCtx = 8192, kMaxCtx = 32768,
+              kMaxQ = 16384;
 
 __global__ void fill_random(float* x, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -349,25 +353,29 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop{};
     KVQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
-    const Shape shapes[] = {{"prefill8192", kCtx, kCtx}, {"chunk2048", 2048, kCtx}};
+    std::vector<Shape> shapes = {{"prefill8192", kCtx, kCtx}, {"chunk2048", 2048, kCtx}};
+    if (!quick) {
+      shapes = {{"prefill1024", 1024, 1024},  {"prefill4096", 4096, 4096},
+                {"prefill8192", 8192, 8192},  {"prefill16384", 16384, 16384},
+                {"chunk2048", 2048, kCtx},    {"chunk8192", 8192, kMaxCtx}};
+    }
     const int iters = quick ? 5 : 20;
 
     nlohmann::json results = nlohmann::json::array();
     std::mt19937 rng(12345);
     cudaStream_t stream = nullptr;
-    const size_t qn = static_cast<size_t>(kCtx) * kHq * kHd;
+    const size_t qn = static_cast<size_t>(kMaxQ) * kHq * kHd;
     float *q = nullptr, *out = nullptr;
     KVQ_CUDA_CHECK(cudaMalloc(&q, qn * sizeof(float)));
     KVQ_CUDA_CHECK(cudaMalloc(&out, qn * sizeof(float)));
     fill_random<<<1024, 256>>>(q, static_cast<int64_t>(qn), 7);
     KVQ_CUDA_CHECK_LAUNCH();
-    const int32_t num_blocks = kCtx / kBlock;
+    const int32_t num_blocks = kMaxCtx / kBlock;
     std::vector<int32_t> ids(static_cast<size_t>(num_blocks));
     std::iota(ids.begin(), ids.end(), 0);
     std::shuffle(ids.begin(), ids.end(), rng);
     int32_t* d_indices = device_copy(ids);
     int32_t* d_indptr = device_copy(std::vector<int32_t>{0, num_blocks});
-    int32_t* d_lens = device_copy(std::vector<int32_t>{kCtx});
     cudaEvent_t e0, e1;
     KVQ_CUDA_CHECK(cudaEventCreate(&e0));
     KVQ_CUDA_CHECK(cudaEventCreate(&e1));
@@ -376,7 +384,7 @@ int main(int argc, char** argv) {
       const LayerKvSpec spec = bench_spec(dtype);
       DeviceKvCache cache({spec}, num_blocks);
       {
-        const size_t elems = static_cast<size_t>(kCtx) * kHkv * kHd;
+        const size_t elems = static_cast<size_t>(kMaxCtx) * kHkv * kHd;
         float *k = nullptr, *v = nullptr;
         KVQ_CUDA_CHECK(cudaMalloc(&k, elems * sizeof(float)));
         KVQ_CUDA_CHECK(cudaMalloc(&v, elems * sizeof(float)));
@@ -384,12 +392,12 @@ int main(int argc, char** argv) {
         KVQ_CUDA_CHECK_LAUNCH();
         fill_random<<<1024, 256>>>(v, static_cast<int64_t>(elems), 2);
         KVQ_CUDA_CHECK_LAUNCH();
-        std::vector<int64_t> slots(static_cast<size_t>(kCtx));
-        for (int t = 0; t < kCtx; ++t)
+        std::vector<int64_t> slots(static_cast<size_t>(kMaxCtx));
+        for (int t = 0; t < kMaxCtx; ++t)
           slots[static_cast<size_t>(t)] =
               static_cast<int64_t>(ids[t / kBlock]) * kBlock + t % kBlock;
         int64_t* d_slots = device_copy(slots);
-        write_kv_cuda(spec, cache.layer_view(0), d_slots, kCtx, k, v);
+        write_kv_cuda(spec, cache.layer_view(0), d_slots, kMaxCtx, k, v);
         KVQ_CUDA_CHECK(cudaDeviceSynchronize());
         KVQ_CUDA_CHECK(cudaFree(k));
         KVQ_CUDA_CHECK(cudaFree(v));
@@ -399,54 +407,62 @@ int main(int argc, char** argv) {
         const std::vector<int32_t> q_indptr = {0, sh.q_len};
         const std::vector<int32_t> lens = {sh.kv_len};
         int32_t* d_q_indptr = device_copy(q_indptr);
-        const cuda::PrefillPlan plan = cuda::plan_prefill(spec, q_indptr, lens);
-        cuda::PrefillArgs a;
-        a.q = q;
-        a.out = out;
-        a.q_indptr = d_q_indptr;
-        a.block_table.indptr = d_indptr;
-        a.block_table.indices = d_indices;
-        a.block_table.seq_lens = d_lens;
-        a.block_table.num_seqs = 1;
-        a.block_table.block_tokens = kBlock;
-        a.cache = cache.layer_view(0);
-        a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHd));
-        for (int w = 0; w < 3; ++w) cuda::run_prefill(spec, plan, a, stream);
-        KVQ_CUDA_CHECK(cudaDeviceSynchronize());
-        std::vector<float> ms;
-        for (int it = 0; it < iters; ++it) {
-          KVQ_CUDA_CHECK(cudaEventRecord(e0, stream));
-          cuda::run_prefill(spec, plan, a, stream);
-          KVQ_CUDA_CHECK(cudaEventRecord(e1, stream));
-          KVQ_CUDA_CHECK(cudaEventSynchronize(e1));
-          float t = 0;
-          KVQ_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-          ms.push_back(t);
+        int32_t* d_lens = device_copy(lens);
+        for (auto kernel : {cuda::PrefillOptions::Kernel::kMma, cuda::PrefillOptions::Kernel::kWgmma}) {
+          cuda::PrefillOptions po;
+          po.kernel = kernel;
+          const cuda::PrefillPlan plan = cuda::plan_prefill(spec, q_indptr, lens, po);
+          if (kernel == cuda::PrefillOptions::Kernel::kWgmma && !plan.wgmma) continue;
+          cuda::PrefillArgs a;
+          a.q = q;
+          a.out = out;
+          a.q_indptr = d_q_indptr;
+          a.block_table.indptr = d_indptr;
+          a.block_table.indices = d_indices;
+          a.block_table.seq_lens = d_lens;
+          a.block_table.num_seqs = 1;
+          a.block_table.block_tokens = kBlock;
+          a.cache = cache.layer_view(0);
+          a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHd));
+          for (int w = 0; w < 3; ++w) cuda::run_prefill(spec, plan, a, stream);
+          KVQ_CUDA_CHECK(cudaDeviceSynchronize());
+          std::vector<float> ms;
+          for (int it = 0; it < iters; ++it) {
+            KVQ_CUDA_CHECK(cudaEventRecord(e0, stream));
+            cuda::run_prefill(spec, plan, a, stream);
+            KVQ_CUDA_CHECK(cudaEventRecord(e1, stream));
+            KVQ_CUDA_CHECK(cudaEventSynchronize(e1));
+            float t = 0;
+            KVQ_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+            ms.push_back(t);
+          }
+          std::sort(ms.begin(), ms.end());
+          const double med_ms = ms[ms.size() / 2];
+          double visible = 0;  // sum over queries of visible keys
+          for (int j = 0; j < sh.q_len; ++j) visible += sh.kv_len - sh.q_len + j + 1;
+          const double flops = 4.0 * kHd * visible * kHq;
+          const double tflops = flops / (med_ms * 1e-3) / 1e12;
+          std::printf("kvq %-20s %-13s %-6s q %5d kv %5d: %9.1f us  %6.1f TFLOP/s\n",
+                      std::string(to_string(dtype)).c_str(), sh.name, plan.kernel_name(), sh.q_len,
+                      sh.kv_len, med_ms * 1e3, tflops);
+          std::fflush(stdout);
+          results.push_back({{"impl", "kvq"},
+                             {"kernel", plan.kernel_name()},
+                             {"dtype", std::string(to_string(dtype))},
+                             {"shape", sh.name},
+                             {"q_len", sh.q_len},
+                             {"kv_len", sh.kv_len},
+                             {"hq", kHq},
+                             {"hkv", kHkv},
+                             {"head_dim", kHd},
+                             {"time_us", med_ms * 1e3},
+                             {"min_us", ms.front() * 1e3},
+                             {"flops", flops},
+                             {"tflops", tflops},
+                             {"iters", iters}});
         }
-        std::sort(ms.begin(), ms.end());
-        const double med_ms = ms[ms.size() / 2];
-        double visible = 0;  // sum over queries of visible keys
-        for (int j = 0; j < sh.q_len; ++j) visible += sh.kv_len - sh.q_len + j + 1;
-        const double flops = 4.0 * kHd * visible * kHq;
-        const double tflops = flops / (med_ms * 1e-3) / 1e12;
-        std::printf("kvq %-20s %-12s q %5d kv %5d: %9.1f us  %6.1f TFLOP/s\n",
-                    std::string(to_string(dtype)).c_str(), sh.name, sh.q_len, sh.kv_len,
-                    med_ms * 1e3, tflops);
-        std::fflush(stdout);
-        results.push_back({{"impl", "kvq"},
-                           {"dtype", std::string(to_string(dtype))},
-                           {"shape", sh.name},
-                           {"q_len", sh.q_len},
-                           {"kv_len", sh.kv_len},
-                           {"hq", kHq},
-                           {"hkv", kHkv},
-                           {"head_dim", kHd},
-                           {"time_us", med_ms * 1e3},
-                           {"min_us", ms.front() * 1e3},
-                           {"flops", flops},
-                           {"tflops", tflops},
-                           {"iters", iters}});
         KVQ_CUDA_CHECK(cudaFree(d_q_indptr));
+        KVQ_CUDA_CHECK(cudaFree(d_lens));
       }
     }
     KVQ_CUDA_CHECK(cudaEventDestroy(e0));
@@ -455,7 +471,6 @@ int main(int argc, char** argv) {
     KVQ_CUDA_CHECK(cudaFree(out));
     KVQ_CUDA_CHECK(cudaFree(d_indices));
     KVQ_CUDA_CHECK(cudaFree(d_indptr));
-    KVQ_CUDA_CHECK(cudaFree(d_lens));
     nlohmann::json j;
     j["device"] = prop.name;
     j["sms"] = prop.multiProcessorCount;

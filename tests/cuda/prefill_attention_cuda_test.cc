@@ -284,6 +284,140 @@ TEST(CudaPrefill, LongSequencesAndOddGroups) {
   }
 }
 
+// The warpgroup-MMA kernel (PrefillOptions::Kernel::kWgmma) on every pair and head dim it is
+// built for x mask kind x GQA ratio, soft-cap on / off, with and without split-KV, on sequences
+// long enough for many kv tiles and several row blocks (a pure prefill, chunks after cached
+// prefixes, a single query, a row block of one token's heads only), against cpu_reference.
+TEST(CudaPrefillWgmma, MatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                 AttentionKind::kNonCausal};
+  const int ratios[] = {1, 4, 8, 3};
+  int index = 0, cases = 0;
+  double worst = 0.0;
+  for (const auto& [kd, vd] : supported_pairs()) {
+    for (int hd : {64, 128}) {
+      if (!cuda::prefill_wgmma_pair(kd, vd, hd)) continue;
+      for (int rep = 0; rep < 3; ++rep, ++index) {
+        CudaAttnCase c;
+        c.k_dtype = kd;
+        c.v_dtype = vd;
+        c.set_head_dim(hd);
+        c.block_tokens = index % 2 == 0 ? 16 : 32;
+        c.ratio = ratios[(index + static_cast<int>(seed % 4)) % 4];
+        c.num_kv_heads = c.ratio == 1 ? 2 : 1;
+        c.kind = kinds[rep];
+        c.window = std::uniform_int_distribution<int>(8, 300)(rng);
+        c.soft_cap = index % 2 == 1 ? 5.0f : 0.0f;
+        c.outliers = index % 3 == 2;
+        const int pure = std::uniform_int_distribution<int>(300, 700)(rng);
+        const int chunk = std::uniform_int_distribution<int>(65, 200)(rng);
+        c.q_lens = {pure, chunk, 1, 33};
+        c.kv_lens = {pure, chunk + std::uniform_int_distribution<int>(1, 900)(rng), 77,
+                     33 + std::uniform_int_distribution<int>(0, 150)(rng)};
+        const unsigned case_seed = seed + static_cast<unsigned>(index) + 1;
+        const CudaAttnProblem problem(c, case_seed);
+        const std::vector<float> want = problem.reference();
+        for (int split = 0; split < 2; ++split) {
+          cuda::PrefillOptions o;
+          o.kernel = cuda::PrefillOptions::Kernel::kWgmma;
+          if (split == 1) {
+            o.num_sms = 132;
+            o.max_kv_len = 2048;
+          }
+          const cuda::PrefillPlan plan =
+              cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
+          EXPECT_TRUE(plan.wgmma) << plan.kernel_reason;
+          int splits = 0;
+          EXPECT_TRUE(problem.check(run_device_api(problem, c.soft_cap, o, &splits), want,
+                                    prefill_tolerance(c)))
+              << c.describe() << ", wgmma, " << splits << " splits, seed " << seed
+              << " (case seed " << case_seed << ")";
+          if (split == 1) {
+            EXPECT_GT(splits, 1) << c.describe();
+          }
+          worst = std::max(worst, problem.worst());
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_GT(cases, 0);
+  std::printf("  wgmma: largest |error| / allowed error %.2f over %d runs\n", worst, cases);
+}
+
+// Which kernel a plan takes, and why (no device needed): wgmma for the pairs and head dims it
+// is built for, the mma.sync kernel for the rest, when asked, and for small-q batches.
+TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
+  CudaAttnCase c;
+  c.k_dtype = c.v_dtype = KvDtype::kBFloat16;
+  const std::vector<int32_t> q_indptr = {0, 300}, seq_lens = {300};
+  const std::vector<int32_t> small_q = {0, 8}, small_len = {1000};
+  const LayerKvSpec bf16 = spec_for(c);
+  const cuda::PrefillPlan auto_plan = cuda::plan_prefill(bf16, q_indptr, seq_lens);
+  EXPECT_TRUE(auto_plan.wgmma);
+  EXPECT_STREQ(auto_plan.kernel_name(), "wgmma");
+  EXPECT_EQ(auto_plan.rows_per_block, cuda::prefill_rows_per_block(128));
+  cuda::PrefillOptions mma;
+  mma.kernel = cuda::PrefillOptions::Kernel::kMma;
+  const cuda::PrefillPlan mma_plan = cuda::plan_prefill(bf16, q_indptr, seq_lens, mma);
+  EXPECT_FALSE(mma_plan.wgmma);
+  EXPECT_NE(mma_plan.kernel_reason.find("asked"), std::string::npos) << mma_plan.kernel_reason;
+  const cuda::PrefillPlan small = cuda::plan_prefill(bf16, small_q, small_len);
+  EXPECT_FALSE(small.wgmma);
+  EXPECT_STREQ(small.kernel_name(), "mma small-q");
+  cuda::PrefillOptions force;
+  force.kernel = cuda::PrefillOptions::Kernel::kWgmma;
+  EXPECT_TRUE(cuda::plan_prefill(bf16, small_q, small_len, force).wgmma);
+  for (KvDtype d : {KvDtype::kInt4PerTokenHead, KvDtype::kInt8PerTokenHead, KvDtype::kFloat32}) {
+    c.k_dtype = c.v_dtype = d;
+    const cuda::PrefillPlan plan = cuda::plan_prefill(spec_for(c), q_indptr, seq_lens, force);
+    EXPECT_FALSE(plan.wgmma) << to_string(d);
+    EXPECT_NE(plan.kernel_reason.find("not built"), std::string::npos) << plan.kernel_reason;
+  }
+  c.k_dtype = c.v_dtype = KvDtype::kFp8E4M3;
+  c.set_head_dim(256);
+  EXPECT_FALSE(cuda::plan_prefill(spec_for(c), q_indptr, seq_lens, force).wgmma);
+  c.set_head_dim(64);
+  EXPECT_TRUE(cuda::plan_prefill(spec_for(c), q_indptr, seq_lens).wgmma);
+}
+
+// Small shapes of the wgmma kernel for compute-sanitizer memcheck / racecheck: the producer's
+// ring, the staged 8-bit conversion, a warpgroup with no rows, split-KV.
+TEST(CudaPrefillWgmma, SmallForSanitizers) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  const std::pair<KvDtype, KvDtype> pairs[] = {{KvDtype::kBFloat16, KvDtype::kBFloat16},
+                                               {KvDtype::kFp8E4M3, KvDtype::kFp8E4M3},
+                                               {KvDtype::kBFloat16, KvDtype::kFp8E4M3}};
+  int index = 0;
+  for (const auto& [kd, vd] : pairs) {
+    CudaAttnCase c;
+    c.k_dtype = kd;
+    c.v_dtype = vd;
+    c.set_head_dim(64);
+    c.ratio = 4;
+    c.kind = index == 1 ? AttentionKind::kSlidingWindow : AttentionKind::kCausal;
+    c.window = 40;
+    c.q_lens = {40, 1};
+    c.kv_lens = {330, 20};
+    const CudaAttnProblem problem(c, seed + static_cast<unsigned>(index++));
+    for (int split = 0; split < 2; ++split) {
+      cuda::PrefillOptions o;
+      o.kernel = cuda::PrefillOptions::Kernel::kWgmma;
+      if (split == 1) {
+        o.num_sms = 132;
+        o.max_kv_len = 2048;
+      }
+      EXPECT_TRUE(problem.check(run_device_api(problem, 0.0f, o), problem.reference(),
+                                prefill_tolerance(c)))
+          << c.describe() << (split ? ", split" : "") << ", seed " << seed;
+    }
+  }
+}
+
 // Small shapes for compute-sanitizer racecheck (shared-memory staging, the un-rotation
 // epilogue, a mixed pair).
 TEST(CudaPrefill, SmallForSanitizers) {

@@ -39,6 +39,20 @@ std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec) {
 namespace {
 // KVQ_PREFILL_SPLIT_RULE=blocks: the small-q grids' splits by the older rule (about four blocks
 // per SM) instead of whole waves (an A/B switch).
+// KVQ_PREFILL_KERNEL=auto (default) | mma | wgmma: the PrefillOptions::Kernel of plans made with
+// kAuto (an A/B switch for whole-model runs).
+PrefillOptions::Kernel env_kernel() {
+  static const PrefillOptions::Kernel k = [] {
+    const char* e = std::getenv("KVQ_PREFILL_KERNEL");
+    const std::string v = e == nullptr ? "auto" : e;
+    if (v == "auto") return PrefillOptions::Kernel::kAuto;
+    if (v == "mma") return PrefillOptions::Kernel::kMma;
+    if (v == "wgmma") return PrefillOptions::Kernel::kWgmma;
+    throw InputError("KVQ_PREFILL_KERNEL=" + v + " is not one of: auto, mma, wgmma");
+  }();
+  return k;
+}
+
 bool split_by_waves() {
   static const bool waves = [] {
     const char* e = std::getenv("KVQ_PREFILL_SPLIT_RULE");
@@ -73,10 +87,30 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   }
   // Every sequence's rows fit one small-q block: that kernel (each block reads its K/V once
   // either way, and the small one keeps more warps busy per SM).
-  const int small = options.small_q ? prefill_small_q_rows(spec.head_dim_k) : 0;
+  PrefillOptions::Kernel choice = options.kernel;
+  if (choice == PrefillOptions::Kernel::kAuto) choice = env_kernel();
+  const bool wgmma_built =
+      prefill_wgmma_pair(spec.k_dtype, spec.v_dtype, spec.head_dim_k) && spec.head_dim_v == spec.head_dim_k;
+  const int small = options.small_q && choice != PrefillOptions::Kernel::kWgmma
+                        ? prefill_small_q_rows(spec.head_dim_k)
+                        : 0;
   const int64_t rows_per_block =
       small > 0 && max_rows <= small ? small : prefill_rows_per_block(spec.head_dim_k);
   plan.rows_per_block = static_cast<int32_t>(rows_per_block);
+  if (rows_per_block == small) {
+    plan.kernel_reason = "every sequence's rows fit one small-q block";
+  } else if (choice == PrefillOptions::Kernel::kMma) {
+    plan.kernel_reason = "the mma.sync kernel was asked for";
+  } else if (!wgmma_built) {
+    plan.kernel_reason = "the wgmma kernel is not built for K " +
+                         std::string(to_string(spec.k_dtype)) + " / V " +
+                         std::string(to_string(spec.v_dtype)) + " at head_dim " +
+                         std::to_string(spec.head_dim_k) +
+                         " (built: 16-bit and per-tensor fp8 sides, head_dim 64 / 128)";
+  } else {
+    plan.wgmma = true;
+    plan.kernel_reason = "warpgroup MMA: the wgmma kernel is built for this layer";
+  }
   const int64_t max_tiles = (max_rows + rows_per_block - 1) / rows_per_block;
   KVQ_CHECK(max_tiles < (int64_t{1} << 31), "plan_prefill: too many queries in one sequence");
   plan.max_q_tiles = static_cast<int32_t>(max_tiles);
@@ -189,6 +223,7 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   kp.num_kv_heads = spec.num_kv_heads;
   kp.ratio = spec.gqa_ratio();
   kp.rows_per_block = plan.rows_per_block;
+  kp.wgmma = plan.wgmma ? 1 : 0;
   kp.block_tokens = spec.block_tokens;
   kp.attention_kind = static_cast<int>(spec.attention);
   kp.window = spec.sliding_window;

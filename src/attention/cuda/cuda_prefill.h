@@ -62,6 +62,17 @@ constexpr int prefill_blocks_per_sm(int head_dim, int rows_per_block) {
 }
 inline constexpr int kPrefillMaxKvHeads = 128;
 
+// The (K, V) pairs and head dims the warpgroup-MMA (wgmma, sm_90a) prefill kernel is built for:
+// 16-bit and per-tensor-scaled fp8 sides, head_dim 64 / 128. Other layers (per-token-head and
+// 4-bit scales, fp32, head_dim 256) run the mma.sync kernel.
+constexpr bool prefill_wgmma_side(KvDtype d) {
+  return d == KvDtype::kBFloat16 || d == KvDtype::kFloat16 || d == KvDtype::kFp8E4M3 ||
+         d == KvDtype::kFp8E5M2;
+}
+constexpr bool prefill_wgmma_pair(KvDtype k, KvDtype v, int head_dim) {
+  return prefill_wgmma_side(k) && prefill_wgmma_side(v) && (head_dim == 64 || head_dim == 128);
+}
+
 // Empty when the kernels can run `spec`: a (K, V) pair of kv_pairs.h, head_dim 64 / 128 / 256
 // (K and V equal), block_tokens a multiple of 16, at most 128 kv heads.
 std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec);
@@ -77,6 +88,14 @@ struct PrefillPlan {
   int32_t num_splits = 1;
   int32_t total_q = 0;         // query rows the workspace holds (tokens)
   size_t workspace_bytes = 0;  // num_splits > 1: the partials; else 0
+  // The warp-specialized warpgroup-MMA kernel (rows_per_block is then its 128 rows) instead of
+  // the mma.sync one; kernel_reason says why this kernel was chosen.
+  bool wgmma = false;
+  std::string kernel_reason;
+  // "wgmma", "mma" or "mma small-q".
+  const char* kernel_name() const {
+    return wgmma ? "wgmma" : (rows_per_block == 64 ? "mma small-q" : "mma");
+  }
 };
 
 // Workspace a split plan may take at most (plan_prefill lowers num_splits to stay under it).
@@ -92,6 +111,11 @@ struct PrefillOptions {
   // Allow the small-q block shape (prefill_small_q_rows) where every sequence fits one block;
   // false keeps the default shape (benchmarks compare the two).
   bool small_q = true;
+  // Which kernel runs the default (non-small-q) shape: kAuto takes the wgmma kernel where it is
+  // built for the layer (prefill_wgmma_pair) unless KVQ_PREFILL_KERNEL=mma says otherwise;
+  // kMma never does; kWgmma takes it wherever it is built, also instead of the small-q block.
+  enum class Kernel { kAuto, kMma, kWgmma };
+  Kernel kernel = Kernel::kAuto;
 };
 
 // Host-side sizing. q_indptr (num_seqs + 1) and seq_lens (num_seqs) are the host copies of

@@ -1,5 +1,5 @@
-// The prefill kernel (one instantiation per (K, V) pair x head_dim; included only by the
-// prefill_<k>[__<v>].cu files). See cuda_prefill.h for the algorithm.
+// The mma.sync prefill kernel (one instantiation per (K, V) pair x head_dim; included by
+// prefill_launch.cuh). See cuda_prefill.h for the algorithm.
 //
 // The small unpacking helpers below (fp8 / int8 / 4-bit codes -> 16-bit operand pairs, the
 // MMA wrapper, quad reductions) mirror decode_kernel.cuh's; they are copied rather than
@@ -931,20 +931,5 @@ void launch_hd(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
 }
 
 }  // namespace prefill_detail
-
-template <KvDtype DK, KvDtype DV>
-void launch_prefill(const PrefillKernelParams& p, int head_dim, dim3 grid, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64:
-      return prefill_detail::launch_hd<DK, DV, 64>(p, grid, stream);
-    case 128:
-      return prefill_detail::launch_hd<DK, DV, 128>(p, grid, stream);
-    case 256:
-      return prefill_detail::launch_hd<DK, DV, 256>(p, grid, stream);
-    default:
-      KVQ_CHECK(false,
-                "cuda prefill: head_dim " + std::to_string(head_dim) + " not in {64, 128, 256}");
-  }
-}
 
 }  // namespace kvq::cuda

@@ -28,6 +28,7 @@ struct PrefillKernelParams {
   const int32_t* seq_lens;
   int num_q_heads, num_kv_heads, ratio, block_tokens, attention_kind, window;
   int rows_per_block;             // the plan's block shape (picks the kernel; its Cfg has it too)
+  int wgmma;                      // 1: the warpgroup-MMA kernel (PrefillPlan::wgmma)
   float softmax_scale, soft_cap;  // soft_cap 0: off
   HadamardSigns signs;
   // Split-KV (PrefillPlan::num_splits > 1): grid.x = q tiles x num_splits; block (split, q tile)

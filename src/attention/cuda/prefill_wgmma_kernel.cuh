@@ -1,0 +1,482 @@
+// The warp-specialized prefill kernel for Hopper (sm_90a): warpgroup MMA (wgmma) fed through a
+// shared-memory ring by a producer warpgroup (the FlashAttention-3 design, without its
+// intra-warpgroup overlap yet). Included only by prefill_launch.cuh.
+//
+// Block: 3 warpgroups (384 threads) own (sequence, kv head, 128 query rows), the rows being
+// (query token x query heads of the GQA group) as in the mma.sync kernel, so grids, split-KV
+// partials and the merge are the same.
+//   - warpgroup 0, the producer: per kv tile of 64 tokens it waits for a free stage of the ring,
+//     copies K and V into it with cp.async (16-bit caches straight into the 128-byte-swizzled
+//     operand layout; 8-bit caches into a staging buffer, then converted to fp16 in the
+//     operand layout by the thread that copied them), zeroes tokens outside the block's visible
+//     range, fences the writes for the async proxy and arrives on the stage's "full" barrier.
+//   - warpgroups 1 and 2, the consumers: 64 query rows each (Q converted to 16-bit operands in
+//     shared memory once). Per tile: S = Q K^T as m64n64k16 wgmmas from shared memory, the
+//     logits, mask and online softmax in registers (as in the mma.sync kernel), P converted in
+//     registers to the A operand of O += P V (m64n{64,128}k16, V read N-major from the same
+//     token-row layout), then an arrive on the stage's "empty" barrier.
+// The two consumer warpgroups run independently, so one's softmax overlaps the other's MMAs.
+//
+// Operand types as in the mma.sync kernel: bf16 for a bf16 side, fp16 for the others (fp16 Q
+// with a per-row power-of-two scale; fp8 codes are exact in fp16); fp32 accumulation; Q and P
+// never fp8. Per-tensor scales: K's in the logit factor, V's on the output.
+#pragma once
+
+#include "attention/cuda/prefill_kernel.cuh"
+#include "attention/cuda/wgmma.cuh"
+#include "cache/cuda/dispatch.h"
+
+namespace kvq::cuda {
+namespace prefill_wgmma {
+
+using namespace prefill_detail;  // the unpacking helpers, quad reductions, exp2, cp.async
+
+inline constexpr int kConsumers = 2;
+inline constexpr int kThreadsW = 128 * (1 + kConsumers);
+inline constexpr int kRowsW = 64 * kConsumers;
+inline constexpr int kBcW = 64;  // kv tokens per tile (the S tile's N)
+static_assert(kRowsW == prefill_rows_per_block(128) && kRowsW == prefill_rows_per_block(64));
+
+template <KvDtype DK, KvDtype DV, int HD>
+struct WCfg {
+  static_assert(prefill_wgmma_pair(DK, DV, HD));
+  static constexpr int kStages = 4;
+  static constexpr bool kRawK = value_bits(DK) == 8;  // staged, then converted
+  static constexpr bool kRawV = value_bits(DV) == 8;
+  static constexpr bool kBf16K = bf16_operands(DK);
+  static constexpr bool kBf16V = bf16_operands(DV);
+  static constexpr int kCb = 8192;                 // bytes of a 64-row column block (64 x 128 B)
+  static constexpr int kQBytes = 64 * HD * 2;      // one consumer's Q tile
+  static constexpr int kTileBytes = kBcW * HD * 2;  // one K or V tile in the ring
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kConsumers * kQBytes;
+  static constexpr int kV = kK + kStages * kTileBytes;
+  static constexpr int kRaw = kV + kStages * kTileBytes;  // 2 staging buffers (8-bit sides)
+  static constexpr int kRawKBytes = kRawK ? kBcW * HD : 0;
+  static constexpr int kRawBuf = kRawKBytes + (kRawV ? kBcW * HD : 0);
+  static constexpr int kMeta = kRaw + 2 * kRawBuf;  // per row: logit factor, sum of Q operands
+  static constexpr int kBar = kMeta + 2 * kRowsW * 4;  // full[kStages], empty[kStages]
+  static constexpr int kSmem = kBar + 2 * kStages * 8;
+  static constexpr int kSmemAlloc = kSmem + 1024;  // the base is aligned to 1024 in the kernel
+  static_assert(kK % 1024 == 0 && kV % 1024 == 0 && kRaw % 1024 == 0 && kTileBytes % 1024 == 0);
+  static_assert(kSmemAlloc <= 227 * 1024);
+};
+
+// Converts the 16 8-bit codes of one staged 16-byte chunk to fp16 and stores them as two
+// swizzled chunks (dims 16 rc .. 16 rc + 15) of token row t of an operand tile.
+template <KvDtype D>
+__device__ __forceinline__ void convert_chunk(uint8_t* tile, const uint8_t* raw, int t, int rc,
+                                              bool visible) {
+  uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+  if (visible) {
+    const uint4 w = *reinterpret_cast<const uint4*>(raw);
+    lo = make_uint4(cvt8_pair01<D>(w.x), cvt8_pair01<D>(w.x >> 16), cvt8_pair01<D>(w.y),
+                    cvt8_pair01<D>(w.y >> 16));
+    hi = make_uint4(cvt8_pair01<D>(w.z), cvt8_pair01<D>(w.z >> 16), cvt8_pair01<D>(w.w),
+                    cvt8_pair01<D>(w.w >> 16));
+  }
+  const int cb = (2 * rc) >> 3, cc = (2 * rc) & 7;
+  *reinterpret_cast<uint4*>(tile + cb * 8192 + sm90::swizzle128(t, cc)) = lo;
+  *reinterpret_cast<uint4*>(tile + cb * 8192 + sm90::swizzle128(t, cc + 1)) = hi;
+}
+
+template <KvDtype DK, KvDtype DV, int HD>
+__global__ void __launch_bounds__(kThreadsW, 1)
+    prefill_wgmma_kernel(const __grid_constant__ PrefillKernelParams p) {
+  using C = WCfg<DK, DV, HD>;
+  constexpr int kS = C::kStages;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t s_raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t s_base = (s_raw + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (s_base - s_raw);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid >> 7;
+  const int seq = static_cast<int>(blockIdx.z);
+  const int kvh = static_cast<int>(blockIdx.y);
+  // Highest row tiles first (the most kv tiles under a causal mask); blockIdx.x = split x q
+  // tiles + that order, as in the mma.sync kernel.
+  const int num_qt = static_cast<int>(gridDim.x) / p.num_splits;
+  const int split = static_cast<int>(blockIdx.x) / num_qt;
+  const int qtile = num_qt - 1 - (static_cast<int>(blockIdx.x) - split * num_qt);
+
+  const int q_start = p.q_indptr[seq];
+  const int q_len = p.q_indptr[seq + 1] - q_start;
+  const int kv_len = p.seq_lens[seq];
+  const int rows_total = q_len * p.ratio;
+  const int r0 = qtile * kRowsW;
+  if (r0 >= rows_total) return;  // whole block
+  const int first_pos = kv_len - q_len;
+  const int p_lo = first_pos + r0 / p.ratio;
+  const int p_hi = first_pos + min(rows_total - 1, r0 + kRowsW - 1) / p.ratio;
+  const bool sliding = p.attention_kind == static_cast<int>(AttentionKind::kSlidingWindow);
+  const bool noncausal = p.attention_kind == static_cast<int>(AttentionKind::kNonCausal);
+  const int lo = sliding ? max(0, p_lo - p.window + 1) : 0;
+  const int hi = noncausal ? kv_len : p_hi + 1;
+  const int all_lo = sliding ? p_hi - p.window + 1 : 0;
+  const int all_hi = noncausal ? kv_len : p_lo + 1;
+  int tile_b = lo / kBcW, tile_e = (hi + kBcW - 1) / kBcW;
+  auto row_index = [&](int r) {
+    const int t = r / p.ratio, h = r - t * p.ratio;
+    return (q_start + t) * p.num_q_heads + kvh * p.ratio + h;
+  };
+  if (p.num_splits > 1) {
+    const int per = (tile_e - tile_b + p.num_splits - 1) / p.num_splits;
+    const int b = tile_b + split * per;
+    tile_e = min(tile_e, b + per);
+    tile_b = b;
+    if (tile_b >= tile_e) {
+      for (int r = r0 + tid; r < min(rows_total, r0 + kRowsW); r += kThreadsW)
+        p.part_ml[static_cast<size_t>(split) * p.part_rows + row_index(r)] =
+            make_float2(-__uint_as_float(kF32Inf), 0.0f);
+      return;
+    }
+  }
+  const int num_tiles = tile_e - tile_b;
+  const uint32_t bar_full = s_base + C::kBar, bar_empty = bar_full + 8 * kS;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kS; ++s) {
+      sm90::mbar_init(bar_full + 8 * s, 128);
+      sm90::mbar_init(bar_empty + 8 * s, 128 * kConsumers);
+    }
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+    const int32_t* blocks = p.indices + p.indptr[seq];
+    const uint8_t* k_head = p.k.base + static_cast<uint64_t>(kvh) * p.k.head_stride;
+    const uint8_t* v_head = p.v.base + static_cast<uint64_t>(kvh) * p.v.head_stride;
+    // Copies one side of tile `it`: a 16-bit side straight into the ring stage (zeros outside
+    // [lo, hi)), an 8-bit side into staging buffer it % 2 (nothing outside; the conversion
+    // writes the zeros).
+    auto issue_side = [&](auto dtype, int it, const uint8_t* head, uint64_t block_bytes,
+                          uint32_t tile_s, uint8_t* tile, uint32_t raw_s,
+                          const int32_t (&blk)[kBcW / 16], const int32_t (&row)[kBcW / 16]) {
+      constexpr KvDtype D = decltype(dtype)::value;
+      const int t0 = (tile_b + it) * kBcW;
+      if constexpr (value_bits(D) == 16) {
+        constexpr int kPer = HD / 8;  // 16-byte chunks per token
+#pragma unroll
+        for (int k = 0; k < kBcW * kPer / 128; ++k) {
+          const int ch = tid + 128 * k, t = ch / kPer, cc = ch - t * kPer;
+          const int seg = t >> 4, tok = t0 + t;
+          const uint32_t dst = static_cast<uint32_t>((cc >> 3) * 8192) + sm90::swizzle128(t, cc & 7);
+          if (tok >= lo && tok < hi) {
+            const uint8_t* src = head + static_cast<uint64_t>(blk[seg]) * block_bytes +
+                                 static_cast<uint64_t>(row[seg] + (t & 15)) * (HD * 2) + 16 * cc;
+            cp_async16(tile_s + dst, src);
+          } else {
+            *reinterpret_cast<uint4*>(tile + dst) = make_uint4(0, 0, 0, 0);
+          }
+        }
+      } else {
+        constexpr int kPer = HD / 16;
+#pragma unroll
+        for (int k = 0; k < kBcW * kPer / 128; ++k) {
+          const int ch = tid + 128 * k, t = ch / kPer, rc = ch - t * kPer;
+          const int seg = t >> 4, tok = t0 + t;
+          if (tok >= lo && tok < hi) {
+            const uint8_t* src = head + static_cast<uint64_t>(blk[seg]) * block_bytes +
+                                 static_cast<uint64_t>(row[seg] + (t & 15)) * HD + 16 * rc;
+            cp_async16(raw_s + t * HD + 16 * rc, src);
+          }
+        }
+      }
+    };
+    auto convert_side = [&](auto dtype, int it, uint8_t* tile, const uint8_t* raw) {
+      constexpr KvDtype D = decltype(dtype)::value;
+      if constexpr (value_bits(D) == 8) {
+        const int t0 = (tile_b + it) * kBcW;
+        constexpr int kPer = HD / 16;
+#pragma unroll
+        for (int k = 0; k < kBcW * kPer / 128; ++k) {
+          const int ch = tid + 128 * k, t = ch / kPer, rc = ch - t * kPer;
+          const int tok = t0 + t;
+          convert_chunk<D>(tile, raw + t * HD + 16 * rc, t, rc, tok >= lo && tok < hi);
+        }
+      }
+    };
+    auto stage_k = [&](int it) { return C::kK + (it % kS) * C::kTileBytes; };
+    auto stage_v = [&](int it) { return C::kV + (it % kS) * C::kTileBytes; };
+    auto raw_buf = [&](int it) { return C::kRaw + (it & 1) * C::kRawBuf; };
+    auto finish = [&](int it) {
+      convert_side(KvDtypeConst<DK>{}, it, smem + stage_k(it), smem + raw_buf(it));
+      convert_side(KvDtypeConst<DV>{}, it, smem + stage_v(it), smem + raw_buf(it) + C::kRawKBytes);
+      sm90::fence_proxy_async_smem();
+      sm90::mbar_arrive(bar_full + 8 * (it % kS));
+    };
+#pragma unroll 1
+    for (int it = 0; it < num_tiles; ++it) {
+      if (it >= kS) sm90::mbar_wait(bar_empty + 8 * (it % kS), ((it / kS) - 1) & 1);
+      const int t0 = (tile_b + it) * kBcW;
+      int32_t blk[kBcW / 16], row[kBcW / 16];
+#pragma unroll
+      for (int q = 0; q < kBcW / 16; ++q) {
+        const int tok = t0 + 16 * q;
+        const int b = tok / p.block_tokens;
+        row[q] = tok - b * p.block_tokens;
+        blk[q] = (tok >= hi || tok + 16 <= lo) ? -1 : __ldg(blocks + b);
+      }
+      issue_side(KvDtypeConst<DK>{}, it, k_head, p.k.block_bytes, s_base + stage_k(it),
+                 smem + stage_k(it), s_base + raw_buf(it), blk, row);
+      issue_side(KvDtypeConst<DV>{}, it, v_head, p.v.block_bytes, s_base + stage_v(it),
+                 smem + stage_v(it), s_base + raw_buf(it) + C::kRawKBytes, blk, row);
+      cp_async_commit();
+      if (it > 0) {
+        cp_async_wait<1>();
+        finish(it - 1);
+      }
+    }
+    cp_async_wait<0>();
+    finish(num_tiles - 1);
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  const int cw = wg - 1;
+  const int ctid = tid - 128 * wg;
+  const int warp = ctid >> 5, lane = ctid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int wg_r0 = r0 + 64 * cw;  // first row of this warpgroup
+  float* rfac = reinterpret_cast<float*>(smem + C::kMeta);
+  float* rqsum = rfac + kRowsW;
+  if (wg_r0 >= rows_total) {
+    // No row of this warpgroup exists: release each stage as it fills (arriving only after
+    // the fill, so an arrival never counts toward an earlier use of the stage).
+#pragma unroll 1
+    for (int it = 0; it < num_tiles; ++it) {
+      sm90::mbar_wait(bar_full + 8 * (it % kS), (it / kS) & 1);
+      sm90::mbar_arrive(bar_empty + 8 * (it % kS));
+    }
+    return;
+  }
+
+  // ---- Q: each warp its 16 rows, as 16-bit operands in the swizzled layout ----
+  const uint32_t q_tile = s_base + C::kQ + cw * C::kQBytes;
+  {
+    constexpr int E = HD / 32;
+    uint8_t* qs = smem + C::kQ + cw * C::kQBytes;
+    const float kscale = p.k.tensor_scale[kvh];
+    for (int i = 0; i < 16; ++i) {
+      const int wr = 16 * warp + i;  // row within the warpgroup's tile
+      const int lr = 64 * cw + wr;
+      const int r = r0 + lr;
+      const bool valid = r < rows_total;
+      float x[E];
+      if (valid) {
+        const int t = r / p.ratio, h = r - (r / p.ratio) * p.ratio;
+        const float* src =
+            p.q + (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
+            lane * E;
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = src[e];
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) x[e] = 0.0f;
+      }
+      float amax = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float a = fabsf(x[e]);
+        if (is_finite_f32(a) && a > amax) amax = a;
+      }
+      amax = warp_max(amax);
+      const float a = (!C::kBf16K && amax > 0.0f) ? ldexpf(1.0f, -ilogbf(amax)) : 1.0f;
+      float qsum = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; e += 2) {
+        const uint32_t pr = pack2<C::kBf16K>(x[e] * a, x[e + 1] * a);
+        if constexpr (C::kBf16K) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pr));
+          qsum += f.x + f.y;
+        } else {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pr));
+          qsum += f.x + f.y;
+        }
+        const int d = lane * E + e;
+        *reinterpret_cast<uint32_t*>(qs + (d >> 6) * 8192 + sm90::swizzle128(wr, (d & 63) >> 3) +
+                                     2 * (d & 7)) = pr;
+      }
+      qsum = warp_sum(qsum);
+      if (lane == 0) {
+        rfac[lr] = valid ? p.softmax_scale * kscale / a : 0.0f;
+        rqsum[lr] = qsum;
+      }
+    }
+  }
+  sm90::fence_proxy_async_smem();
+  sm90::named_barrier_sync(1 + cw, 128);
+
+  const bool capped = p.soft_cap != 0.0f;
+  const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
+  float fac[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) fac[i] = rfac[64 * cw + 16 * warp + g + 8 * i] * (capped ? 1.0f : kLog2e);
+  auto row_pos = [&](int i) {
+    return first_pos + min(wg_r0 + 16 * warp + g + 8 * i, rows_total - 1) / p.ratio;
+  };
+
+  float o[HD / 2];
+#pragma unroll
+  for (int j = 0; j < HD / 2; ++j) o[j] = 0.0f;
+  float s[kBcW / 2];
+#pragma unroll
+  for (int j = 0; j < kBcW / 2; ++j) s[j] = 0.0f;
+  float m[2], l[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    m[i] = -__uint_as_float(kF32Inf);
+    l[i] = 0.0f;
+  }
+
+#pragma unroll 1
+  for (int it = 0; it < num_tiles; ++it) {
+    const int slot = it % kS;
+    const int t0 = (tile_b + it) * kBcW;
+    const uint32_t kt = s_base + C::kK + slot * C::kTileBytes;
+    const uint32_t vt = s_base + C::kV + slot * C::kTileBytes;
+    sm90::mbar_wait(bar_full + 8 * slot, (it / kS) & 1);
+
+    // ---- S = Q K^T (64 rows x 64 tokens) ----
+    sm90::fence_regs(s);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+      const uint32_t off = static_cast<uint32_t>((ks >> 2) * C::kCb + (ks & 3) * 32);
+      sm90::wgmma_ss<kBcW, C::kBf16K>(s, sm90::smem_desc(q_tile + off, 16, 1024),
+                                      sm90::smem_desc(kt + off, 16, 1024), ks > 0 ? 1 : 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_regs(s);
+
+    // ---- logits (log2 units), mask, online softmax; s[4j + e]: row g + 8 (e / 2), token
+    //      8j + 2c + e % 2 ----
+    const bool need_mask = !(t0 >= all_lo && t0 + kBcW <= all_hi);
+    float mx[2] = {-__uint_as_float(kF32Inf), -__uint_as_float(kF32Inf)};
+#pragma unroll
+    for (int j = 0; j < kBcW / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * j + e] * fac[e >> 1];
+        if (capped) x = cap * tanhf(x * inv_cap) * kLog2e;
+        s[4 * j + e] = x;
+      }
+    if (need_mask) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int pos = row_pos(i);
+        const int rlo = sliding ? pos - p.window + 1 : 0;
+        const int rhi = noncausal ? kv_len : pos + 1;
+#pragma unroll
+        for (int j = 0; j < kBcW / 8; ++j)
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const int tok = t0 + 8 * j + 2 * c + b;
+            if (!(tok >= rlo && tok < rhi)) s[4 * j + 2 * i + b] = -__uint_as_float(kF32Inf);
+          }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBcW / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+    float corr[2], mu[2], rs[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      rs[i] = 0.0f;
+      const float m_new = fmaxf(m[i], quad_max(mx[i]));
+      mu[i] = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
+      corr[i] = fast_exp2(m[i] - mu[i]);
+      m[i] = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < kBcW / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[4 * j + e] = fast_exp2(s[4 * j + e] - mu[e >> 1]);
+        rs[e >> 1] += s[4 * j + e];
+      }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = l[i] * corr[i] + rs[i];
+
+    // ---- O = O * corr + P V ----
+    if (corr[0] != 1.0f || corr[1] != 1.0f) {
+#pragma unroll
+      for (int j = 0; j < HD / 8; ++j) {
+        o[4 * j + 0] *= corr[0];
+        o[4 * j + 1] *= corr[0];
+        o[4 * j + 2] *= corr[1];
+        o[4 * j + 3] *= corr[1];
+      }
+    }
+    uint32_t pa[kBcW / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBcW / 16; ++kk) {
+      pa[kk][0] = pack2<C::kBf16V>(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack2<C::kBf16V>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack2<C::kBf16V>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack2<C::kBf16V>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    sm90::fence_regs(o);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBcW / 16; ++kk)
+      sm90::wgmma_rs_tb<HD, C::kBf16V>(o, pa[kk], sm90::smem_desc(vt + kk * 2048, C::kCb, 1024));
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_regs(o);
+    sm90::mbar_arrive(bar_empty + 8 * slot);
+  }
+
+  // ---- epilogue: normalize, scale, write (or this split's partial) ----
+  float scale_o = 1.0f;
+  if constexpr (tensor_scaled(DV)) scale_o = p.v.tensor_scale[kvh];
+  const bool partial = p.num_splits > 1;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float lsum = quad_sum(l[i]);
+    const int r = wg_r0 + 16 * warp + g + 8 * i;
+    if (partial && c == 0 && r < rows_total)
+      p.part_ml[static_cast<size_t>(split) * p.part_rows + row_index(r)] = make_float2(m[i], lsum);
+    if (r >= rows_total) continue;
+    const float f = scale_o * (partial ? 1.0f : 1.0f / lsum);
+    const size_t at = static_cast<size_t>(row_index(r)) * HD;
+    float* dst =
+        partial ? p.part_o + static_cast<size_t>(split) * p.part_rows * HD + at : p.out + at;
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j)
+      *reinterpret_cast<float2*>(dst + 8 * j + 2 * c) =
+          make_float2(o[4 * j + 2 * i] * f, o[4 * j + 2 * i + 1] * f);
+  }
+}
+
+}  // namespace prefill_wgmma
+
+// Launches the warpgroup-MMA prefill for (DK, DV, head_dim); false where that kernel is not
+// built for them (the caller runs the mma.sync kernel).
+template <KvDtype DK, KvDtype DV>
+bool launch_prefill_wgmma(const PrefillKernelParams& p, int head_dim, dim3 grid,
+                          cudaStream_t stream) {
+  auto go = [&](auto hd) {
+    constexpr int HD = decltype(hd)::value;
+    if constexpr (prefill_wgmma_pair(DK, DV, HD)) {
+      using C = prefill_wgmma::WCfg<DK, DV, HD>;
+      auto* kernel = &prefill_wgmma::prefill_wgmma_kernel<DK, DV, HD>;
+      KVQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          C::kSmemAlloc));
+      kernel<<<grid, prefill_wgmma::kThreadsW, C::kSmemAlloc, stream>>>(p);
+      KVQ_CUDA_CHECK_LAUNCH();
+      return true;
+    } else {
+      return false;
+    }
+  };
+  if (head_dim == 64) return go(std::integral_constant<int, 64>{});
+  if (head_dim == 128) return go(std::integral_constant<int, 128>{});
+  return false;
+}
+
+}  // namespace kvq::cuda
