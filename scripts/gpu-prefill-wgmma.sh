@@ -13,7 +13,7 @@ OUT=${OUT:-$PWD/out-gpu}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/prefill-wgmma.log") 2>&1
 step() { echo "=== [${SECONDS}s] $*"; }
-quick="" sdpa=0 dtypes="bfloat16,fp8_e4m3,float16,fp8_e5m2,int8_per_token_head,int4_per_token_head"
+quick="" sdpa=0 lab="" dtypes="bfloat16,fp8_e4m3,float16,fp8_e5m2,int8_per_token_head,int4_per_token_head"
 tests="CudaPrefill*:*CudaPrefillGrid*"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -21,6 +21,9 @@ while [ $# -gt 0 ]; do
     --sdpa) sdpa=1 ;;
     --dtypes) dtypes="$2"; shift ;;
     --tests) tests="$2"; shift ;;
+    # --lab "ENV=V ENV=V;ENV=V ...": after the tests, the quick bench once per ';'-separated set
+    # of kernel-lab variables (KVQ_PREFILL_LAB, KVQ_PREFILL_WGMMA_BC), wgmma lines only.
+    --lab) lab="$2"; shift ;;
   esac
   shift
 done
@@ -52,6 +55,13 @@ if [ -z "${KVQ_NO_SANITIZERS:-}" ]; then
   timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$B/tests/kvq_cuda_tests" \
     --gtest_brief=1 --gtest_filter='CudaPrefillWgmma.SmallForSanitizers' > "$OUT/racecheck.log" 2>&1
   echo "racecheck rc=$?"; tail -3 "$OUT/racecheck.log"
+fi
+if [ -n "$lab" ]; then
+  IFS=';' read -ra sets <<< "$lab"
+  for set in "${sets[@]}"; do
+    step "lab: $set"
+    env $set timeout 120 "$B/bench/cuda_prefill_bench" --quick --dtypes "$dtypes" | grep wgmma
+  done
 fi
 step "prefill bench"
 timeout 300 "$B/bench/cuda_prefill_bench" $quick --dtypes "$dtypes" --json "$OUT/kvq_prefill.json"

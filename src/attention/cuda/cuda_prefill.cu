@@ -53,6 +53,12 @@ PrefillOptions::Kernel env_kernel() {
   return k;
 }
 
+// Kernel-lab switches (integers; 0 when unset): timing experiments, never needed for results.
+int lab_env(const char* name) {
+  const char* e = std::getenv(name);
+  return e == nullptr ? 0 : std::atoi(e);
+}
+
 bool split_by_waves() {
   static const bool waves = [] {
     const char* e = std::getenv("KVQ_PREFILL_SPLIT_RULE");
@@ -223,7 +229,8 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   kp.num_kv_heads = spec.num_kv_heads;
   kp.ratio = spec.gqa_ratio();
   kp.rows_per_block = plan.rows_per_block;
-  kp.wgmma = plan.wgmma ? 1 : 0;
+  kp.wgmma = plan.wgmma ? (lab_env("KVQ_PREFILL_WGMMA_BC") == 128 ? 2 : 1) : 0;
+  kp.lab = lab_env("KVQ_PREFILL_LAB");
   kp.block_tokens = spec.block_tokens;
   kp.attention_kind = static_cast<int>(spec.attention);
   kp.window = spec.sliding_window;

@@ -34,18 +34,20 @@ using namespace prefill_detail;  // the unpacking helpers, quad reductions, exp2
 inline constexpr int kConsumers = 2;
 inline constexpr int kThreadsW = 128 * (1 + kConsumers);
 inline constexpr int kRowsW = 64 * kConsumers;
-inline constexpr int kBcW = 64;  // kv tokens per tile (the S tile's N)
 static_assert(kRowsW == prefill_rows_per_block(128) && kRowsW == prefill_rows_per_block(64));
 
-template <KvDtype DK, KvDtype DV, int HD>
+// BC: kv tokens per tile (the S tile's N), 64 or 128.
+template <KvDtype DK, KvDtype DV, int HD, int BC>
 struct WCfg {
   static_assert(prefill_wgmma_pair(DK, DV, HD));
-  static constexpr int kStages = 4;
+  static constexpr int kBcW = BC;
+  static constexpr int kStages = BC == 64 ? 4 : 2;
   static constexpr bool kRawK = value_bits(DK) == 8;  // staged, then converted
   static constexpr bool kRawV = value_bits(DV) == 8;
   static constexpr bool kBf16K = bf16_operands(DK);
   static constexpr bool kBf16V = bf16_operands(DV);
-  static constexpr int kCb = 8192;                 // bytes of a 64-row column block (64 x 128 B)
+  static constexpr int kCb = 8192;                 // bytes of a 64-row Q column block (64 x 128 B)
+  static constexpr int kKvCb = BC * 128;           // bytes of a K / V tile's column block
   static constexpr int kQBytes = 64 * HD * 2;      // one consumer's Q tile
   static constexpr int kTileBytes = kBcW * HD * 2;  // one K or V tile in the ring
   static constexpr int kQ = 0;
@@ -64,7 +66,7 @@ struct WCfg {
 
 // Converts the 16 8-bit codes of one staged 16-byte chunk to fp16 and stores them as two
 // swizzled chunks (dims 16 rc .. 16 rc + 15) of token row t of an operand tile.
-template <KvDtype D>
+template <KvDtype D, int kCbBytes>
 __device__ __forceinline__ void convert_chunk(uint8_t* tile, const uint8_t* raw, int t, int rc,
                                               bool visible) {
   uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
@@ -76,15 +78,16 @@ __device__ __forceinline__ void convert_chunk(uint8_t* tile, const uint8_t* raw,
                     cvt8_pair01<D>(w.w >> 16));
   }
   const int cb = (2 * rc) >> 3, cc = (2 * rc) & 7;
-  *reinterpret_cast<uint4*>(tile + cb * 8192 + sm90::swizzle128(t, cc)) = lo;
-  *reinterpret_cast<uint4*>(tile + cb * 8192 + sm90::swizzle128(t, cc + 1)) = hi;
+  *reinterpret_cast<uint4*>(tile + cb * kCbBytes + sm90::swizzle128(t, cc)) = lo;
+  *reinterpret_cast<uint4*>(tile + cb * kCbBytes + sm90::swizzle128(t, cc + 1)) = hi;
 }
 
-template <KvDtype DK, KvDtype DV, int HD>
+template <KvDtype DK, KvDtype DV, int HD, int BC>
 __global__ void __launch_bounds__(kThreadsW, 1)
     prefill_wgmma_kernel(const __grid_constant__ PrefillKernelParams p) {
-  using C = WCfg<DK, DV, HD>;
+  using C = WCfg<DK, DV, HD, BC>;
   constexpr int kS = C::kStages;
+  constexpr int kBcW = BC;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const uint32_t s_raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t s_base = (s_raw + 1023u) & ~1023u;
@@ -143,6 +146,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
   }
   __syncthreads();
 
+  const bool lab_no_loads = (p.lab & 1) != 0, lab_no_softmax = (p.lab & 2) != 0;
   if (wg == 0) {
     // ---------------- producer ----------------
     const int32_t* blocks = p.indices + p.indptr[seq];
@@ -153,7 +157,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     // writes the zeros).
     auto issue_side = [&](auto dtype, int it, const uint8_t* head, uint64_t block_bytes,
                           uint32_t tile_s, uint8_t* tile, uint32_t raw_s,
-                          const int32_t (&blk)[kBcW / 16], const int32_t (&row)[kBcW / 16]) {
+                          const auto& blk, const auto& row) {
       constexpr KvDtype D = decltype(dtype)::value;
       const int t0 = (tile_b + it) * kBcW;
       if constexpr (value_bits(D) == 16) {
@@ -162,7 +166,8 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         for (int k = 0; k < kBcW * kPer / 128; ++k) {
           const int ch = tid + 128 * k, t = ch / kPer, cc = ch - t * kPer;
           const int seg = t >> 4, tok = t0 + t;
-          const uint32_t dst = static_cast<uint32_t>((cc >> 3) * 8192) + sm90::swizzle128(t, cc & 7);
+          const uint32_t dst =
+              static_cast<uint32_t>((cc >> 3) * C::kKvCb) + sm90::swizzle128(t, cc & 7);
           if (tok >= lo && tok < hi) {
             const uint8_t* src = head + static_cast<uint64_t>(blk[seg]) * block_bytes +
                                  static_cast<uint64_t>(row[seg] + (t & 15)) * (HD * 2) + 16 * cc;
@@ -194,7 +199,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         for (int k = 0; k < kBcW * kPer / 128; ++k) {
           const int ch = tid + 128 * k, t = ch / kPer, rc = ch - t * kPer;
           const int tok = t0 + t;
-          convert_chunk<D>(tile, raw + t * HD + 16 * rc, t, rc, tok >= lo && tok < hi);
+          convert_chunk<D, C::kKvCb>(tile, raw + t * HD + 16 * rc, t, rc, tok >= lo && tok < hi);
         }
       }
     };
@@ -202,6 +207,10 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     auto stage_v = [&](int it) { return C::kV + (it % kS) * C::kTileBytes; };
     auto raw_buf = [&](int it) { return C::kRaw + (it & 1) * C::kRawBuf; };
     auto finish = [&](int it) {
+      if (lab_no_loads) {
+        sm90::mbar_arrive(bar_full + 8 * (it % kS));
+        return;
+      }
       convert_side(KvDtypeConst<DK>{}, it, smem + stage_k(it), smem + raw_buf(it));
       convert_side(KvDtypeConst<DV>{}, it, smem + stage_v(it), smem + raw_buf(it) + C::kRawKBytes);
       sm90::fence_proxy_async_smem();
@@ -219,10 +228,12 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         row[q] = tok - b * p.block_tokens;
         blk[q] = (tok >= hi || tok + 16 <= lo) ? -1 : __ldg(blocks + b);
       }
+      if (!lab_no_loads) {
       issue_side(KvDtypeConst<DK>{}, it, k_head, p.k.block_bytes, s_base + stage_k(it),
                  smem + stage_k(it), s_base + raw_buf(it), blk, row);
       issue_side(KvDtypeConst<DV>{}, it, v_head, p.v.block_bytes, s_base + stage_v(it),
                  smem + stage_v(it), s_base + raw_buf(it) + C::kRawKBytes, blk, row);
+      }
       cp_async_commit();
       if (it > 0) {
         cp_async_wait<1>();
@@ -344,9 +355,10 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     sm90::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < HD / 16; ++ks) {
-      const uint32_t off = static_cast<uint32_t>((ks >> 2) * C::kCb + (ks & 3) * 32);
-      sm90::wgmma_ss<kBcW, C::kBf16K>(s, sm90::smem_desc(q_tile + off, 16, 1024),
-                                      sm90::smem_desc(kt + off, 16, 1024), ks > 0 ? 1 : 0);
+      const uint32_t qo = static_cast<uint32_t>((ks >> 2) * C::kCb + (ks & 3) * 32);
+      const uint32_t ko = static_cast<uint32_t>((ks >> 2) * C::kKvCb + (ks & 3) * 32);
+      sm90::wgmma_ss<kBcW, C::kBf16K>(s, sm90::smem_desc(q_tile + qo, 16, 1024),
+                                      sm90::smem_desc(kt + ko, 16, 1024), ks > 0 ? 1 : 0);
     }
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
@@ -355,6 +367,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     // ---- logits (log2 units), mask, online softmax; s[4j + e]: row g + 8 (e / 2), token
     //      8j + 2c + e % 2 ----
     const bool need_mask = !(t0 >= all_lo && t0 + kBcW <= all_hi);
+    if (!lab_no_softmax) {
     float mx[2] = {-__uint_as_float(kF32Inf), -__uint_as_float(kF32Inf)};
 #pragma unroll
     for (int j = 0; j < kBcW / 8; ++j)
@@ -412,6 +425,9 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         o[4 * j + 3] *= corr[1];
       }
     }
+    } else if (it == 0) {
+      l[0] = l[1] = 1.0f;
+    }
     uint32_t pa[kBcW / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kBcW / 16; ++kk) {
@@ -424,7 +440,8 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBcW / 16; ++kk)
-      sm90::wgmma_rs_tb<HD, C::kBf16V>(o, pa[kk], sm90::smem_desc(vt + kk * 2048, C::kCb, 1024));
+      sm90::wgmma_rs_tb<HD, C::kBf16V>(o, pa[kk],
+                                       sm90::smem_desc(vt + kk * 2048, C::kKvCb, 1024));
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     sm90::fence_regs(o);
@@ -455,27 +472,37 @@ __global__ void __launch_bounds__(kThreadsW, 1)
 
 }  // namespace prefill_wgmma
 
+namespace prefill_wgmma {
+template <KvDtype DK, KvDtype DV, int HD, int BC>
+void launch_tile(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
+  using C = WCfg<DK, DV, HD, BC>;
+  auto* kernel = &prefill_wgmma_kernel<DK, DV, HD, BC>;
+  KVQ_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemAlloc));
+  kernel<<<grid, kThreadsW, C::kSmemAlloc, stream>>>(p);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+template <KvDtype DK, KvDtype DV, int HD>
+bool launch_hd(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
+  if constexpr (prefill_wgmma_pair(DK, DV, HD)) {
+    if (p.wgmma == 2)
+      launch_tile<DK, DV, HD, 128>(p, grid, stream);
+    else
+      launch_tile<DK, DV, HD, 64>(p, grid, stream);
+    return true;
+  } else {
+    return false;
+  }
+}
+}  // namespace prefill_wgmma
+
 // Launches the warpgroup-MMA prefill for (DK, DV, head_dim); false where that kernel is not
 // built for them (the caller runs the mma.sync kernel).
 template <KvDtype DK, KvDtype DV>
 bool launch_prefill_wgmma(const PrefillKernelParams& p, int head_dim, dim3 grid,
                           cudaStream_t stream) {
-  auto go = [&](auto hd) {
-    constexpr int HD = decltype(hd)::value;
-    if constexpr (prefill_wgmma_pair(DK, DV, HD)) {
-      using C = prefill_wgmma::WCfg<DK, DV, HD>;
-      auto* kernel = &prefill_wgmma::prefill_wgmma_kernel<DK, DV, HD>;
-      KVQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          C::kSmemAlloc));
-      kernel<<<grid, prefill_wgmma::kThreadsW, C::kSmemAlloc, stream>>>(p);
-      KVQ_CUDA_CHECK_LAUNCH();
-      return true;
-    } else {
-      return false;
-    }
-  };
-  if (head_dim == 64) return go(std::integral_constant<int, 64>{});
-  if (head_dim == 128) return go(std::integral_constant<int, 128>{});
+  if (head_dim == 64) return prefill_wgmma::launch_hd<DK, DV, 64>(p, grid, stream);
+  if (head_dim == 128) return prefill_wgmma::launch_hd<DK, DV, 128>(p, grid, stream);
   return false;
 }
 
