@@ -235,13 +235,14 @@ __global__ void __launch_bounds__(kThreadsW, 1)
                  smem + stage_v(it), s_base + raw_buf(it) + C::kRawKBytes, blk, row);
       }
       cp_async_commit();
-      if (it > 0) {
-        cp_async_wait<1>();
-        finish(it - 1);
+      // Three tiles in flight: tile it - 2 is complete once at most two groups are pending.
+      if (it >= 2) {
+        cp_async_wait<2>();
+        finish(it - 2);
       }
     }
     cp_async_wait<0>();
-    finish(num_tiles - 1);
+    for (int it = max(0, num_tiles - 2); it < num_tiles; ++it) finish(it);
     return;
   }
 
@@ -342,32 +343,15 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     l[i] = 0.0f;
   }
 
-#pragma unroll 1
-  for (int it = 0; it < num_tiles; ++it) {
-    const int slot = it % kS;
+  // The logits of tile it in s -> P in s (in place), m / l updated; returns the factor of O.
+  auto softmax = [&](int it, float (&corr)[2]) {
     const int t0 = (tile_b + it) * kBcW;
-    const uint32_t kt = s_base + C::kK + slot * C::kTileBytes;
-    const uint32_t vt = s_base + C::kV + slot * C::kTileBytes;
-    sm90::mbar_wait(bar_full + 8 * slot, (it / kS) & 1);
-
-    // ---- S = Q K^T (64 rows x 64 tokens) ----
-    sm90::fence_regs(s);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < HD / 16; ++ks) {
-      const uint32_t qo = static_cast<uint32_t>((ks >> 2) * C::kCb + (ks & 3) * 32);
-      const uint32_t ko = static_cast<uint32_t>((ks >> 2) * C::kKvCb + (ks & 3) * 32);
-      sm90::wgmma_ss<kBcW, C::kBf16K>(s, sm90::smem_desc(q_tile + qo, 16, 1024),
-                                      sm90::smem_desc(kt + ko, 16, 1024), ks > 0 ? 1 : 0);
-    }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_regs(s);
-
-    // ---- logits (log2 units), mask, online softmax; s[4j + e]: row g + 8 (e / 2), token
-    //      8j + 2c + e % 2 ----
     const bool need_mask = !(t0 >= all_lo && t0 + kBcW <= all_hi);
-    if (!lab_no_softmax) {
+    if (lab_no_softmax) {
+      corr[0] = corr[1] = 1.0f;
+      l[0] = l[1] = 1.0f;
+      return;
+    }
     float mx[2] = {-__uint_as_float(kF32Inf), -__uint_as_float(kF32Inf)};
 #pragma unroll
     for (int j = 0; j < kBcW / 8; ++j)
@@ -396,7 +380,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     for (int j = 0; j < kBcW / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
-    float corr[2], mu[2], rs[2];
+    float mu[2], rs[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       rs[i] = 0.0f;
@@ -414,8 +398,37 @@ __global__ void __launch_bounds__(kThreadsW, 1)
       }
 #pragma unroll
     for (int i = 0; i < 2; ++i) l[i] = l[i] * corr[i] + rs[i];
-
-    // ---- O = O * corr + P V ----
+  };
+  auto issue_s = [&](int it) {
+    const uint32_t kt = s_base + C::kK + (it % kS) * C::kTileBytes;
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+      const uint32_t qo = static_cast<uint32_t>((ks >> 2) * C::kCb + (ks & 3) * 32);
+      const uint32_t ko = static_cast<uint32_t>((ks >> 2) * C::kKvCb + (ks & 3) * 32);
+      sm90::wgmma_ss<kBcW, C::kBf16K>(s, sm90::smem_desc(q_tile + qo, 16, 1024),
+                                      sm90::smem_desc(kt + ko, 16, 1024), ks > 0 ? 1 : 0);
+    }
+    sm90::wgmma_commit();
+  };
+  uint32_t pa[kBcW / 16][4];
+  auto issue_pv = [&](int it) {
+    const uint32_t vt = s_base + C::kV + (it % kS) * C::kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < kBcW / 16; ++kk)
+      sm90::wgmma_rs_tb<HD, C::kBf16V>(o, pa[kk],
+                                       sm90::smem_desc(vt + kk * 2048, C::kKvCb, 1024));
+    sm90::wgmma_commit();
+  };
+  auto pack_p = [&] {
+#pragma unroll
+    for (int kk = 0; kk < kBcW / 16; ++kk) {
+      pa[kk][0] = pack2<C::kBf16V>(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack2<C::kBf16V>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack2<C::kBf16V>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack2<C::kBf16V>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+  auto rescale_o = [&](const float (&corr)[2]) {
     if (corr[0] != 1.0f || corr[1] != 1.0f) {
 #pragma unroll
       for (int j = 0; j < HD / 8; ++j) {
@@ -425,28 +438,42 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         o[4 * j + 3] *= corr[1];
       }
     }
-    } else if (it == 0) {
-      l[0] = l[1] = 1.0f;
-    }
-    uint32_t pa[kBcW / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBcW / 16; ++kk) {
-      pa[kk][0] = pack2<C::kBf16V>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack2<C::kBf16V>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack2<C::kBf16V>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack2<C::kBf16V>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+  };
+
+  // Software pipeline (FlashAttention-3's intra-warpgroup overlap): the MMAs of S(it) = Q K(it)^T
+  // and of O += P(it - 1) V(it - 1) are issued together; the softmax of S(it) runs while the P V
+  // MMAs do, then O is rescaled and stage it - 1 released.
+  float corr[2];
+  sm90::mbar_wait(bar_full, 0);
+  sm90::wgmma_fence();
+  issue_s(0);
+  sm90::wgmma_wait<0>();
+  sm90::fence_regs(s);
+  softmax(0, corr);
+  pack_p();
+#pragma unroll 1
+  for (int it = 1; it < num_tiles; ++it) {
+    sm90::mbar_wait(bar_full + 8 * (it % kS), (it / kS) & 1);
+    sm90::fence_regs(s);
     sm90::fence_regs(o);
     sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBcW / 16; ++kk)
-      sm90::wgmma_rs_tb<HD, C::kBf16V>(o, pa[kk],
-                                       sm90::smem_desc(vt + kk * 2048, C::kKvCb, 1024));
-    sm90::wgmma_commit();
+    issue_s(it);
+    issue_pv(it - 1);
+    sm90::wgmma_wait<1>();  // S(it) done; P V (it - 1) may still run
+    sm90::fence_regs(s);
+    softmax(it, corr);
     sm90::wgmma_wait<0>();
     sm90::fence_regs(o);
-    sm90::mbar_arrive(bar_empty + 8 * slot);
+    sm90::mbar_arrive(bar_empty + 8 * ((it - 1) % kS));
+    rescale_o(corr);
+    pack_p();
   }
+  sm90::fence_regs(o);
+  sm90::wgmma_fence();
+  issue_pv(num_tiles - 1);
+  sm90::wgmma_wait<0>();
+  sm90::fence_regs(o);
+  sm90::mbar_arrive(bar_empty + 8 * ((num_tiles - 1) % kS));
 
   // ---- epilogue: normalize, scale, write (or this split's partial) ----
   float scale_o = 1.0f;
@@ -485,10 +512,7 @@ void launch_tile(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
 template <KvDtype DK, KvDtype DV, int HD>
 bool launch_hd(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
   if constexpr (prefill_wgmma_pair(DK, DV, HD)) {
-    if (p.wgmma == 2)
-      launch_tile<DK, DV, HD, 128>(p, grid, stream);
-    else
-      launch_tile<DK, DV, HD, 64>(p, grid, stream);
+    launch_tile<DK, DV, HD, 64>(p, grid, stream);
     return true;
   } else {
     return false;
