@@ -46,17 +46,19 @@ struct WCfg {
   static constexpr bool kRawV = value_bits(DV) == 8;
   static constexpr bool kBf16K = bf16_operands(DK);
   static constexpr bool kBf16V = bf16_operands(DV);
-  static constexpr int kCb = 8192;                 // bytes of a 64-row Q column block (64 x 128 B)
-  static constexpr int kKvCb = BC * 128;           // bytes of a K / V tile's column block
-  static constexpr int kQBytes = 64 * HD * 2;      // one consumer's Q tile
+  static constexpr int kCb = 8192;                  // bytes of a 64-row Q column block (64 x 128 B)
+  static constexpr int kKvCb = BC * 128;            // bytes of a K / V tile's column block
+  static constexpr int kQBytes = 64 * HD * 2;       // one consumer's Q tile
   static constexpr int kTileBytes = kBcW * HD * 2;  // one K or V tile in the ring
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kConsumers * kQBytes;
   static constexpr int kV = kK + kStages * kTileBytes;
-  static constexpr int kRaw = kV + kStages * kTileBytes;  // 2 staging buffers (8-bit sides)
+  static constexpr int kRaw = kV + kStages * kTileBytes;  // kRawBufs staging buffers (8-bit sides)
+  static constexpr int kRawBufs = 3;                      // one per tile in flight
   static constexpr int kRawKBytes = kRawK ? kBcW * HD : 0;
   static constexpr int kRawBuf = kRawKBytes + (kRawV ? kBcW * HD : 0);
-  static constexpr int kMeta = kRaw + 2 * kRawBuf;  // per row: logit factor, sum of Q operands
+  static constexpr int kMeta =
+      kRaw + kRawBufs * kRawBuf;                       // per row: logit factor, sum of Q operands
   static constexpr int kBar = kMeta + 2 * kRowsW * 4;  // full[kStages], empty[kStages]
   static constexpr int kSmem = kBar + 2 * kStages * 8;
   static constexpr int kSmemAlloc = kSmem + 1024;  // the base is aligned to 1024 in the kernel
@@ -147,17 +149,18 @@ __global__ void __launch_bounds__(kThreadsW, 1)
   __syncthreads();
 
   const bool lab_no_loads = (p.lab & 1) != 0, lab_no_softmax = (p.lab & 2) != 0;
+  const bool lab_no_pingpong = (p.lab & 4) != 0;
   if (wg == 0) {
     // ---------------- producer ----------------
     const int32_t* blocks = p.indices + p.indptr[seq];
     const uint8_t* k_head = p.k.base + static_cast<uint64_t>(kvh) * p.k.head_stride;
     const uint8_t* v_head = p.v.base + static_cast<uint64_t>(kvh) * p.v.head_stride;
     // Copies one side of tile `it`: a 16-bit side straight into the ring stage (zeros outside
-    // [lo, hi)), an 8-bit side into staging buffer it % 2 (nothing outside; the conversion
+    // [lo, hi)), an 8-bit side into staging buffer it % 3 (nothing outside; the conversion
     // writes the zeros).
     auto issue_side = [&](auto dtype, int it, const uint8_t* head, uint64_t block_bytes,
-                          uint32_t tile_s, uint8_t* tile, uint32_t raw_s,
-                          const auto& blk, const auto& row) {
+                          uint32_t tile_s, uint8_t* tile, uint32_t raw_s, const auto& blk,
+                          const auto& row) {
       constexpr KvDtype D = decltype(dtype)::value;
       const int t0 = (tile_b + it) * kBcW;
       if constexpr (value_bits(D) == 16) {
@@ -205,7 +208,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     };
     auto stage_k = [&](int it) { return C::kK + (it % kS) * C::kTileBytes; };
     auto stage_v = [&](int it) { return C::kV + (it % kS) * C::kTileBytes; };
-    auto raw_buf = [&](int it) { return C::kRaw + (it & 1) * C::kRawBuf; };
+    auto raw_buf = [&](int it) { return C::kRaw + (it % C::kRawBufs) * C::kRawBuf; };
     auto finish = [&](int it) {
       if (lab_no_loads) {
         sm90::mbar_arrive(bar_full + 8 * (it % kS));
@@ -229,10 +232,10 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         blk[q] = (tok >= hi || tok + 16 <= lo) ? -1 : __ldg(blocks + b);
       }
       if (!lab_no_loads) {
-      issue_side(KvDtypeConst<DK>{}, it, k_head, p.k.block_bytes, s_base + stage_k(it),
-                 smem + stage_k(it), s_base + raw_buf(it), blk, row);
-      issue_side(KvDtypeConst<DV>{}, it, v_head, p.v.block_bytes, s_base + stage_v(it),
-                 smem + stage_v(it), s_base + raw_buf(it) + C::kRawKBytes, blk, row);
+        issue_side(KvDtypeConst<DK>{}, it, k_head, p.k.block_bytes, s_base + stage_k(it),
+                   smem + stage_k(it), s_base + raw_buf(it), blk, row);
+        issue_side(KvDtypeConst<DV>{}, it, v_head, p.v.block_bytes, s_base + stage_v(it),
+                   smem + stage_v(it), s_base + raw_buf(it) + C::kRawKBytes, blk, row);
       }
       cp_async_commit();
       // Three tiles in flight: tile it - 2 is complete once at most two groups are pending.
@@ -325,7 +328,8 @@ __global__ void __launch_bounds__(kThreadsW, 1)
   const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
   float fac[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) fac[i] = rfac[64 * cw + 16 * warp + g + 8 * i] * (capped ? 1.0f : kLog2e);
+  for (int i = 0; i < 2; ++i)
+    fac[i] = rfac[64 * cw + 16 * warp + g + 8 * i] * (capped ? 1.0f : kLog2e);
   auto row_pos = [&](int i) {
     return first_pos + min(wg_r0 + 16 * warp + g + 8 * i, rows_total - 1) / p.ratio;
   };
@@ -344,7 +348,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
   }
 
   // The logits of tile it in s -> P in s (in place), m / l updated; returns the factor of O.
-  auto softmax = [&](int it, float (&corr)[2]) {
+  auto softmax = [&](int it, float(&corr)[2]) {
     const int t0 = (tile_b + it) * kBcW;
     const bool need_mask = !(t0 >= all_lo && t0 + kBcW <= all_hi);
     if (lab_no_softmax) {
@@ -415,8 +419,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     const uint32_t vt = s_base + C::kV + (it % kS) * C::kTileBytes;
 #pragma unroll
     for (int kk = 0; kk < kBcW / 16; ++kk)
-      sm90::wgmma_rs_tb<HD, C::kBf16V>(o, pa[kk],
-                                       sm90::smem_desc(vt + kk * 2048, C::kKvCb, 1024));
+      sm90::wgmma_rs_tb<HD, C::kBf16V>(o, pa[kk], sm90::smem_desc(vt + kk * 2048, C::kKvCb, 1024));
     sm90::wgmma_commit();
   };
   auto pack_p = [&] {
@@ -428,7 +431,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
       pa[kk][3] = pack2<C::kBf16V>(s[8 * kk + 6], s[8 * kk + 7]);
     }
   };
-  auto rescale_o = [&](const float (&corr)[2]) {
+  auto rescale_o = [&](const float(&corr)[2]) {
     if (corr[0] != 1.0f || corr[1] != 1.0f) {
 #pragma unroll
       for (int j = 0; j < HD / 8; ++j) {
@@ -440,13 +443,30 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     }
   };
 
+  // Ping-pong (FlashAttention-3): the two consumers take turns to issue their MMAs (named
+  // barriers 3 and 4, one per consumer's turn), so one's softmax runs while the other's MMAs
+  // do. Both have the same number of issue phases (num_tiles + 1); consumer 0 goes first, and
+  // the last phase hands over nothing. Only when both consumers have rows.
+  const bool pingpong = r0 + 64 < rows_total && !lab_no_pingpong;
+  int phase = 0;
+  auto my_turn = [&] {
+    if (pingpong) sm90::named_barrier_sync(3 + cw, 256);
+  };
+  auto hand_over = [&] {
+    if (pingpong && !(cw == 1 && phase == num_tiles)) sm90::named_barrier_arrive(3 + (cw ^ 1), 256);
+    ++phase;
+  };
+  if (pingpong && cw == 1) sm90::named_barrier_arrive(3, 256);
+
   // Software pipeline (FlashAttention-3's intra-warpgroup overlap): the MMAs of S(it) = Q K(it)^T
   // and of O += P(it - 1) V(it - 1) are issued together; the softmax of S(it) runs while the P V
   // MMAs do, then O is rescaled and stage it - 1 released.
   float corr[2];
   sm90::mbar_wait(bar_full, 0);
+  my_turn();
   sm90::wgmma_fence();
   issue_s(0);
+  hand_over();
   sm90::wgmma_wait<0>();
   sm90::fence_regs(s);
   softmax(0, corr);
@@ -456,9 +476,11 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     sm90::mbar_wait(bar_full + 8 * (it % kS), (it / kS) & 1);
     sm90::fence_regs(s);
     sm90::fence_regs(o);
+    my_turn();
     sm90::wgmma_fence();
     issue_s(it);
     issue_pv(it - 1);
+    hand_over();
     sm90::wgmma_wait<1>();  // S(it) done; P V (it - 1) may still run
     sm90::fence_regs(s);
     softmax(it, corr);
@@ -469,8 +491,10 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     pack_p();
   }
   sm90::fence_regs(o);
+  my_turn();
   sm90::wgmma_fence();
   issue_pv(num_tiles - 1);
+  hand_over();
   sm90::wgmma_wait<0>();
   sm90::fence_regs(o);
   sm90::mbar_arrive(bar_empty + 8 * ((num_tiles - 1) % kS));
