@@ -37,6 +37,13 @@ cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVQ_CUDA=ON -DKVQ_KERNE
   ninja -C "$B" -j16 kvq_cuda_tests cuda_prefill_bench >> "$OUT/build.log" 2>&1 ||
   { echo "BUILD FAILED"; grep -B2 -A10 -m3 -E "error|Error|FAILED" "$OUT/build.log"; exit 1; }
 
+if [ -n "${KVQ_SASS:-}" ]; then
+  # SASS of the bf16 wgmma kernels (instruction mix: HGMMA, barriers, waits).
+  obj=$(find "$B" -name 'prefill_bfloat16.cu.o' | head -1)
+  cuobjdump -sass "$obj" > "$OUT/sass-prefill-bf16.txt" 2>&1
+  awk '/Function : .*prefill_wgmma/{f=1} /Function : .*prefill_kernel/{f=0} f' "$OUT/sass-prefill-bf16.txt" |
+    grep -oE '^\s+/\*[0-9a-f]+\*/\s+[A-Z0-9_.]+' | awk '{print $2}' | sort | uniq -c | sort -rn | head -40
+fi
 step "wgmma tests"
 timeout 300 "$B/tests/kvq_cuda_tests" --gtest_filter='CudaPrefillWgmma.*' > "$OUT/wgmma-tests.log" 2>&1
 echo "wgmma tests rc=$?"

@@ -41,7 +41,10 @@ template <KvDtype DK, KvDtype DV, int HD, int BC>
 struct WCfg {
   static_assert(prefill_wgmma_pair(DK, DV, HD));
   static constexpr int kBcW = BC;
-  static constexpr int kStages = BC == 64 ? 4 : 2;
+  static constexpr bool kAny8 = value_bits(DK) == 8 || value_bits(DV) == 8;
+  // Ring stages: the consumers hold two (S of tile t, P V of tile t - 1) and the producer keeps
+  // up to three in flight; 8-bit sides also need their staging buffers, so one stage fewer.
+  static constexpr int kStages = BC == 64 ? (kAny8 ? 4 : 5) : 2;
   static constexpr bool kRawK = value_bits(DK) == 8;  // staged, then converted
   static constexpr bool kRawV = value_bits(DV) == 8;
   static constexpr bool kBf16K = bf16_operands(DK);
@@ -150,6 +153,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
 
   const bool lab_no_loads = (p.lab & 1) != 0, lab_no_softmax = (p.lab & 2) != 0;
   const bool lab_no_pingpong = (p.lab & 4) != 0;
+  const bool lab_shallow = (p.lab & 8) != 0;  // two tiles in flight instead of three
   if (wg == 0) {
     // ---------------- producer ----------------
     const int32_t* blocks = p.indices + p.indptr[seq];
@@ -239,13 +243,18 @@ __global__ void __launch_bounds__(kThreadsW, 1)
       }
       cp_async_commit();
       // Three tiles in flight: tile it - 2 is complete once at most two groups are pending.
-      if (it >= 2) {
+      if (lab_shallow) {
+        if (it >= 1) {
+          cp_async_wait<1>();
+          finish(it - 1);
+        }
+      } else if (it >= 2) {
         cp_async_wait<2>();
         finish(it - 2);
       }
     }
     cp_async_wait<0>();
-    for (int it = max(0, num_tiles - 2); it < num_tiles; ++it) finish(it);
+    for (int it = max(0, num_tiles - (lab_shallow ? 1 : 2)); it < num_tiles; ++it) finish(it);
     return;
   }
 
