@@ -325,7 +325,8 @@ __global__ void __launch_bounds__(kThreadsW, 1)
       }
       qsum = warp_sum(qsum);
       if (lane == 0) {
-        rfac[lr] = valid ? p.softmax_scale * kscale / a : 0.0f;
+        // A row past the last one has Q = 0: factor 1 keeps its (unused) logits finite.
+        rfac[lr] = valid ? p.softmax_scale * kscale / a : 1.0f;
         rqsum[lr] = qsum;
       }
     }
@@ -357,38 +358,39 @@ __global__ void __launch_bounds__(kThreadsW, 1)
   }
 
   // The logits of tile it in s -> P in s (in place), m / l updated; returns the factor of O.
+  // Without soft-cap the running maximum is kept in log2 units and each P costs one FFMA and
+  // one exp2: p = 2^(s fac - m fac) (fac > 0, so the maximum of s fac is fac times that of s).
+  const float efac[2] = {capped ? 1.0f : fac[0], capped ? 1.0f : fac[1]};
   auto softmax = [&](int it, float(&corr)[2]) {
     const int t0 = (tile_b + it) * kBcW;
-    const bool need_mask = !(t0 >= all_lo && t0 + kBcW <= all_hi);
     if (lab_no_softmax) {
       corr[0] = corr[1] = 1.0f;
       l[0] = l[1] = 1.0f;
       return;
     }
-    float mx[2] = {-__uint_as_float(kF32Inf), -__uint_as_float(kF32Inf)};
+    if (capped) {
 #pragma unroll
-    for (int j = 0; j < kBcW / 8; ++j)
+      for (int j = 0; j < kBcW / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * j + e] * fac[e >> 1];
-        if (capped) x = cap * tanhf(x * inv_cap) * kLog2e;
-        s[4 * j + e] = x;
-      }
-    if (need_mask) {
+        for (int e = 0; e < 4; ++e)
+          s[4 * j + e] = cap * tanhf(s[4 * j + e] * fac[e >> 1] * inv_cap) * kLog2e;
+    }
+    if (!(t0 >= all_lo && t0 + kBcW <= all_hi)) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int pos = row_pos(i);
-        const int rlo = sliding ? pos - p.window + 1 : 0;
-        const int rhi = noncausal ? kv_len : pos + 1;
+        const int rlo = (sliding ? pos - p.window + 1 : 0) - t0;
+        const int rhi = (noncausal ? kv_len : pos + 1) - t0;
 #pragma unroll
         for (int j = 0; j < kBcW / 8; ++j)
 #pragma unroll
           for (int b = 0; b < 2; ++b) {
-            const int tok = t0 + 8 * j + 2 * c + b;
+            const int tok = 8 * j + 2 * c + b;
             if (!(tok >= rlo && tok < rhi)) s[4 * j + 2 * i + b] = -__uint_as_float(kF32Inf);
           }
       }
     }
+    float mx[2] = {-__uint_as_float(kF32Inf), -__uint_as_float(kF32Inf)};
 #pragma unroll
     for (int j = 0; j < kBcW / 8; ++j)
 #pragma unroll
@@ -397,7 +399,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       rs[i] = 0.0f;
-      const float m_new = fmaxf(m[i], quad_max(mx[i]));
+      const float m_new = fmaxf(m[i], quad_max(mx[i]) * efac[i]);
       mu[i] = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
       corr[i] = fast_exp2(m[i] - mu[i]);
       m[i] = m_new;
@@ -406,20 +408,24 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     for (int j = 0; j < kBcW / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[4 * j + e] = fast_exp2(s[4 * j + e] - mu[e >> 1]);
+        s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], efac[e >> 1], -mu[e >> 1]));
         rs[e >> 1] += s[4 * j + e];
       }
 #pragma unroll
     for (int i = 0; i < 2; ++i) l[i] = l[i] * corr[i] + rs[i];
   };
+  // Descriptors: the start address field (bits 0-13, in 16-byte units) takes the offsets of the
+  // k steps and stages by plain addition (every address stays below 256 KB).
+  const uint64_t q_desc = sm90::smem_desc(q_tile, 16, 1024);
+  const uint64_t k_desc0 = sm90::smem_desc(s_base + C::kK, 16, 1024);
+  const uint64_t v_desc0 = sm90::smem_desc(s_base + C::kV, C::kKvCb, 1024);
   auto issue_s = [&](int it) {
-    const uint32_t kt = s_base + C::kK + (it % kS) * C::kTileBytes;
+    const uint64_t kd = k_desc0 + static_cast<uint64_t>((it % kS) * (C::kTileBytes >> 4));
 #pragma unroll
     for (int ks = 0; ks < HD / 16; ++ks) {
-      const uint32_t qo = static_cast<uint32_t>((ks >> 2) * C::kCb + (ks & 3) * 32);
-      const uint32_t ko = static_cast<uint32_t>((ks >> 2) * C::kKvCb + (ks & 3) * 32);
-      sm90::wgmma_ss<kBcW, C::kBf16K>(s, sm90::smem_desc(q_tile + qo, 16, 1024),
-                                      sm90::smem_desc(kt + ko, 16, 1024), ks > 0 ? 1 : 0);
+      const uint64_t qo = static_cast<uint64_t>(((ks >> 2) * C::kCb + (ks & 3) * 32) >> 4);
+      const uint64_t ko = static_cast<uint64_t>(((ks >> 2) * C::kKvCb + (ks & 3) * 32) >> 4);
+      sm90::wgmma_ss<kBcW, C::kBf16K>(s, q_desc + qo, kd + ko, ks > 0 ? 1 : 0);
     }
     sm90::wgmma_commit();
   };
