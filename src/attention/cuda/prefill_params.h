@@ -31,8 +31,8 @@ struct PrefillKernelParams {
   int wgmma;                      // 1: the warpgroup-MMA kernel (PrefillPlan::wgmma); 2: the same
                                   // with 128-token kv tiles (KVQ_PREFILL_WGMMA_BC=128, lab)
   int lab;  // KVQ_PREFILL_LAB (timing experiments only, bits): 1 the wgmma producer copies
-            // nothing, 2 its consumers skip the softmax, 4 no ping-pong, 8 two tiles in flight
-            // instead of three; 0 in use
+            // nothing, 2 its consumers skip the softmax, 4 no ping-pong, 8 the other number of
+            // tiles in flight (two / three); 0 in use
   float softmax_scale, soft_cap;  // soft_cap 0: off
   HadamardSigns signs;
   // Split-KV (PrefillPlan::num_splits > 1): grid.x = q tiles x num_splits; block (split, q tile)

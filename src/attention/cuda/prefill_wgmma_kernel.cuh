@@ -153,7 +153,10 @@ __global__ void __launch_bounds__(kThreadsW, 1)
 
   const bool lab_no_loads = (p.lab & 1) != 0, lab_no_softmax = (p.lab & 2) != 0;
   const bool lab_no_pingpong = (p.lab & 4) != 0;
-  const bool lab_shallow = (p.lab & 8) != 0;  // two tiles in flight instead of three
+  // Tiles the producer keeps in flight: three where the ring has five stages (16-bit caches),
+  // two with four (8-bit: three left the consumers waiting, 240 against 283 TFLOP/s on fp8).
+  // KVQ_PREFILL_LAB bit 8 flips the choice (A/B).
+  const bool lab_shallow = C::kAny8 != ((p.lab & 8) != 0);
   if (wg == 0) {
     // ---------------- producer ----------------
     const int32_t* blocks = p.indices + p.indptr[seq];
@@ -242,7 +245,8 @@ __global__ void __launch_bounds__(kThreadsW, 1)
                    smem + stage_v(it), s_base + raw_buf(it) + C::kRawKBytes, blk, row);
       }
       cp_async_commit();
-      // Three tiles in flight: tile it - 2 is complete once at most two groups are pending.
+      // Tile it - 2 (three in flight) is complete once at most two groups are pending; tile it - 1
+      // (two in flight) once at most one is.
       if (lab_shallow) {
         if (it >= 1) {
           cp_async_wait<1>();
