@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
     --dtypes) dtypes="$2"; shift ;;
     --tests) tests="$2"; shift ;;
     # --lab "ENV=V ENV=V;ENV=V ...": after the tests, the quick bench once per ';'-separated set
-    # of kernel-lab variables (KVQ_PREFILL_LAB, KVQ_PREFILL_WGMMA_BC), wgmma lines only.
+    # of kernel-lab variables (KVQ_PREFILL_LAB, KVQ_PREFILL_KERNEL), wgmma lines only.
     --lab) lab="$2"; shift ;;
   esac
   shift

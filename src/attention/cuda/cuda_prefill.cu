@@ -229,7 +229,7 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   kp.num_kv_heads = spec.num_kv_heads;
   kp.ratio = spec.gqa_ratio();
   kp.rows_per_block = plan.rows_per_block;
-  kp.wgmma = plan.wgmma ? (lab_env("KVQ_PREFILL_WGMMA_BC") == 128 ? 2 : 1) : 0;
+  kp.wgmma = plan.wgmma ? 1 : 0;
   kp.lab = lab_env("KVQ_PREFILL_LAB");
   kp.block_tokens = spec.block_tokens;
   kp.attention_kind = static_cast<int>(spec.attention);
