@@ -7,8 +7,9 @@
 #               carry=[".carry/bundle.tar.xz"])
 # Modes: tests  (kvq_cuda_tests, kvq_cuda_model_tests, compute-sanitizer on the wgmma cases)
 #        bench  (cuda_prefill_bench on every shape, PyTorch SDPA cuDNN / flash, the merged table,
-#                then end-to-end prefill of the Llama-3-8B shape at 4k and 16k per KV dtype on
+#                then end-to-end prefill of the Llama-3.1-8B shape (MODEL) at 4k and 16k per KV dtype on
 #                the mma.sync and wgmma kernels: KVQ_PREFILL_KERNEL=mma | auto)
+#        e2e    (the end-to-end part of bench only)
 # Every step has a time limit. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-$PWD/out-gpu}
@@ -33,6 +34,7 @@ if [ "$mode" = tests ]; then
     echo "$tool rc=$?"; tail -1 "$OUT/$tool.log"
   done
 else
+  if [ "$mode" = bench ]; then
   step "cuda_prefill_bench"
   timeout 240 "$B/bench/cuda_prefill_bench" --dtypes "${DTYPES:-bfloat16,fp8_e4m3,int8_per_token_head,int4_per_token_head}" \
     --json "$OUT/kvq_prefill.json" | grep -v "^$"
@@ -40,13 +42,16 @@ else
   PYTHONUNBUFFERED=1 timeout 200 python3 bench/sdpa_bench.py --prefill --json "$OUT/sdpa_prefill.json"
   python3 bench/sdpa_bench.py --prefill-report "$OUT/kvq_prefill.json" "$OUT/sdpa_prefill.json" \
     --markdown "$OUT/prefill_tables.md"
-  step "end to end: Llama-3-8B shape, batch 1, prefill"
+  fi
+  step "end to end: ${MODEL:-llama3.1-8b} shape, batch 1, prefill"
   for len in ${LENS:-4096 16384}; do
     for kv in bfloat16 fp8; do
       for k in mma auto; do
-        KVQ_PREFILL_KERNEL=$k timeout 120 "$B/kvq" bench --synthetic llama3-8b --device cuda --batch 1 \
-          --input-len "$len" --output-len 2 --kv-cache-dtype "$kv" --json "$OUT/e2e-$len-$kv-$k.json" \
-          2>&1 | grep -E "^prefill" | sed "s/^/$len $kv $k: /"
+        f="$OUT/e2e-$len-$kv-$k.json"
+        KVQ_PREFILL_KERNEL=$k timeout 120 "$B/kvq" bench --synthetic "${MODEL:-llama3.1-8b}" --device cuda --batch 1 \
+          --input-len "$len" --output-len 2 --kv-cache-dtype "$kv" --json > "$f" 2> "$f.err" ||
+          { echo "$len $kv $k: failed"; tail -2 "$f.err"; continue; }
+        python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print(sys.argv[2], 'prefill tok/s %.0f' % j['prefill_tokens_per_s'])" "$f" "$len $kv $k:"
       done
     done
   done
