@@ -355,9 +355,9 @@ int main(int argc, char** argv) {
     std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
     std::vector<Shape> shapes = {{"prefill8192", kCtx, kCtx}, {"chunk2048", 2048, kCtx}};
     if (!quick) {
-      shapes = {{"prefill1024", 1024, 1024},  {"prefill4096", 4096, 4096},
-                {"prefill8192", 8192, 8192},  {"prefill16384", 16384, 16384},
-                {"chunk2048", 2048, kCtx},    {"chunk8192", 8192, kMaxCtx}};
+      shapes = {{"prefill1024", 1024, 1024}, {"prefill4096", 4096, 4096},
+                {"prefill8192", 8192, 8192}, {"prefill16384", 16384, 16384},
+                {"chunk2048", 2048, kCtx},   {"chunk8192", 8192, kMaxCtx}};
     }
     const int iters = quick ? 5 : 20;
 
@@ -408,7 +408,8 @@ int main(int argc, char** argv) {
         const std::vector<int32_t> lens = {sh.kv_len};
         int32_t* d_q_indptr = device_copy(q_indptr);
         int32_t* d_lens = device_copy(lens);
-        for (auto kernel : {cuda::PrefillOptions::Kernel::kMma, cuda::PrefillOptions::Kernel::kWgmma}) {
+        for (auto kernel :
+             {cuda::PrefillOptions::Kernel::kMma, cuda::PrefillOptions::Kernel::kWgmma}) {
           cuda::PrefillOptions po;
           po.kernel = kernel;
           const cuda::PrefillPlan plan = cuda::plan_prefill(spec, q_indptr, lens, po);

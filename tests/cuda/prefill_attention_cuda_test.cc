@@ -333,8 +333,8 @@ TEST(CudaPrefillWgmma, MatchesCpuReference) {
           int splits = 0;
           EXPECT_TRUE(problem.check(run_device_api(problem, c.soft_cap, o, &splits), want,
                                     prefill_tolerance(c)))
-              << c.describe() << ", wgmma, " << splits << " splits, seed " << seed
-              << " (case seed " << case_seed << ")";
+              << c.describe() << ", wgmma, " << splits << " splits, seed " << seed << " (case seed "
+              << case_seed << ")";
           if (split == 1) {
             EXPECT_GT(splits, 1) << c.describe();
           }

@@ -95,8 +95,8 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   // either way, and the small one keeps more warps busy per SM).
   PrefillOptions::Kernel choice = options.kernel;
   if (choice == PrefillOptions::Kernel::kAuto) choice = env_kernel();
-  const bool wgmma_built =
-      prefill_wgmma_pair(spec.k_dtype, spec.v_dtype, spec.head_dim_k) && spec.head_dim_v == spec.head_dim_k;
+  const bool wgmma_built = prefill_wgmma_pair(spec.k_dtype, spec.v_dtype, spec.head_dim_k) &&
+                           spec.head_dim_v == spec.head_dim_k;
   const int small = options.small_q && choice != PrefillOptions::Kernel::kWgmma
                         ? prefill_small_q_rows(spec.head_dim_k)
                         : 0;
@@ -108,11 +108,10 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   } else if (choice == PrefillOptions::Kernel::kMma) {
     plan.kernel_reason = "the mma.sync kernel was asked for";
   } else if (!wgmma_built) {
-    plan.kernel_reason = "the wgmma kernel is not built for K " +
-                         std::string(to_string(spec.k_dtype)) + " / V " +
-                         std::string(to_string(spec.v_dtype)) + " at head_dim " +
-                         std::to_string(spec.head_dim_k) +
-                         " (built: 16-bit and per-tensor fp8 sides, head_dim 64 / 128)";
+    plan.kernel_reason =
+        "the wgmma kernel is not built for K " + std::string(to_string(spec.k_dtype)) + " / V " +
+        std::string(to_string(spec.v_dtype)) + " at head_dim " + std::to_string(spec.head_dim_k) +
+        " (built: 16-bit and per-tensor fp8 sides, head_dim 64 / 128)";
   } else {
     plan.wgmma = true;
     plan.kernel_reason = "warpgroup MMA: the wgmma kernel is built for this layer";

@@ -27,8 +27,8 @@ struct PrefillKernelParams {
   const int32_t* indices;
   const int32_t* seq_lens;
   int num_q_heads, num_kv_heads, ratio, block_tokens, attention_kind, window;
-  int rows_per_block;             // the plan's block shape (picks the kernel; its Cfg has it too)
-  int wgmma;                      // 1: the warpgroup-MMA kernel (PrefillPlan::wgmma)
+  int rows_per_block;  // the plan's block shape (picks the kernel; its Cfg has it too)
+  int wgmma;           // 1: the warpgroup-MMA kernel (PrefillPlan::wgmma)
   int lab;  // KVQ_PREFILL_LAB (timing experiments only, bits): 1 the wgmma producer copies
             // nothing, 2 its consumers skip the softmax, 4 no ping-pong, 8 the other number of
             // tiles in flight (two / three); 0 in use
