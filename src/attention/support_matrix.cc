@@ -22,7 +22,10 @@ std::string notes(const AttentionBackend& b) {
     std::vector<std::pair<KvDtype, KvDtype>> mixed(std::begin(cuda::kCudaMixedKvPairs),
                                                    std::end(cuda::kCudaMixedKvPairs));
     return "tensor-core kernels for head_dim 64/128/256 with K == V or " +
-           format_dtype_pairs(mixed) + "; every other pair and head_dim runs the generic kernel";
+           format_dtype_pairs(mixed) +
+           "; every other pair and head_dim runs the generic kernel; prefill of more than one "
+           "small-q block on warpgroup MMA (wgmma) where both sides are bf16/float16/fp8_e4m3/"
+           "fp8_e5m2 at head_dim 64/128 (KVQ_PREFILL_KERNEL=mma: the mma.sync kernel)";
   }
   if (b.name() != "cpu_avx512") return "";
   // How int8/int4 K's logits are computed: integer dot products on the codes, or K decoded.
