@@ -2,6 +2,7 @@
 // fills them, the prefill_<k>[__<v>].cu files instantiate the kernels.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (the struct only; no driver call is linked)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -29,9 +30,15 @@ struct PrefillKernelParams {
   int num_q_heads, num_kv_heads, ratio, block_tokens, attention_kind, window;
   int rows_per_block;  // the plan's block shape (picks the kernel; its Cfg has it too)
   int wgmma;           // 1: the warpgroup-MMA kernel (PrefillPlan::wgmma)
-  int lab;  // KVQ_PREFILL_LAB (timing experiments only, bits): 1 the wgmma producer copies
-            // nothing, 2 its consumers skip the softmax, 4 no ping-pong, 8 the other number of
-            // tiles in flight (two / three); 0 in use
+  // KVQ_PREFILL_LAB (timing experiments only, bits): 1 the wgmma producer copies nothing, 2 its
+  // consumers skip the softmax, 4 no ping-pong, 8 the other number of tiles in flight (two /
+  // three), 16 no TMA; 0 in use.
+  int lab;
+  // wgmma kernel, 16-bit K and V: tensor maps of the two cache sides (dims: head dim, token in
+  // block, kv head, block; boxes of 64 dims x 16 tokens in the 128-byte swizzle) for bulk-tensor
+  // (TMA) copies of the kv tiles wholly inside a block's visible range; tma 0: cp.async only.
+  int tma;
+  CUtensorMap k_map, v_map;
   float softmax_scale, soft_cap;  // soft_cap 0: off
   HadamardSigns signs;
   // Split-KV (PrefillPlan::num_splits > 1): grid.x = q tiles x num_splits; block (split, q tile)

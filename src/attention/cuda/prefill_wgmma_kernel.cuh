@@ -42,6 +42,7 @@ struct WCfg {
   static_assert(prefill_wgmma_pair(DK, DV, HD));
   static constexpr int kBcW = BC;
   static constexpr bool kAny8 = value_bits(DK) == 8 || value_bits(DV) == 8;
+  static constexpr bool kTma = !kAny8;  // both sides 16-bit: interior tiles by TMA
   // Ring stages: the consumers hold two (S of tile t, P V of tile t - 1) and the producer keeps
   // up to three in flight; 8-bit sides also need their staging buffers, so one stage fewer.
   static constexpr int kStages = BC == 64 ? (kAny8 ? 4 : 5) : 2;
@@ -153,6 +154,7 @@ __global__ void __launch_bounds__(kThreadsW, 1)
 
   const bool lab_no_loads = (p.lab & 1) != 0, lab_no_softmax = (p.lab & 2) != 0;
   const bool lab_no_pingpong = (p.lab & 4) != 0;
+  const bool lab_no_tma = (p.lab & 16) != 0;
   // Tiles the producer keeps in flight: three where the ring has five stages (16-bit caches),
   // two with four (8-bit: three left the consumers waiting, 240 against 283 TFLOP/s on fp8).
   // KVQ_PREFILL_LAB bit 8 flips the choice (A/B).
@@ -213,10 +215,17 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         }
       }
     };
+    // Tiles wholly inside [lo, hi) (no token to zero) go by TMA where the plan made tensor maps
+    // (16-bit K and V); the edge tiles by cp.async.
+    auto tma_tile = [&](int it) {
+      const int t0 = (tile_b + it) * kBcW;
+      return C::kTma && p.tma != 0 && !lab_no_tma && t0 >= lo && t0 + kBcW <= hi;
+    };
     auto stage_k = [&](int it) { return C::kK + (it % kS) * C::kTileBytes; };
     auto stage_v = [&](int it) { return C::kV + (it % kS) * C::kTileBytes; };
     auto raw_buf = [&](int it) { return C::kRaw + (it % C::kRawBufs) * C::kRawBuf; };
     auto finish = [&](int it) {
+      if (tma_tile(it)) return;  // arrived at issue
       if (lab_no_loads) {
         sm90::mbar_arrive(bar_full + 8 * (it % kS));
         return;
@@ -238,7 +247,27 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         row[q] = tok - b * p.block_tokens;
         blk[q] = (tok >= hi || tok + 16 <= lo) ? -1 : __ldg(blocks + b);
       }
-      if (!lab_no_loads) {
+      if (tma_tile(it)) {
+        // The whole tile by TMA: one thread issues the copies and the byte count; the others
+        // arrive now (the phase completes when the bytes have landed). An empty cp.async group
+        // keeps the wait counts below uniform.
+        if (tid == 0) {
+          const uint32_t full = bar_full + 8 * (it % kS);
+          sm90::mbar_arrive_expect_tx(full, 2 * C::kTileBytes);
+#pragma unroll
+          for (int q = 0; q < kBcW / 16; ++q)
+#pragma unroll
+            for (int cb = 0; cb < HD / 64; ++cb) {
+              const uint32_t off = static_cast<uint32_t>(cb * C::kKvCb + q * 16 * 128);
+              sm90::tma_load_4d(s_base + stage_k(it) + off, &p.k_map, 64 * cb, row[q], kvh, blk[q],
+                                full);
+              sm90::tma_load_4d(s_base + stage_v(it) + off, &p.v_map, 64 * cb, row[q], kvh, blk[q],
+                                full);
+            }
+        } else {
+          sm90::mbar_arrive(bar_full + 8 * (it % kS));
+        }
+      } else if (!lab_no_loads) {
         issue_side(KvDtypeConst<DK>{}, it, k_head, p.k.block_bytes, s_base + stage_k(it),
                    smem + stage_k(it), s_base + raw_buf(it), blk, row);
         issue_side(KvDtypeConst<DV>{}, it, v_head, p.v.block_bytes, s_base + stage_v(it),
