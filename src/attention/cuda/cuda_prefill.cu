@@ -75,21 +75,24 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// A 16-bit cache side as a 4-d tensor (head dim, token in block, kv head, block) with boxes of
-// 64 dims x 16 tokens in the 128-byte swizzle (the wgmma kernel's operand layout).
+// A cache side as a 4-d tensor (head dim, token in block, kv head, block) for the wgmma kernel's
+// TMA copies: 16-bit sides in boxes of 64 dims x 16 tokens in the 128-byte swizzle (its operand
+// layout), 8-bit sides in boxes of 16 whole rows, unswizzled (its staging layout).
 CUtensorMap cache_side_map(const LayerCacheView& cache, KvSide side) {
   const KvSideLayout& l = cache.layout(side);
+  const bool wide = traits(l.dtype).bits == 16;
   CUtensorMap m{};
   const cuuint64_t dims[4] = {
       static_cast<cuuint64_t>(l.head_dim), static_cast<cuuint64_t>(l.block_tokens),
       static_cast<cuuint64_t>(l.num_kv_heads), static_cast<cuuint64_t>(cache.num_blocks)};
   const cuuint64_t strides[3] = {l.row_data_bytes, l.head_stride, l.block_bytes};
-  const cuuint32_t box[4] = {64, 16, 1, 1};
+  const cuuint32_t box[4] = {wide ? 64u : static_cast<cuuint32_t>(l.head_dim), 16, 1, 1};
   const cuuint32_t elem[4] = {1, 1, 1, 1};
-  const CUresult r =
-      tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, cache.base(side), dims, strides,
-                           box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = tensor_map_encoder()(
+      &m, wide ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 4,
+      cache.base(side), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      wide ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   KVQ_CHECK(r == CUDA_SUCCESS, "cuda prefill: cuTensorMapEncodeTiled failed (" +
                                    std::to_string(static_cast<int>(r)) + ")");
   return m;
@@ -265,8 +268,7 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   kp.ratio = spec.gqa_ratio();
   kp.rows_per_block = plan.rows_per_block;
   kp.wgmma = plan.wgmma ? 1 : 0;
-  if (plan.wgmma && traits(spec.k_dtype).bits == 16 && traits(spec.v_dtype).bits == 16 &&
-      args.cache.num_blocks > 0) {
+  if (plan.wgmma && args.cache.num_blocks > 0) {
     kp.tma = 1;
     kp.k_map = cache_side_map(args.cache, KvSide::kK);
     kp.v_map = cache_side_map(args.cache, KvSide::kV);

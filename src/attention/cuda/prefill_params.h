@@ -34,9 +34,10 @@ struct PrefillKernelParams {
   // consumers skip the softmax, 4 no ping-pong, 8 the other number of tiles in flight (two /
   // three), 16 no TMA; 0 in use.
   int lab;
-  // wgmma kernel, 16-bit K and V: tensor maps of the two cache sides (dims: head dim, token in
-  // block, kv head, block; boxes of 64 dims x 16 tokens in the 128-byte swizzle) for bulk-tensor
-  // (TMA) copies of the kv tiles wholly inside a block's visible range; tma 0: cp.async only.
+  // wgmma kernel: tensor maps of the two cache sides (dims: head dim, token in block, kv head,
+  // block; 16-bit sides in boxes of 64 dims x 16 tokens in the 128-byte swizzle, 8-bit sides in
+  // boxes of 16 whole rows) for bulk-tensor (TMA) copies of the kv tiles wholly inside a block's
+  // visible range; tma 0: cp.async only.
   int tma;
   CUtensorMap k_map, v_map;
   float softmax_scale, soft_cap;  // soft_cap 0: off

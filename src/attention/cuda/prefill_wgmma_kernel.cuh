@@ -42,7 +42,6 @@ struct WCfg {
   static_assert(prefill_wgmma_pair(DK, DV, HD));
   static constexpr int kBcW = BC;
   static constexpr bool kAny8 = value_bits(DK) == 8 || value_bits(DV) == 8;
-  static constexpr bool kTma = !kAny8;  // both sides 16-bit: interior tiles by TMA
   // Ring stages: the consumers hold two (S of tile t, P V of tile t - 1) and the producer keeps
   // up to three in flight; 8-bit sides also need their staging buffers, so one stage fewer.
   static constexpr int kStages = BC == 64 ? (kAny8 ? 4 : 5) : 2;
@@ -57,14 +56,17 @@ struct WCfg {
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kConsumers * kQBytes;
   static constexpr int kV = kK + kStages * kTileBytes;
-  static constexpr int kRaw = kV + kStages * kTileBytes;  // kRawBufs staging buffers (8-bit sides)
-  static constexpr int kRawBufs = 3;                      // one per tile in flight
+  // Staging buffers of the 8-bit sides, one per ring stage: a stage's "empty" barrier then also
+  // orders the reuse of its staging buffer after every producer thread converted it.
+  static constexpr int kRaw = kV + kStages * kTileBytes;
+  static constexpr int kRawBufs = kAny8 ? kStages : 0;
   static constexpr int kRawKBytes = kRawK ? kBcW * HD : 0;
   static constexpr int kRawBuf = kRawKBytes + (kRawV ? kBcW * HD : 0);
   static constexpr int kMeta =
-      kRaw + kRawBufs * kRawBuf;                       // per row: logit factor, sum of Q operands
-  static constexpr int kBar = kMeta + 2 * kRowsW * 4;  // full[kStages], empty[kStages]
-  static constexpr int kSmem = kBar + 2 * kStages * 8;
+      kRaw + kRawBufs * kRawBuf;  // per row: logit factor, sum of Q operands
+  // full[kStages], empty[kStages], raw_full[kStages] (the 8-bit codes of a TMA tile landed)
+  static constexpr int kBar = kMeta + 2 * kRowsW * 4;
+  static constexpr int kSmem = kBar + 3 * kStages * 8;
   static constexpr int kSmemAlloc = kSmem + 1024;  // the base is aligned to 1024 in the kernel
   static_assert(kK % 1024 == 0 && kV % 1024 == 0 && kRaw % 1024 == 0 && kTileBytes % 1024 == 0);
   static_assert(kSmemAlloc <= 227 * 1024);
@@ -141,12 +143,14 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     }
   }
   const int num_tiles = tile_e - tile_b;
-  const uint32_t bar_full = s_base + C::kBar, bar_empty = bar_full + 8 * kS;
+  const uint32_t bar_full = s_base + C::kBar, bar_empty = bar_full + 8 * kS,
+                 bar_raw = bar_empty + 8 * kS;
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kS; ++s) {
       sm90::mbar_init(bar_full + 8 * s, 128);
       sm90::mbar_init(bar_empty + 8 * s, 128 * kConsumers);
+      sm90::mbar_init(bar_raw + 8 * s, 1);
     }
     sm90::mbar_init_fence();
   }
@@ -219,13 +223,16 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     // (16-bit K and V); the edge tiles by cp.async.
     auto tma_tile = [&](int it) {
       const int t0 = (tile_b + it) * kBcW;
-      return C::kTma && p.tma != 0 && !lab_no_tma && t0 >= lo && t0 + kBcW <= hi;
+      return p.tma != 0 && !lab_no_tma && !lab_no_loads && t0 >= lo && t0 + kBcW <= hi;
     };
     auto stage_k = [&](int it) { return C::kK + (it % kS) * C::kTileBytes; };
     auto stage_v = [&](int it) { return C::kV + (it % kS) * C::kTileBytes; };
-    auto raw_buf = [&](int it) { return C::kRaw + (it % C::kRawBufs) * C::kRawBuf; };
+    auto raw_buf = [&](int it) { return C::kRaw + (C::kAny8 ? (it % kS) * C::kRawBuf : 0); };
     auto finish = [&](int it) {
-      if (tma_tile(it)) return;  // arrived at issue
+      if (tma_tile(it)) {
+        if constexpr (!C::kAny8) return;                          // 16-bit sides: arrived at issue
+        sm90::mbar_wait(bar_raw + 8 * (it % kS), (it / kS) & 1);  // the staged codes landed
+      }
       if (lab_no_loads) {
         sm90::mbar_arrive(bar_full + 8 * (it % kS));
         return;
@@ -247,24 +254,48 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         row[q] = tok - b * p.block_tokens;
         blk[q] = (tok >= hi || tok + 16 <= lo) ? -1 : __ldg(blocks + b);
       }
+      if constexpr (C::kAny8) {
+        // A tile by cp.async completes its stage's "raw" phase at once, so that phase k of the
+        // barrier is always use k of the stage (the parity finish() waits for).
+        if (tid == 0 && !tma_tile(it)) sm90::mbar_arrive(bar_raw + 8 * (it % kS));
+      }
       if (tma_tile(it)) {
-        // The whole tile by TMA: one thread issues the copies and the byte count; the others
-        // arrive now (the phase completes when the bytes have landed). An empty cp.async group
-        // keeps the wait counts below uniform.
+        // The whole tile by TMA: one thread issues the copies and the byte counts. With 16-bit
+        // sides only, the others arrive now (the phase completes when the bytes have landed);
+        // with an 8-bit side everyone arrives in finish(), after converting the staged codes.
+        // An empty cp.async group keeps the wait counts below uniform.
         if (tid == 0) {
-          const uint32_t full = bar_full + 8 * (it % kS);
-          sm90::mbar_arrive_expect_tx(full, 2 * C::kTileBytes);
+          const uint32_t full = bar_full + 8 * (it % kS), raw = bar_raw + 8 * (it % kS);
+          // Bytes each barrier waits for: 16-bit sides land in the stage ("full"), 8-bit codes
+          // in the staging buffer ("raw", whose one arrival is this thread's).
+          constexpr uint32_t kBytes16 =
+              (C::kRawK ? 0 : C::kTileBytes) + (C::kRawV ? 0 : C::kTileBytes);
+          constexpr uint32_t kBytes8 = C::kRawBuf;
+          if constexpr (C::kAny8) {
+            if constexpr (kBytes16 > 0) sm90::mbar_expect_tx(full, kBytes16);
+            sm90::mbar_arrive_expect_tx(raw, kBytes8);
+          } else {
+            sm90::mbar_arrive_expect_tx(full, kBytes16);
+          }
+          auto side = [&](auto dtype, const CUtensorMap* map, int stage_off, int raw_off) {
+            constexpr KvDtype D = decltype(dtype)::value;
 #pragma unroll
-          for (int q = 0; q < kBcW / 16; ++q)
+            for (int q = 0; q < kBcW / 16; ++q) {
+              if constexpr (value_bits(D) == 16) {
 #pragma unroll
-            for (int cb = 0; cb < HD / 64; ++cb) {
-              const uint32_t off = static_cast<uint32_t>(cb * C::kKvCb + q * 16 * 128);
-              sm90::tma_load_4d(s_base + stage_k(it) + off, &p.k_map, 64 * cb, row[q], kvh, blk[q],
-                                full);
-              sm90::tma_load_4d(s_base + stage_v(it) + off, &p.v_map, 64 * cb, row[q], kvh, blk[q],
-                                full);
+                for (int cb = 0; cb < HD / 64; ++cb)
+                  sm90::tma_load_4d(
+                      s_base + stage_off + static_cast<uint32_t>(cb * C::kKvCb + q * 16 * 128), map,
+                      64 * cb, row[q], kvh, blk[q], full);
+              } else {
+                sm90::tma_load_4d(s_base + raw_off + static_cast<uint32_t>(q * 16 * HD), map, 0,
+                                  row[q], kvh, blk[q], raw);
+              }
             }
-        } else {
+          };
+          side(KvDtypeConst<DK>{}, &p.k_map, stage_k(it), raw_buf(it));
+          side(KvDtypeConst<DV>{}, &p.v_map, stage_v(it), raw_buf(it) + C::kRawKBytes);
+        } else if constexpr (!C::kAny8) {
           sm90::mbar_arrive(bar_full + 8 * (it % kS));
         }
       } else if (!lab_no_loads) {
