@@ -353,6 +353,67 @@ __device__ __forceinline__ int q_col_reg8(int d) {
   return (d & ~15) + 2 * ((p & 1) * 4 + (p >> 1)) + (d & 1);
 }
 
+// The query rows, kv range and kv tiles of one prefill block (both kernels' grid: blockIdx.x =
+// split x q tiles + the q tile in reverse order, highest rows first since under a causal mask
+// they carry the most kv tiles; y = kv head; z = sequence). Rows are (query token x query head
+// of the kv head's group), row-major.
+struct PrefillBlock {
+  int seq, kvh, split, r0;
+  int q_start, q_len, kv_len, rows_total, first_pos;
+  bool sliding, noncausal;
+  int lo, hi;          // kv positions some row of the block sees
+  int all_lo, all_hi;  // kv positions every row sees
+  int tile_b, tile_e;  // the block's kv tiles (its split's share)
+  // The index of query row r in out / part_o.
+  __device__ int row_index(const PrefillKernelParams& p, int r) const {
+    const int t = r / p.ratio, h = r - t * p.ratio;
+    return (q_start + t) * p.num_q_heads + kvh * p.ratio + h;
+  }
+};
+
+// Fills b for this block of `rows` rows and tiles of `tile_tokens` kv tokens. False when the
+// block has nothing to do: no row exists, or its split's share of the tiles is empty (its rows
+// are then reported "nothing seen" in part_ml, by `threads` threads).
+__device__ __forceinline__ bool prefill_block(const PrefillKernelParams& p, int rows,
+                                              int tile_tokens, int threads, PrefillBlock& b) {
+  b.seq = static_cast<int>(blockIdx.z);
+  b.kvh = static_cast<int>(blockIdx.y);
+  const int num_qt = static_cast<int>(gridDim.x) / p.num_splits;
+  b.split = static_cast<int>(blockIdx.x) / num_qt;
+  const int qtile = num_qt - 1 - (static_cast<int>(blockIdx.x) - b.split * num_qt);
+  b.q_start = p.q_indptr[b.seq];
+  b.q_len = p.q_indptr[b.seq + 1] - b.q_start;
+  b.kv_len = p.seq_lens[b.seq];
+  b.rows_total = b.q_len * p.ratio;
+  b.r0 = qtile * rows;
+  if (b.r0 >= b.rows_total) return false;
+  b.first_pos = b.kv_len - b.q_len;
+  const int p_lo = b.first_pos + b.r0 / p.ratio;
+  const int p_hi = b.first_pos + min(b.rows_total - 1, b.r0 + rows - 1) / p.ratio;
+  b.sliding = p.attention_kind == static_cast<int>(AttentionKind::kSlidingWindow);
+  b.noncausal = p.attention_kind == static_cast<int>(AttentionKind::kNonCausal);
+  b.lo = b.sliding ? max(0, p_lo - p.window + 1) : 0;
+  b.hi = b.noncausal ? b.kv_len : p_hi + 1;
+  b.all_lo = b.sliding ? p_hi - p.window + 1 : 0;
+  b.all_hi = b.noncausal ? b.kv_len : p_lo + 1;
+  b.tile_b = b.lo / tile_tokens;
+  b.tile_e = (b.hi + tile_tokens - 1) / tile_tokens;
+  if (p.num_splits > 1) {
+    const int per = (b.tile_e - b.tile_b + p.num_splits - 1) / p.num_splits;
+    const int first = b.tile_b + b.split * per;
+    b.tile_e = min(b.tile_e, first + per);
+    b.tile_b = first;
+    if (b.tile_b >= b.tile_e) {
+      for (int r = b.r0 + static_cast<int>(threadIdx.x); r < min(b.rows_total, b.r0 + rows);
+           r += threads)
+        p.part_ml[static_cast<size_t>(b.split) * p.part_rows + b.row_index(p, r)] =
+            make_float2(-__uint_as_float(kF32Inf), 0.0f);
+      return false;
+    }
+  }
+  return true;
+}
+
 template <int HD, int kRowsPerBlock>
 constexpr int kMinBlocks = prefill_blocks_per_sm(HD, kRowsPerBlock);
 
@@ -375,49 +436,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<HD, kRowsPerBlock>)
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int seq = static_cast<int>(blockIdx.z);
-  const int kvh = static_cast<int>(blockIdx.y);
-  // Highest row tiles first: under a causal mask they carry the most kv tiles. With split-KV,
-  // blockIdx.x = split x q tiles + that order.
-  const int num_qt = static_cast<int>(gridDim.x) / p.num_splits;
-  const int split = static_cast<int>(blockIdx.x) / num_qt;
-  const int qtile = num_qt - 1 - (static_cast<int>(blockIdx.x) - split * num_qt);
-
-  const int q_start = p.q_indptr[seq];
-  const int q_len = p.q_indptr[seq + 1] - q_start;
-  const int kv_len = p.seq_lens[seq];
-  const int rows_total = q_len * p.ratio;
-  const int r0 = qtile * kRows;
-  if (r0 >= rows_total) return;  // whole block
-  const int first_pos = kv_len - q_len;
-  const int p_lo = first_pos + r0 / p.ratio;
-  const int p_hi = first_pos + min(rows_total - 1, r0 + kRows - 1) / p.ratio;
-  const bool sliding = p.attention_kind == static_cast<int>(AttentionKind::kSlidingWindow);
-  const bool noncausal = p.attention_kind == static_cast<int>(AttentionKind::kNonCausal);
-  // kv positions any row of the block sees, and the range every row sees.
-  const int lo = sliding ? max(0, p_lo - p.window + 1) : 0;
-  const int hi = noncausal ? kv_len : p_hi + 1;
-  const int all_lo = sliding ? p_hi - p.window + 1 : 0;
-  const int all_hi = noncausal ? kv_len : p_lo + 1;
-  int tile_b = lo / kBc, tile_e = (hi + kBc - 1) / kBc;
-  // The index of query row r (token x head) in out / part_o.
-  auto row_index = [&](int r) {
-    const int t = r / p.ratio, h = r - t * p.ratio;
-    return (q_start + t) * p.num_q_heads + kvh * p.ratio + h;
-  };
-  if (p.num_splits > 1) {
-    // This block's share of the q tile's kv tiles; an empty share reports "nothing seen".
-    const int per = (tile_e - tile_b + p.num_splits - 1) / p.num_splits;
-    const int b = tile_b + split * per;
-    tile_e = min(tile_e, b + per);
-    tile_b = b;
-    if (tile_b >= tile_e) {
-      for (int r = r0 + tid; r < min(rows_total, r0 + kRows); r += kThreads)
-        p.part_ml[static_cast<size_t>(split) * p.part_rows + row_index(r)] =
-            make_float2(-__uint_as_float(kF32Inf), 0.0f);
-      return;
-    }
-  }
+  PrefillBlock blk_;
+  if (!prefill_block(p, kRows, kBc, kThreads, blk_)) return;
+  const int seq = blk_.seq, kvh = blk_.kvh, split = blk_.split, r0 = blk_.r0;
+  const int q_start = blk_.q_start, kv_len = blk_.kv_len;
+  const int rows_total = blk_.rows_total, first_pos = blk_.first_pos;
+  const bool sliding = blk_.sliding, noncausal = blk_.noncausal;
+  const int lo = blk_.lo, hi = blk_.hi, all_lo = blk_.all_lo, all_hi = blk_.all_hi;
+  const int tile_b = blk_.tile_b, tile_e = blk_.tile_e;
+  auto row_index = [&](int r) { return blk_.row_index(p, r); };
 
   const int32_t* blocks = p.indices + p.indptr[seq];
   const uint8_t* k_head = p.k.base + static_cast<uint64_t>(kvh) * p.k.head_stride;

@@ -102,46 +102,15 @@ __global__ void __launch_bounds__(kThreadsW, 1)
   uint8_t* smem = smem_raw + (s_base - s_raw);
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid >> 7;
-  const int seq = static_cast<int>(blockIdx.z);
-  const int kvh = static_cast<int>(blockIdx.y);
-  // Highest row tiles first (the most kv tiles under a causal mask); blockIdx.x = split x q
-  // tiles + that order, as in the mma.sync kernel.
-  const int num_qt = static_cast<int>(gridDim.x) / p.num_splits;
-  const int split = static_cast<int>(blockIdx.x) / num_qt;
-  const int qtile = num_qt - 1 - (static_cast<int>(blockIdx.x) - split * num_qt);
-
-  const int q_start = p.q_indptr[seq];
-  const int q_len = p.q_indptr[seq + 1] - q_start;
-  const int kv_len = p.seq_lens[seq];
-  const int rows_total = q_len * p.ratio;
-  const int r0 = qtile * kRowsW;
-  if (r0 >= rows_total) return;  // whole block
-  const int first_pos = kv_len - q_len;
-  const int p_lo = first_pos + r0 / p.ratio;
-  const int p_hi = first_pos + min(rows_total - 1, r0 + kRowsW - 1) / p.ratio;
-  const bool sliding = p.attention_kind == static_cast<int>(AttentionKind::kSlidingWindow);
-  const bool noncausal = p.attention_kind == static_cast<int>(AttentionKind::kNonCausal);
-  const int lo = sliding ? max(0, p_lo - p.window + 1) : 0;
-  const int hi = noncausal ? kv_len : p_hi + 1;
-  const int all_lo = sliding ? p_hi - p.window + 1 : 0;
-  const int all_hi = noncausal ? kv_len : p_lo + 1;
-  int tile_b = lo / kBcW, tile_e = (hi + kBcW - 1) / kBcW;
-  auto row_index = [&](int r) {
-    const int t = r / p.ratio, h = r - t * p.ratio;
-    return (q_start + t) * p.num_q_heads + kvh * p.ratio + h;
-  };
-  if (p.num_splits > 1) {
-    const int per = (tile_e - tile_b + p.num_splits - 1) / p.num_splits;
-    const int b = tile_b + split * per;
-    tile_e = min(tile_e, b + per);
-    tile_b = b;
-    if (tile_b >= tile_e) {
-      for (int r = r0 + tid; r < min(rows_total, r0 + kRowsW); r += kThreadsW)
-        p.part_ml[static_cast<size_t>(split) * p.part_rows + row_index(r)] =
-            make_float2(-__uint_as_float(kF32Inf), 0.0f);
-      return;
-    }
-  }
+  PrefillBlock blk_;
+  if (!prefill_block(p, kRowsW, kBcW, kThreadsW, blk_)) return;
+  const int seq = blk_.seq, kvh = blk_.kvh, split = blk_.split, r0 = blk_.r0;
+  const int q_start = blk_.q_start, kv_len = blk_.kv_len;
+  const int rows_total = blk_.rows_total, first_pos = blk_.first_pos;
+  const bool sliding = blk_.sliding, noncausal = blk_.noncausal;
+  const int lo = blk_.lo, hi = blk_.hi, all_lo = blk_.all_lo, all_hi = blk_.all_hi;
+  const int tile_b = blk_.tile_b, tile_e = blk_.tile_e;
+  auto row_index = [&](int r) { return blk_.row_index(p, r); };
   const int num_tiles = tile_e - tile_b;
   const uint32_t bar_full = s_base + C::kBar, bar_empty = bar_full + 8 * kS,
                  bar_raw = bar_empty + 8 * kS;
