@@ -5,6 +5,9 @@
 #include "attention/backends.h"
 #include "attention/cpu_avx512/kernel.h"
 #include "attention/cuda/kv_pairs.h"
+#ifdef KVQ_WITH_CUDA
+#include "attention/cuda/cuda_prefill.h"
+#endif
 
 namespace kvq {
 
@@ -69,6 +72,9 @@ void check_cpu_kernel_env() {
   // (The model's products read KVQ_CPU_ISA too, with the same values.)
   (void)cpu_attn::default_k_dot(cpu_attn::best_isa(), KvDtype::kInt8PerTokenHead);
   (void)cpu_attn::default_fp8_scale_after();
+#ifdef KVQ_WITH_CUDA
+  cuda::check_prefill_kernel_env();
+#endif
 }
 
 nlohmann::json attention_support_matrix_json() {

@@ -140,8 +140,12 @@ TEST(CliBadInput, CpuKernelEnvironmentSwitches) {
     const char* good;
     const char* accepted;
   };
-  for (const Case& c : {Case{"KVQ_CPU_ISA", "avx3", "avx2", "portable"},
-                        Case{"KVQ_CPU_INT_DOT", "yes", "maddubs", "maddubs"}}) {
+  std::vector<Case> cases = {Case{"KVQ_CPU_ISA", "avx3", "avx2", "portable"},
+                             Case{"KVQ_CPU_INT_DOT", "yes", "maddubs", "maddubs"}};
+#ifdef KVQ_WITH_CUDA
+  cases.push_back(Case{"KVQ_PREFILL_KERNEL", "fast", "mma", "auto, mma, wgmma"});
+#endif
+  for (const Case& c : cases) {
     // Restored afterwards, whatever it was (CI may set it for the whole run).
     const char* before = std::getenv(c.name);
     const std::string saved = before != nullptr ? before : "";

@@ -107,6 +107,10 @@ bool split_by_waves() {
 }
 }  // namespace
 
+void check_prefill_kernel_env() {
+  (void)env_kernel();
+}
+
 PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_indptr,
                          std::span<const int32_t> seq_lens, const PrefillOptions& options) {
   const auto reasons = prefill_unsupported_reasons(spec);

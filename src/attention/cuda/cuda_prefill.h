@@ -73,6 +73,10 @@ constexpr bool prefill_wgmma_pair(KvDtype k, KvDtype v, int head_dim) {
   return prefill_wgmma_side(k) && prefill_wgmma_side(v) && (head_dim == 64 || head_dim == 128);
 }
 
+// Reads KVQ_PREFILL_KERNEL (auto | mma | wgmma): an InputError for any other value. The command
+// line calls it first, so a typo fails before any work.
+void check_prefill_kernel_env();
+
 // Empty when the kernels can run `spec`: a (K, V) pair of kv_pairs.h, head_dim 64 / 128 / 256
 // (K and V equal), block_tokens a multiple of 16, at most 128 kv heads.
 std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec);
