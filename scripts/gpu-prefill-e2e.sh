@@ -10,7 +10,7 @@
 #                then end-to-end prefill of the Llama-3.1-8B shape (MODEL) at 4k and 16k per KV dtype on
 #                the mma.sync and wgmma kernels: KVQ_PREFILL_KERNEL=mma | auto)
 #        e2e    (the end-to-end part of bench only)
-# Every step has a time limit. Logs and JSON go to $OUT.
+# Every step has a time limit. Logs and JSON go to $OUT (the end-to-end JSON to E2E_DIR if set).
 set -uo pipefail
 OUT=${OUT:-$PWD/out-gpu}
 mkdir -p "$OUT"
@@ -47,7 +47,8 @@ else
   for len in ${LENS:-4096 16384}; do
     for kv in bfloat16 fp8; do
       for k in mma auto; do
-        f="$OUT/e2e-$len-$kv-$k.json"
+        mkdir -p "${E2E_DIR:-$OUT}"
+        f="${E2E_DIR:-$OUT}/e2e-$len-$kv-$k.json"
         KVQ_PREFILL_KERNEL=$k timeout 120 "$B/kvq" bench --synthetic "${MODEL:-llama3.1-8b}" --device cuda --batch 1 \
           --input-len "$len" --output-len 2 --kv-cache-dtype "$kv" --json > "$f" 2> "$f.err" ||
           { echo "$len $kv $k: failed"; tail -2 "$f.err"; continue; }
