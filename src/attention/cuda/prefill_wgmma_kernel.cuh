@@ -1,21 +1,24 @@
 // The warp-specialized prefill kernel for Hopper (sm_90a): warpgroup MMA (wgmma) fed through a
-// shared-memory ring by a producer warpgroup (the FlashAttention-3 design, without its
-// intra-warpgroup overlap yet). Included only by prefill_launch.cuh.
+// shared-memory ring by a producer warpgroup (the FlashAttention-3 design). Included only by
+// prefill_launch.cuh. docs/notes/prefill-tuning.md has each version and what it measured.
 //
 // Block: 3 warpgroups (384 threads) own (sequence, kv head, 128 query rows), the rows being
 // (query token x query heads of the GQA group) as in the mma.sync kernel, so grids, split-KV
-// partials and the merge are the same.
-//   - warpgroup 0, the producer: per kv tile of 64 tokens it waits for a free stage of the ring,
-//     copies K and V into it with cp.async (16-bit caches straight into the 128-byte-swizzled
-//     operand layout; 8-bit caches into a staging buffer, then converted to fp16 in the
-//     operand layout by the thread that copied them), zeroes tokens outside the block's visible
-//     range, fences the writes for the async proxy and arrives on the stage's "full" barrier.
+// partials and the merge are the same (PrefillBlock).
+//   - warpgroup 0, the producer: per kv tile of 64 tokens it waits for a free stage of the ring
+//     ("empty" mbarrier). Tiles wholly inside the block's visible range come by TMA (one thread,
+//     16-token boxes of the paged cache: 16-bit rows straight into the 128-byte-swizzled operand
+//     layout, 8-bit codes into the stage's staging buffer, "raw" mbarrier); edge tiles by
+//     cp.async with the tokens outside the visible range zeroed. 8-bit codes are converted to
+//     fp16 in the operand layout; the writes are fenced for the async proxy; then the stage's
+//     "full" mbarrier.
 //   - warpgroups 1 and 2, the consumers: 64 query rows each (Q converted to 16-bit operands in
-//     shared memory once). Per tile: S = Q K^T as m64n64k16 wgmmas from shared memory, the
-//     logits, mask and online softmax in registers (as in the mma.sync kernel), P converted in
-//     registers to the A operand of O += P V (m64n{64,128}k16, V read N-major from the same
-//     token-row layout), then an arrive on the stage's "empty" barrier.
-// The two consumer warpgroups run independently, so one's softmax overlaps the other's MMAs.
+//     shared memory once). S = Q K^T as m64n64k16 wgmmas from shared memory; the logits, mask
+//     and online softmax in registers; P converted in registers to the A operand of O += P V
+//     (m64n{64,128}k16, V read N-major from the same token-row layout). The MMAs of S(t) and of
+//     P V(t - 1) are issued together and the softmax of S(t) runs under the P V MMAs; the two
+//     consumers take turns at the tensor cores (named-barrier ping-pong); a stage is released
+//     once its P V MMAs are done.
 //
 // Operand types as in the mma.sync kernel: bf16 for a bf16 side, fp16 for the others (fp16 Q
 // with a per-row power-of-two scale; fp8 codes are exact in fp16); fp32 accumulation; Q and P
