@@ -39,8 +39,6 @@ std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec) {
 }
 
 namespace {
-// KVQ_PREFILL_SPLIT_RULE=blocks: the small-q grids' splits by the older rule (about four blocks
-// per SM) instead of whole waves (an A/B switch).
 // KVQ_PREFILL_KERNEL=auto (default) | mma | wgmma: the PrefillOptions::Kernel of plans made with
 // kAuto (an A/B switch for whole-model runs).
 PrefillOptions::Kernel env_kernel() {
@@ -98,6 +96,8 @@ CUtensorMap cache_side_map(const LayerCacheView& cache, KvSide side) {
   return m;
 }
 
+// KVQ_PREFILL_SPLIT_RULE=blocks: the small-q grids' splits by the older rule (about four blocks
+// per SM) instead of whole waves (an A/B switch).
 bool split_by_waves() {
   static const bool waves = [] {
     const char* e = std::getenv("KVQ_PREFILL_SPLIT_RULE");
