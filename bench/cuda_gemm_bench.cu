@@ -3,7 +3,7 @@
 // bf16 and FP8 e4m3 operands, and which FP8 scaling mode gives it the better kernels.
 //
 //   cuda_gemm_bench [--shapes llama3-8b] [--m 1,8,16,64] [--layers 8] [--beta 0|1]
-//                   [--modes bf16,fp8-vector,fp8-scalar]
+//                   [--modes bf16,fp8-vector,fp8-scalar,gemv]
 //
 // For every (m, n, k) and mode it asks cuBLASLt's heuristic for up to 32 candidates, times each
 // over `layers` distinct weight matrices in turn (so the weights stream from HBM as in a step,
@@ -14,6 +14,10 @@
 //               cuBLASLt (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, the model's FP8 path)
 //   fp8-scalar  e4m3 x e4m3 -> fp32, one scale per tensor (the per-row scales would then be
 //               applied by the kernel that consumes the product)
+//   gemv        bf16 x bf16 -> fp32 by kvq's skinny kernel (src/model/cuda/gemv.h; m <= 16),
+//               the candidate GemmTuner times beside cuBLASLt's
+// Each line also gives the device's copy bandwidth (read + write, measured once at start) and
+// the weight bytes / time as a share of it.
 // --beta 1 times out = product + out (the residual add the model's o and down projections
 // ask of cuBLASLt); 0 (default) writes the product alone. One JSON line per point on stdout.
 #include <cublasLt.h>
@@ -28,6 +32,8 @@
 #include <limits>
 #include <string>
 #include <vector>
+
+#include "model/cuda/gemv.h"
 
 #define CK(x)                                                                                 \
   do {                                                                                        \
@@ -48,9 +54,41 @@
 
 namespace {
 
-enum class Mode { kBf16, kFp8Vector, kFp8Scalar };
+enum class Mode { kBf16, kFp8Vector, kFp8Scalar, kGemv };
 const char* name(Mode m) {
-  return m == Mode::kBf16 ? "bf16" : m == Mode::kFp8Vector ? "fp8-vector" : "fp8-scalar";
+  return m == Mode::kBf16        ? "bf16"
+         : m == Mode::kFp8Vector ? "fp8-vector"
+         : m == Mode::kFp8Scalar ? "fp8-scalar"
+                                 : "gemv";
+}
+
+// Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written (the median
+// of 20 copies of 2 GiB).
+double copy_gbs(cudaStream_t st) {
+  const size_t bytes = size_t{2} << 30;
+  void *a = nullptr, *b = nullptr;
+  CK(cudaMalloc(&a, bytes));
+  CK(cudaMalloc(&b, bytes));
+  CK(cudaMemsetAsync(a, 0x3c, bytes, st));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int i = 0; i < 23; ++i) {
+    CK(cudaEventRecord(e0, st));
+    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, st));
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    if (i >= 3) ms.push_back(t);
+  }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+  std::sort(ms.begin(), ms.end());
+  return 2.0 * static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e6);
 }
 
 __global__ void fill(uint8_t* p, size_t n, uint32_t seed, bool fp8) {
@@ -83,7 +121,7 @@ struct Point {
 
 Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, int layers,
           float beta, void* ws, size_t ws_bytes) {
-  const bool fp8 = mode != Mode::kBf16;
+  const bool fp8 = mode == Mode::kFp8Vector || mode == Mode::kFp8Scalar;
   const size_t el = fp8 ? 1 : 2;
   std::vector<void*> w(static_cast<size_t>(layers));
   for (auto& p : w) {
@@ -104,6 +142,35 @@ Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, 
   ones<<<64, 256, 0, st>>>(sb, m);
   CK(cudaGetLastError());
 
+  if (mode == Mode::kGemv) {
+    Point p;
+    p.candidates = m <= kvq::cuda_model::kGemvMaxRows ? 1 : 0;
+    if (p.candidates == 1) {
+      auto sweep = [&](float b) {
+        for (void* wp : w) kvq::cuda_model::gemv_bf16(m, n, k, in, k, wp, out, n, b, st);
+      };
+      cudaEvent_t e0, e1;
+      CK(cudaEventCreate(&e0));
+      CK(cudaEventCreate(&e1));
+      constexpr int kSweeps = 10;
+      sweep(beta);
+      CK(cudaEventRecord(e0, st));
+      for (int s = 0; s < kSweeps; ++s) sweep(beta);
+      CK(cudaEventRecord(e1, st));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      p.best_us = 1e3 * ms / (kSweeps * layers);
+      CK(cudaEventDestroy(e0));
+      CK(cudaEventDestroy(e1));
+    }
+    for (void* q : w) CK(cudaFree(q));
+    CK(cudaFree(in));
+    CK(cudaFree(out));
+    CK(cudaFree(sa));
+    CK(cudaFree(sb));
+    return p;
+  }
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
   CB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -217,7 +284,8 @@ int main(int argc, char** argv) {
   std::vector<int> ms = {1, 8, 16, 64};
   int layers = 8;
   float beta = 0.0f;
-  std::vector<Mode> modes = {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar};
+  std::string shape_set = "llama3-8b";
+  std::vector<Mode> modes = {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar, Mode::kGemv};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--m") && i + 1 < argc) {
       ms = parse_list(argv[++i]);
@@ -236,11 +304,11 @@ int main(int argc, char** argv) {
         const size_t c = std::min(list.find(',', pos), list.size());
         const std::string tok = list.substr(pos, c - pos);
         bool found = false;
-        for (Mode md : {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar})
+        for (Mode md : {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar, Mode::kGemv})
           if (tok == name(md)) modes.push_back(md), found = true;
         if (!found) {
           std::fprintf(stderr,
-                       "cuda_gemm_bench: --modes accepts bf16, fp8-vector, fp8-scalar; got %s\n",
+                       "cuda_gemm_bench: --modes accepts bf16, fp8-vector, fp8-scalar, gemv; got %s\n",
                        tok.c_str());
           return 2;
         }
@@ -249,14 +317,16 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--layers") && i + 1 < argc) {
       layers = std::max(1, std::atoi(argv[++i]));
     } else if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) {
-      if (std::strcmp(argv[++i], "llama3-8b") != 0) {
-        std::fprintf(stderr, "cuda_gemm_bench: --shapes accepts llama3-8b\n");
+      shape_set = argv[++i];
+      if (shape_set != "llama3-8b" && shape_set != "llama3-8b-tp2") {
+        std::fprintf(stderr, "cuda_gemm_bench: --shapes accepts llama3-8b or llama3-8b-tp2, got %s\n",
+                     shape_set.c_str());
         return 2;
       }
     } else {
       std::fprintf(stderr,
-                   "usage: cuda_gemm_bench [--shapes llama3-8b] [--m 1,8,16,64] [--layers 8] "
-                   "[--beta 0|1] [--modes bf16,fp8-vector,fp8-scalar]\n");
+                   "usage: cuda_gemm_bench [--shapes llama3-8b|llama3-8b-tp2] [--m 1,8,16,64] "
+                   "[--layers 8] [--beta 0|1] [--modes bf16,fp8-vector,fp8-scalar,gemv]\n");
       return 2;
     }
   }
@@ -264,8 +334,20 @@ int main(int argc, char** argv) {
     const char* name;
     int n, k;
   };
-  const Shape shapes[] = {
-      {"qkv", 6144, 4096}, {"o", 4096, 4096}, {"gate_up", 28672, 4096}, {"down", 4096, 14336}};
+  // One rank's share under tensor parallelism 2: q|k|v and gate|up split by output, o and down
+  // by input, the LM head by vocabulary.
+  const std::vector<Shape> shapes =
+      shape_set == "llama3-8b"
+          ? std::vector<Shape>{{"qkv", 6144, 4096},
+                               {"o", 4096, 4096},
+                               {"gate_up", 28672, 4096},
+                               {"down", 4096, 14336},
+                               {"lm_head", 128256, 4096}}
+          : std::vector<Shape>{{"qkv", 3072, 4096},
+                               {"o", 4096, 2048},
+                               {"gate_up", 14336, 4096},
+                               {"down", 4096, 7168},
+                               {"lm_head", 64128, 4096}};
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   cublasLtHandle_t lt;
@@ -275,20 +357,23 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&ws, ws_bytes));
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::fprintf(stderr, "device %s\n", prop.name);
+  const double copy = copy_gbs(st);
+  std::fprintf(stderr, "device %s, copy %.0f GB/s (read + write)\n", prop.name, copy);
   for (const Shape& s : shapes)
     for (int m : ms)
       for (Mode mode : modes) {
         const Point p = run(lt, st, mode, m, s.n, s.k, layers, beta, ws, ws_bytes);
-        const double bytes = static_cast<double>(s.n) * s.k * (mode == Mode::kBf16 ? 2 : 1);
+        const bool one_byte = mode == Mode::kFp8Vector || mode == Mode::kFp8Scalar;
+        const double bytes = static_cast<double>(s.n) * s.k * (one_byte ? 1 : 2);
         const double gbs = p.best_us > 0 && p.best_us < 1e30 ? bytes / (p.best_us * 1e3) : 0.0;
         std::printf(
             "{\"shape\": \"%s\", \"m\": %d, \"n\": %d, \"k\": %d, \"mode\": \"%s\", \"beta\": "
             "%g, \"best_us\": %.2f, "
-            "\"weight_gb_per_s\": %.0f, \"candidates\": %d, \"tile_id\": %d, \"splitk\": %d, "
+            "\"weight_gb_per_s\": %.0f, \"pct_copy\": %.1f, \"copy_gb_per_s\": %.0f, "
+            "\"candidates\": %d, \"tile_id\": %d, \"splitk\": %d, "
             "\"best_beta0_us\": %.2f, \"beta0_choice_at_beta_us\": %.2f}\n",
             s.name, m, s.n, s.k, name(mode), beta, p.best_us < 1e30 ? p.best_us : -1.0, gbs,
-            p.candidates, p.tile, p.splitk, p.best0_us < 1e30 ? p.best0_us : -1.0,
+            100.0 * gbs / copy, copy, p.candidates, p.tile, p.splitk, p.best0_us < 1e30 ? p.best0_us : -1.0,
             p.best0_algo_at_beta_us < 1e30 ? p.best0_algo_at_beta_us : -1.0);
         std::fflush(stdout);
       }

@@ -11,6 +11,11 @@
 #          REPS narrow it), then the default model (models/kvq-code-tiny) at batch 1 / 8.
 #   ncu    per-kernel times of 8B decode steps at batch 1 (Nsight Compute, in place).
 #   tests  the cache-write and decode tests of kvq_cuda_tests, then the whole CUDA model tests.
+#   gemv   kvq's skinny GEMM (src/model/cuda/gemv.h): its tests, compute-sanitizer memcheck and
+#          racecheck, then cuda_gemm_bench bf16 (cuBLASLt's best) vs gemv on the 8B shapes and
+#          one TP-2 rank's (M, default 1,2,4,8,16).
+#   forced the whole CUDA model test binary with KVQ_GEMV=force (every tuned shape it takes on
+#          the skinny kernel).
 # Logs and JSON lines go to $OUT (or ./out-step).
 set -uo pipefail
 OUT=${OUT:-$PWD/out-step}
@@ -73,7 +78,31 @@ for part in "${@:-lab ab tests}"; do
     timeout 500 $B/tests/kvq_cuda_model_tests > "$OUT/model-tests.log" 2>&1; echo "rc=$?"
     grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]" "$OUT/model-tests.log" | tail -8
     ;;
-  *) echo "gpu-step-check: unknown part $part (lab, ab, ncu, tests)" >&2; exit 2 ;;
+  gemv)
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    step "GemvBf16 and GemmTuner tests"
+    timeout 120 $B/tests/kvq_cuda_model_tests --gtest_filter='GemvBf16.*:GemmTuner.*' \
+      > "$OUT/gemv-tests.log" 2>&1; echo "rc=$?"
+    grep -E "^\[  (FAILED|PASSED|SKIPPED|     OK) |^\[==========\]" "$OUT/gemv-tests.log" | tail -8
+    for tool in memcheck racecheck; do
+      step "compute-sanitizer $tool GemvBf16.MatchesTheProductForEveryShapeItTakes"
+      timeout 240 compute-sanitizer --tool $tool $B/tests/kvq_cuda_model_tests \
+        --gtest_filter='GemvBf16.MatchesTheProductForEveryShapeItTakes' > "$OUT/gemv-$tool.log" 2>&1
+      echo "rc=$?"; tail -3 "$OUT/gemv-$tool.log"
+    done
+    for set in llama3-8b llama3-8b-tp2; do
+      step "cuda_gemm_bench bf16 vs gemv, $set"
+      timeout 200 $B/bench/cuda_gemm_bench --shapes $set --modes bf16,gemv --layers ${LAYERS:-4} \
+        --m ${GEMV_M:-1,2,4,8,16} | tee -a "$OUT/gemv-lab.jsonl"
+    done
+    ;;
+  forced)
+    step "the whole CUDA model test binary, KVQ_GEMV=force"
+    KVQ_GEMV=force timeout 500 $B/tests/kvq_cuda_model_tests > "$OUT/model-tests-gemv.log" 2>&1
+    echo "rc=$?"
+    grep -E "^\[  (FAILED|PASSED|SKIPPED) |^\[==========\]" "$OUT/model-tests-gemv.log" | tail -8
+    ;;
+  *) echo "gpu-step-check: unknown part $part (lab, ab, ncu, tests, gemv, forced)" >&2; exit 2 ;;
   esac
 done
 step done

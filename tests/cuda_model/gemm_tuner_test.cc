@@ -10,12 +10,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <vector>
 
 #include "cuda/cuda_test_util.h"
+#include "kvq/core/error.h"
 #include "kvq/quant/codec.h"
+#include "model/cuda/gemv.h"
 #include "model/cuda/model_kernels.h"
 
 namespace kvq::test {
@@ -102,6 +105,134 @@ TEST(GemmTuner, TimedAlgorithmsComputeTheGemm) {
     EXPECT_FALSE(tuner.run(s.m + 1, s.n, s.k, din.get(), s.k, wp[0], dout.get(), s.n, 0.0f));
     EXPECT_FALSE(tuner.run(s.m, s.n, s.k, din.get(), s.k, static_cast<const std::byte*>(wp[0]) + 2,
                            dout.get(), s.n, 0.0f));
+  }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// kvq's skinny kernel (gemv.h) against fp64 sums: every row count it takes (both n-tile
+// widths), feature counts that do not fill its 16-row blocks, k that does not fill a warp's
+// 32-value steps, padded input rows, beta 0 over a NaN-poisoned output (never read) and beta 1.
+TEST(GemvBf16, MatchesTheProductForEveryShapeItTakes) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  struct Shape {
+    int m, n, k, lda;
+  };
+  std::vector<Shape> shapes = {{1, 1, 8, 8},       {1, 17, 40, 48},    {3, 100, 264, 264},
+                               {8, 1040, 520, 528}, {9, 33, 4104, 4104}, {16, 256, 2048, 2056},
+                               {5, 4096, 1024, 1024}, {13, 70, 136, 144}};
+  for (int extra = 0; extra < 4; ++extra)  // fresh random shapes as well
+    shapes.push_back({1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 300),
+                      8 * (1 + static_cast<int>(rng() % 300)), 0});
+  for (Shape s : shapes) {
+    if (s.lda == 0) s.lda = s.k + 8 * static_cast<int>(rng() % 3);
+    SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
+                 std::to_string(s.k) + " lda " + std::to_string(s.lda));
+    std::vector<uint16_t> in(static_cast<size_t>(s.m) * s.lda), w(static_cast<size_t>(s.n) * s.k);
+    for (auto& v : in) v = to_bf16(nd(rng));
+    for (auto& v : w) v = to_bf16(nd(rng));
+    DeviceBuffer<uint16_t> din(in), dw(w);
+    DeviceBuffer<float> dout(static_cast<size_t>(s.m) * s.n);
+    ASSERT_TRUE(
+        cuda_model::gemv_bf16_fits(s.m, s.n, s.k, din.get(), s.lda, dw.get(), dout.get(), s.n));
+    std::vector<float> base(static_cast<size_t>(s.m) * s.n);
+    for (auto& v : base) v = nd(rng);
+    for (const float beta : {0.0f, 1.0f}) {
+      if (beta == 0.0f) {
+        dout.upload(std::vector<float>(base.size(), std::numeric_limits<float>::quiet_NaN()));
+      } else {
+        dout.upload(base);
+      }
+      cuda_model::gemv_bf16(s.m, s.n, s.k, din.get(), s.lda, dw.get(), dout.get(), s.n, beta,
+                            stream);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const std::vector<float> got = dout.download();
+      for (int i = 0; i < s.m; ++i)
+        for (int j = 0; j < s.n; ++j) {
+          double want = 0.0, mag = 0.0;
+          for (int c = 0; c < s.k; ++c) {
+            const double p = from_bf16(in[static_cast<size_t>(i) * s.lda + c]) *
+                             from_bf16(w[static_cast<size_t>(j) * s.k + c]);
+            want += p;
+            mag += std::abs(p);
+          }
+          const size_t o = static_cast<size_t>(i) * s.n + j;
+          want += beta * base[o];
+          ASSERT_NEAR(got[o], want, 2e-5 * mag + 1e-6 * std::abs(beta * base[o]) + 1e-6)
+              << "beta " << beta << " row " << i << " feature " << j;
+        }
+    }
+  }
+  // What it does not take is refused, not run.
+  DeviceBuffer<uint16_t> x(64 * 40), wt(64 * 40);
+  DeviceBuffer<float> y(64 * 64);
+  EXPECT_FALSE(cuda_model::gemv_bf16_fits(17, 8, 32, x.get(), 32, wt.get(), y.get(), 8));
+  EXPECT_FALSE(cuda_model::gemv_bf16_fits(1, 8, 36, x.get(), 36, wt.get(), y.get(), 8));
+  EXPECT_FALSE(cuda_model::gemv_bf16_fits(1, 8, 32, x.get(), 36, wt.get(), y.get(), 8));
+  EXPECT_FALSE(cuda_model::gemv_bf16_fits(1, 8, 32, x.get() + 1, 32, wt.get(), y.get(), 8));
+  EXPECT_FALSE(cuda_model::gemv_bf16_fits(1, 8, 32, x.get(), 32, wt.get() + 4, y.get(), 8));
+  EXPECT_THROW(cuda_model::gemv_bf16(17, 8, 32, x.get(), 32, wt.get(), y.get(), 8, 0.0f, stream),
+               InternalError);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// The tuner's use of the skinny kernel: forced, tuned shapes run it (and compute the GEMM through
+// run(), beta 1 included); never, they do not; auto keeps whichever it timed faster, and shapes
+// above kGemvMaxRows rows never run it.
+TEST(GemvBf16, TunerForcedNeverAndAuto) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  constexpr size_t kWs = 32u << 20;
+  DeviceBuffer<std::byte> ws(kWs);
+  const int m = 1 + static_cast<int>(rng() % 16), n = 528, k = 1024;
+  SCOPED_TRACE("m " + std::to_string(m));
+  std::vector<uint16_t> in(static_cast<size_t>(m) * k), w(static_cast<size_t>(n) * k);
+  for (auto& v : in) v = to_bf16(nd(rng));
+  for (auto& v : w) v = to_bf16(nd(rng) / 32.0f);
+  DeviceBuffer<uint16_t> din(in), dw(w);
+  DeviceBuffer<float> dout(static_cast<size_t>(32) * n);
+  const std::vector<const void*> wp = {dw.get()};
+  for (const cuda_model::GemvUse use :
+       {cuda_model::GemvUse::kForce, cuda_model::GemvUse::kNever, cuda_model::GemvUse::kAuto}) {
+    cuda_model::GemmTuner tuner(stream, ws.get(), kWs);
+    tuner.set_gemv_use(use);
+    EXPECT_GT(tuner.tune(m, n, k, din.get(), k, wp, dout.get(), n), 0.0);
+    if (use == cuda_model::GemvUse::kForce) {
+      EXPECT_TRUE(tuner.uses_gemv(m, n, k, k, n));
+    } else if (use == cuda_model::GemvUse::kNever) {
+      EXPECT_FALSE(tuner.uses_gemv(m, n, k, k, n));
+    }
+    DeviceBuffer<uint16_t> big(static_cast<size_t>(32) * k);
+    (void)tuner.tune(32, n, k, big.get(), k, wp, dout.get(), n);
+    EXPECT_FALSE(tuner.uses_gemv(32, n, k, k, n));
+    std::vector<float> base(static_cast<size_t>(m) * n);
+    for (auto& v : base) v = nd(rng);
+    dout.upload(base);
+    ASSERT_TRUE(tuner.run(m, n, k, din.get(), k, dw.get(), dout.get(), n, 1.0f));
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<float> got = dout.download();
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) {
+        double want = base[static_cast<size_t>(i) * n + j], mag = 0.0;
+        for (int c = 0; c < k; ++c) {
+          const double p = from_bf16(in[static_cast<size_t>(i) * k + c]) *
+                           from_bf16(w[static_cast<size_t>(j) * k + c]);
+          want += p;
+          mag += std::abs(p);
+        }
+        ASSERT_NEAR(got[static_cast<size_t>(i) * n + j], want, 2e-5 * mag + 1e-5)
+            << "use " << static_cast<int>(use) << " row " << i << " feature " << j;
+      }
   }
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }

@@ -14,6 +14,7 @@
 #include "cache/cuda/cuda_check.h"
 #include "kvq/core/error.h"
 #include "model/cuda/cublas_check.h"
+#include "model/cuda/gemv.h"
 #include "model/cuda/model_kernels.h"
 
 namespace kvq::cuda_model {
@@ -32,6 +33,7 @@ struct Choice {
   cublasLtMatmulAlgo_t algo;
   uint32_t alignment;  // every pointer must be at least this aligned
   bool epilogue;       // FP8: unit-scale GEMM + kvq's scaling kernel
+  bool gemv;           // bf16: kvq's skinny kernel (gemv.h) instead of cuBLASLt
 };
 
 // The process-wide choices, keyed by (device, type and FP8 scaling restriction, m, n, k, lda,
@@ -63,6 +65,7 @@ struct GemmTuner::Plan {
   GemmInput type = GemmInput::kBF16;
   bool epilogue = false;  // FP8: unit scales in cuBLASLt, kvq's kernel applies them
   bool timed = false;     // tune() chose the algorithm (else cuBLASLt's heuristic did)
+  bool gemv = false;      // bf16: gemv_bf16 (gemv.h) instead of cuBLASLt
   int m = 0, n = 0, ldc = 0;
 
   Plan(GemmInput type_, int m_, int n_, int k, int lda, int ldc_, bool epilogue_ = false)
@@ -106,6 +109,16 @@ GemmTuner::GemmTuner(cudaStream_t stream, void* workspace, size_t workspace_byte
   }
   if (const char* e = std::getenv("KVQ_GEMM_LOG"); e != nullptr && std::strcmp(e, "1") == 0)
     log_ = true;
+  if (const char* e = std::getenv("KVQ_GEMV")) {
+    if (std::strcmp(e, "0") == 0) {
+      gemv_ = GemvUse::kNever;
+    } else if (std::strcmp(e, "force") == 0) {
+      gemv_ = GemvUse::kForce;
+    } else {
+      KVQ_CHECK(std::strcmp(e, "auto") == 0,
+                std::string("KVQ_GEMV accepts 0, auto or force; got '") + e + "'");
+    }
+  }
   KVQ_CUBLAS_CHECK(cublasLtCreate(&lt_));
 }
 
@@ -199,6 +212,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
       plan->timed = true;
       plan->algo = it->second.algo;
       plan->alignment = it->second.alignment;
+      plan->gemv = it->second.gemv;
       plans_[key] = std::move(plan);
       return 0.0;
     }
@@ -269,6 +283,37 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
         }
       }
     }
+    // kvq's skinny kernel for bf16 products of up to kGemvMaxRows rows (gemv.h), timed the
+    // same way; with KVQ_GEMV=force it is taken wherever it applies.
+    bool gemv_fits = !fp8 && gemv_ != GemvUse::kNever && align >= 16;
+    for (const GemmWeight& w : weights)
+      gemv_fits = gemv_fits && gemv_bf16_fits(m, n, k, in, lda, w.w, out, ldc);
+    if (gemv_fits) {
+      auto sweep = [&]() {
+        for (const GemmWeight& w : weights) gemv_bf16(m, n, k, in, lda, w.w, out, ldc, 0.0f, stream_);
+      };
+      constexpr int kSweeps = 3;
+      sweep();
+      KVQ_CUDA_CHECK(cudaEventRecord(e0, stream_));
+      for (int s = 0; s < kSweeps; ++s) sweep();
+      KVQ_CUDA_CHECK(cudaEventRecord(e1, stream_));
+      KVQ_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0.0f;
+      KVQ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      const double us = 1e3 * ms / (kSweeps * static_cast<double>(weights.size()));
+      if (log_) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, " g%.1f", us);
+        timed += buf;
+      }
+      if (us < best_us || gemv_ == GemvUse::kForce) {
+        best_us = us;
+        best_plan = std::make_unique<Plan>(type, m, n, k, lda, ldc);
+        best_plan->timed = true;
+        best_plan->alignment = align;
+        best_plan->gemv = true;
+      }
+    }
   } catch (...) {
     (void)cudaEventDestroy(e0);
     (void)cudaEventDestroy(e1);
@@ -283,7 +328,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   {
     std::lock_guard<std::mutex> lock(g_mu);
     const auto [it, inserted] =
-        choices().emplace(gkey, Choice{best_plan->algo, align, best_plan->epilogue});
+        choices().emplace(gkey, Choice{best_plan->algo, align, best_plan->epilogue, best_plan->gemv});
     if (!inserted) {
       // Another tuner chose first (in another thread): take its choice, so every model of
       // this process runs the same algorithm for the shape.
@@ -291,10 +336,16 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
       best_plan->timed = true;
       best_plan->algo = it->second.algo;
       best_plan->alignment = it->second.alignment;
+      best_plan->gemv = it->second.gemv;
     }
   }
   plans_[key] = std::move(best_plan);
   return best_us;
+}
+
+bool GemmTuner::uses_gemv(int m, int n, int k, int lda, int ldc) const {
+  const Plan* p = find(Key{type_key(GemmInput::kBF16), m, n, k, lda, ldc});
+  return p != nullptr && p->gemv;
 }
 
 bool GemmTuner::fp8_epilogue(int m, int n, int k, int lda, int ldc) const {
@@ -309,6 +360,11 @@ bool GemmTuner::run(int m, int n, int k, const void* in, int lda, const void* w,
   if (alignment_of(in) < p->alignment || alignment_of(w) < p->alignment ||
       alignment_of(out) < p->alignment)
     return false;
+  if (p->gemv) {
+    if (!gemv_bf16_fits(m, n, k, in, lda, w, out, ldc)) return false;
+    gemv_bf16(m, n, k, in, lda, w, out, ldc, beta, stream_);
+    return true;
+  }
   KVQ_CUBLAS_CHECK(launch(*p, p->algo, in, nullptr, GemmWeight{w, nullptr}, out, beta));
   return true;
 }

@@ -42,6 +42,11 @@ enum class GemmInput : uint8_t { kBF16, kFP8 };
 // How an FP8 GEMM applies its row and column scales: kAuto times both for tuned shapes.
 enum class Fp8Scaling : uint8_t { kAuto, kOuterVector, kEpilogue };
 
+// Whether bf16 shapes of up to kGemvMaxRows rows may run kvq's skinny kernel (gemv.h): kAuto
+// times it beside cuBLASLt's candidates, kNever leaves it out, kForce takes it wherever it
+// applies (tests, A/B runs). KVQ_GEMV=auto|0|force sets it at construction.
+enum class GemvUse : uint8_t { kAuto, kNever, kForce };
+
 // One layer's weight: [n][k] values and, for FP8, its n dequantization scales (device).
 struct GemmWeight {
   const void* w = nullptr;
@@ -88,6 +93,10 @@ class GemmTuner {
   // (the default) lets tune() time both. KVQ_FP8_SCALING=outer_vector|epilogue sets it at
   // construction.
   void set_fp8_scaling(Fp8Scaling s) { fp8_scaling_ = s; }
+  // Restricts the skinny kernel for later tune() calls (GemvUse).
+  void set_gemv_use(GemvUse g) { gemv_ = g; }
+  // For bf16 (m, n, k, lda, ldc) after tune(): whether kvq's skinny kernel runs it.
+  bool uses_gemv(int m, int n, int k, int lda, int ldc) const;
   // Whether the caller applies the scales of kvq-scaled FP8 products itself (in the kernels
   // that consume them: run()'s left_unscaled): tune() then times those candidates without
   // kvq's scaling kernel, as they will run. Without it a fused model was given cuBLASLt's
@@ -99,11 +108,11 @@ class GemmTuner {
 
  private:
   struct Plan;
-  // type (with the FP8 scaling restriction: type_key), m, n, k, lda, ldc
+  // type (with the FP8 scaling or the skinny-kernel restriction: type_key), m, n, k, lda, ldc
   using Key = std::tuple<int, int, int, int, int, int>;
   int type_key(GemmInput type) const {
-    return static_cast<int>(type) * 4 +
-           (type == GemmInput::kFP8 ? static_cast<int>(fp8_scaling_) : 0);
+    return static_cast<int>(type) * 4 + (type == GemmInput::kFP8 ? static_cast<int>(fp8_scaling_)
+                                                                 : static_cast<int>(gemv_));
   }
   const Plan* find(const Key& key) const;
   // cuBLASLt's heuristic candidates for a plan (at most 16), for pointers of `align` bytes.
@@ -123,6 +132,7 @@ class GemmTuner {
   cublasLtHandle_t lt_ = nullptr;
   Fp8Scaling fp8_scaling_ = Fp8Scaling::kAuto;
   bool fp8_scales_deferred_ = false;
+  GemvUse gemv_ = GemvUse::kAuto;
   bool log_ = false;  // KVQ_GEMM_LOG=1: one stderr line per tuned shape
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };

@@ -1,0 +1,146 @@
+#include "model/cuda/gemv.h"
+
+#include <cstdint>
+
+#include "cache/cuda/cuda_check.h"
+#include "cache/cuda/pdl.h"
+#include "kvq/core/error.h"
+
+namespace kvq::cuda_model {
+
+namespace {
+
+constexpr int kWarps = 4;    // warps per block, splitting k
+constexpr int kRows = 16;    // output features per block (the MMA's M)
+constexpr int kUnroll = 4;   // k steps of 32 per warp per iteration (and as many in flight)
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Streamed once per step: do not keep weight lines in L1 (evict-first).
+__device__ __forceinline__ uint4 load_weight(const uint16_t* p) {
+  return __ldcs(reinterpret_cast<const uint4*>(p));
+}
+
+// Block b: output features [16 b, 16 b + 16); warp w: k steps w, w + kWarps, ... of 32 values.
+// Lane (g = lane / 4, t = lane % 4) holds, per step s at column c = 32 s + 8 t, the 16 bytes
+// W[16 b + g][c..c+8), W[16 b + g + 8][c..c+8) and x[8 j + g][c..c+8) for each n-tile j.
+// m16n8k16's A fragment gives lane (g, t) the k positions {2t, 2t+1, 2t+8, 2t+9} of rows g and
+// g + 8, and the B fragment the same k positions of column g; mapping them to c + {0, 1, 2, 3}
+// (first MMA) and c + {4..7} (second) for both operands covers each column once, so the sum is
+// the product's. NT n-tiles of 8 input rows: m <= 8 NT.
+template <int NT>
+__global__ void __launch_bounds__(kWarps * 32) gemv_bf16_kernel(const uint16_t* __restrict__ in,
+                                                                int lda,
+                                                                const uint16_t* __restrict__ w,
+                                                                float* __restrict__ out, int m,
+                                                                int n, int k, int ldc, float beta) {
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int r0 = static_cast<int>(blockIdx.x) * kRows + g, r1 = r0 + 8;
+  const bool v0 = r0 < n, v1 = r1 < n;
+  const uint16_t* w0 = w + static_cast<int64_t>(v0 ? r0 : 0) * k;
+  const uint16_t* w1 = w + static_cast<int64_t>(v1 ? r1 : 0) * k;
+  const int steps = (k + 31) / 32;
+  const int iters = (steps + kWarps * kUnroll - 1) / (kWarps * kUnroll);
+  auto column = [&](int it, int u) { return (warp + kWarps * (it * kUnroll + u)) * 32 + 8 * t; };
+
+  uint4 wa[kUnroll], wb[kUnroll];
+  auto load_w = [&](int it) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = column(it, u);
+      const bool ok = c < k;
+      wa[u] = ok && v0 ? load_weight(w0 + c) : make_uint4(0, 0, 0, 0);
+      wb[u] = ok && v1 ? load_weight(w1 + c) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  // The weights do not depend on the previous kernel: their first loads are in flight while
+  // it finishes.
+  if (iters > 0) load_w(0);
+  cuda::wait_for_previous_kernel();
+
+  float acc[NT][4] = {};
+  for (int it = 0; it < iters; ++it) {
+    uint4 ca[kUnroll], cb[kUnroll], xv[kUnroll][NT];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      ca[u] = wa[u];
+      cb[u] = wb[u];
+      const int c = column(it, u);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int i = 8 * j + g;
+        xv[u][j] = c < k && i < m
+                       ? __ldg(reinterpret_cast<const uint4*>(in + static_cast<int64_t>(i) * lda + c))
+                       : make_uint4(0, 0, 0, 0);
+      }
+    }
+    if (it + 1 < iters) load_w(it + 1);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        mma_bf16(acc[j], ca[u].x, cb[u].x, ca[u].y, cb[u].y, xv[u][j].x, xv[u][j].y);
+        mma_bf16(acc[j], ca[u].z, cb[u].z, ca[u].w, cb[u].w, xv[u][j].z, xv[u][j].w);
+      }
+  }
+  cuda::allow_next_kernel();
+
+  // The warps' partial sums, added in warp order.
+  __shared__ float part[kWarps][NT * 4][32];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) part[warp][j * 4 + e][lane] = acc[j][e];
+  __syncthreads();
+  for (int idx = static_cast<int>(threadIdx.x); idx < NT * 4 * 32; idx += kWarps * 32) {
+    const int q = idx / 32, l = idx % 32;
+    float s = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) s += part[v][q][l];
+    // Accumulator element e of n-tile j on lane l: feature g + 8 (e / 2), input 8 j + 2 t + e % 2.
+    const int j = q / 4, e = q % 4;
+    const int row = static_cast<int>(blockIdx.x) * kRows + (l >> 2) + 8 * (e >> 1);
+    const int i = 8 * j + 2 * (l & 3) + (e & 1);
+    if (row < n && i < m) {
+      float* o = out + static_cast<int64_t>(i) * ldc + row;
+      *o = beta != 0.0f ? s + beta * *o : s;
+    }
+  }
+}
+
+bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+}  // namespace
+
+bool gemv_bf16_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
+                    int ldc) {
+  return m >= 1 && m <= kGemvMaxRows && n >= 1 && k >= 8 && k % 8 == 0 && lda >= k &&
+         lda % 8 == 0 && ldc >= n && in != nullptr && w != nullptr && out != nullptr &&
+         aligned(in, 16) && aligned(w, 16) && aligned(out, 4);
+}
+
+void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
+               float beta, cudaStream_t stream) {
+  KVQ_CHECK(gemv_bf16_fits(m, n, k, in, lda, w, out, ldc),
+            "gemv_bf16: operands it does not take (m, alignment or strides)");
+  const dim3 grid(static_cast<unsigned>((n + kRows - 1) / kRows));
+  const auto* x = static_cast<const uint16_t*>(in);
+  const auto* wt = static_cast<const uint16_t*>(w);
+  if (m <= 8)
+    cuda::launch_pdl(gemv_bf16_kernel<1>, grid, dim3(kWarps * 32), stream, x, lda, wt, out, m, n, k,
+                     ldc, beta);
+  else
+    cuda::launch_pdl(gemv_bf16_kernel<2>, grid, dim3(kWarps * 32), stream, x, lda, wt, out, m, n, k,
+                     ldc, beta);
+}
+
+}  // namespace kvq::cuda_model

@@ -1,0 +1,36 @@
+// kvq's skinny bf16 GEMM for decode-sized products (issue #14, batch-1 steps at the weight
+// floor): out[m][n] (fp32, row stride ldc) = in[m][k] (bf16, row stride lda) * w[n][k]^T
+// (+ beta * out), for m <= kGemvMaxRows input rows (a batch-1 step, a verification step of up
+// to 16 tokens).
+//
+// Such a product reads the whole weight once and does a few FLOPs per byte, so its time is the
+// weight bytes over HBM bandwidth, and cuBLASLt's kernels for these shapes leave 6-33% of the
+// bandwidth unused (docs/notes/decode-tuning.md). This kernel streams each weight row once:
+// a block owns 16 output features, its warps split k; each lane loads 16 bytes of two weight
+// rows and of its input row per step and feeds them to two m16n8k16 tensor-core MMAs (the k
+// positions of a fragment are permuted consistently for W and x, so a lane's contiguous 16
+// bytes are its fragment); the warps' partial sums are added in a fixed order (deterministic).
+// Launched with programmatic dependent launch: the first weight loads are issued before
+// waiting for the kernel that writes `in`.
+//
+// GemmTuner times it beside cuBLASLt's candidates and keeps whichever is faster per shape.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace kvq::cuda_model {
+
+inline constexpr int kGemvMaxRows = 16;
+
+// Whether gemv_bf16 takes these operands: 1 <= m <= kGemvMaxRows, n >= 1, k a positive
+// multiple of 8, lda a multiple of 8 (>= k), ldc >= n, `in` and `w` 16-byte aligned, `out`
+// 4-byte aligned.
+bool gemv_bf16_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
+                    int ldc);
+
+// The product above on `stream` (operands as gemv_bf16_fits requires; checked). With beta 0,
+// `out` is written without being read (it may hold anything).
+void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
+               float beta, cudaStream_t stream);
+
+}  // namespace kvq::cuda_model
