@@ -146,23 +146,28 @@ Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, 
     Point p;
     p.candidates = m <= kvq::cuda_model::kGemvMaxRows ? 1 : 0;
     if (p.candidates == 1) {
-      auto sweep = [&](float b) {
-        for (void* wp : w) kvq::cuda_model::gemv_bf16(m, n, k, in, k, wp, out, n, b, st);
-      };
-      cudaEvent_t e0, e1;
-      CK(cudaEventCreate(&e0));
-      CK(cudaEventCreate(&e1));
-      constexpr int kSweeps = 10;
-      sweep(beta);
-      CK(cudaEventRecord(e0, st));
-      for (int s = 0; s < kSweeps; ++s) sweep(beta);
-      CK(cudaEventRecord(e1, st));
-      CK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      p.best_us = 1e3 * ms / (kSweeps * layers);
-      CK(cudaEventDestroy(e0));
-      CK(cudaEventDestroy(e1));
+      // Every variant (warps per block); the best is reported, its warps as tile_id.
+      for (const int warps : kvq::cuda_model::kGemvWarps) {
+        auto sweep = [&](float b) {
+          for (void* wp : w) kvq::cuda_model::gemv_bf16(m, n, k, in, k, wp, out, n, b, st, warps);
+        };
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        constexpr int kSweeps = 10;
+        sweep(beta);
+        CK(cudaEventRecord(e0, st));
+        for (int s = 0; s < kSweeps; ++s) sweep(beta);
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        const double us = 1e3 * ms / (kSweeps * layers);
+        std::fprintf(stderr, "gemv n %d k %d m %d warps %d: %.2f us\n", n, k, m, warps, us);
+        if (us < p.best_us) p.best_us = us, p.tile = warps;
+        CK(cudaEventDestroy(e0));
+        CK(cudaEventDestroy(e1));
+      }
     }
     for (void* q : w) CK(cudaFree(q));
     CK(cudaFree(in));
@@ -307,9 +312,10 @@ int main(int argc, char** argv) {
         for (Mode md : {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar, Mode::kGemv})
           if (tok == name(md)) modes.push_back(md), found = true;
         if (!found) {
-          std::fprintf(stderr,
-                       "cuda_gemm_bench: --modes accepts bf16, fp8-vector, fp8-scalar, gemv; got %s\n",
-                       tok.c_str());
+          std::fprintf(
+              stderr,
+              "cuda_gemm_bench: --modes accepts bf16, fp8-vector, fp8-scalar, gemv; got %s\n",
+              tok.c_str());
           return 2;
         }
         pos = c + 1;
@@ -319,7 +325,8 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) {
       shape_set = argv[++i];
       if (shape_set != "llama3-8b" && shape_set != "llama3-8b-tp2") {
-        std::fprintf(stderr, "cuda_gemm_bench: --shapes accepts llama3-8b or llama3-8b-tp2, got %s\n",
+        std::fprintf(stderr,
+                     "cuda_gemm_bench: --shapes accepts llama3-8b or llama3-8b-tp2, got %s\n",
                      shape_set.c_str());
         return 2;
       }
@@ -336,18 +343,17 @@ int main(int argc, char** argv) {
   };
   // One rank's share under tensor parallelism 2: q|k|v and gate|up split by output, o and down
   // by input, the LM head by vocabulary.
-  const std::vector<Shape> shapes =
-      shape_set == "llama3-8b"
-          ? std::vector<Shape>{{"qkv", 6144, 4096},
-                               {"o", 4096, 4096},
-                               {"gate_up", 28672, 4096},
-                               {"down", 4096, 14336},
-                               {"lm_head", 128256, 4096}}
-          : std::vector<Shape>{{"qkv", 3072, 4096},
-                               {"o", 4096, 2048},
-                               {"gate_up", 14336, 4096},
-                               {"down", 4096, 7168},
-                               {"lm_head", 64128, 4096}};
+  const std::vector<Shape> shapes = shape_set == "llama3-8b"
+                                        ? std::vector<Shape>{{"qkv", 6144, 4096},
+                                                             {"o", 4096, 4096},
+                                                             {"gate_up", 28672, 4096},
+                                                             {"down", 4096, 14336},
+                                                             {"lm_head", 128256, 4096}}
+                                        : std::vector<Shape>{{"qkv", 3072, 4096},
+                                                             {"o", 4096, 2048},
+                                                             {"gate_up", 14336, 4096},
+                                                             {"down", 4096, 7168},
+                                                             {"lm_head", 64128, 4096}};
   cudaStream_t st;
   CK(cudaStreamCreate(&st));
   cublasLtHandle_t lt;
@@ -373,7 +379,8 @@ int main(int argc, char** argv) {
             "\"candidates\": %d, \"tile_id\": %d, \"splitk\": %d, "
             "\"best_beta0_us\": %.2f, \"beta0_choice_at_beta_us\": %.2f}\n",
             s.name, m, s.n, s.k, name(mode), beta, p.best_us < 1e30 ? p.best_us : -1.0, gbs,
-            100.0 * gbs / copy, copy, p.candidates, p.tile, p.splitk, p.best0_us < 1e30 ? p.best0_us : -1.0,
+            100.0 * gbs / copy, copy, p.candidates, p.tile, p.splitk,
+            p.best0_us < 1e30 ? p.best0_us : -1.0,
             p.best0_algo_at_beta_us < 1e30 ? p.best0_algo_at_beta_us : -1.0);
         std::fflush(stdout);
       }

@@ -123,8 +123,8 @@ TEST(GemvBf16, MatchesTheProductForEveryShapeItTakes) {
   struct Shape {
     int m, n, k, lda;
   };
-  std::vector<Shape> shapes = {{1, 1, 8, 8},       {1, 17, 40, 48},    {3, 100, 264, 264},
-                               {8, 1040, 520, 528}, {9, 33, 4104, 4104}, {16, 256, 2048, 2056},
+  std::vector<Shape> shapes = {{1, 1, 8, 8},          {1, 17, 40, 48},     {3, 100, 264, 264},
+                               {8, 1040, 520, 528},   {9, 33, 4104, 4104}, {16, 256, 2048, 2056},
                                {5, 4096, 1024, 1024}, {13, 70, 136, 144}};
   for (int extra = 0; extra < 4; ++extra)  // fresh random shapes as well
     shapes.push_back({1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 300),
@@ -142,31 +142,33 @@ TEST(GemvBf16, MatchesTheProductForEveryShapeItTakes) {
         cuda_model::gemv_bf16_fits(s.m, s.n, s.k, din.get(), s.lda, dw.get(), dout.get(), s.n));
     std::vector<float> base(static_cast<size_t>(s.m) * s.n);
     for (auto& v : base) v = nd(rng);
-    for (const float beta : {0.0f, 1.0f}) {
-      if (beta == 0.0f) {
-        dout.upload(std::vector<float>(base.size(), std::numeric_limits<float>::quiet_NaN()));
-      } else {
-        dout.upload(base);
-      }
-      cuda_model::gemv_bf16(s.m, s.n, s.k, din.get(), s.lda, dw.get(), dout.get(), s.n, beta,
-                            stream);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      const std::vector<float> got = dout.download();
-      for (int i = 0; i < s.m; ++i)
-        for (int j = 0; j < s.n; ++j) {
-          double want = 0.0, mag = 0.0;
-          for (int c = 0; c < s.k; ++c) {
-            const double p = from_bf16(in[static_cast<size_t>(i) * s.lda + c]) *
-                             from_bf16(w[static_cast<size_t>(j) * s.k + c]);
-            want += p;
-            mag += std::abs(p);
-          }
-          const size_t o = static_cast<size_t>(i) * s.n + j;
-          want += beta * base[o];
-          ASSERT_NEAR(got[o], want, 2e-5 * mag + 1e-6 * std::abs(beta * base[o]) + 1e-6)
-              << "beta " << beta << " row " << i << " feature " << j;
+    for (const int warps : cuda_model::kGemvWarps)
+      for (const float beta : {0.0f, 1.0f}) {
+        SCOPED_TRACE("warps " + std::to_string(warps));
+        if (beta == 0.0f) {
+          dout.upload(std::vector<float>(base.size(), std::numeric_limits<float>::quiet_NaN()));
+        } else {
+          dout.upload(base);
         }
-    }
+        cuda_model::gemv_bf16(s.m, s.n, s.k, din.get(), s.lda, dw.get(), dout.get(), s.n, beta,
+                              stream, warps);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const std::vector<float> got = dout.download();
+        for (int i = 0; i < s.m; ++i)
+          for (int j = 0; j < s.n; ++j) {
+            double want = 0.0, mag = 0.0;
+            for (int c = 0; c < s.k; ++c) {
+              const double p = from_bf16(in[static_cast<size_t>(i) * s.lda + c]) *
+                               from_bf16(w[static_cast<size_t>(j) * s.k + c]);
+              want += p;
+              mag += std::abs(p);
+            }
+            const size_t o = static_cast<size_t>(i) * s.n + j;
+            want += beta * base[o];
+            ASSERT_NEAR(got[o], want, 2e-5 * mag + 1e-6 * std::abs(beta * base[o]) + 1e-6)
+                << "beta " << beta << " row " << i << " feature " << j;
+          }
+      }
   }
   // What it does not take is refused, not run.
   DeviceBuffer<uint16_t> x(64 * 40), wt(64 * 40);
@@ -177,6 +179,8 @@ TEST(GemvBf16, MatchesTheProductForEveryShapeItTakes) {
   EXPECT_FALSE(cuda_model::gemv_bf16_fits(1, 8, 32, x.get() + 1, 32, wt.get(), y.get(), 8));
   EXPECT_FALSE(cuda_model::gemv_bf16_fits(1, 8, 32, x.get(), 32, wt.get() + 4, y.get(), 8));
   EXPECT_THROW(cuda_model::gemv_bf16(17, 8, 32, x.get(), 32, wt.get(), y.get(), 8, 0.0f, stream),
+               InternalError);
+  EXPECT_THROW(cuda_model::gemv_bf16(1, 8, 32, x.get(), 32, wt.get(), y.get(), 8, 0.0f, stream, 5),
                InternalError);
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }

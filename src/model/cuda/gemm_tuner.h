@@ -111,8 +111,8 @@ class GemmTuner {
   // type (with the FP8 scaling or the skinny-kernel restriction: type_key), m, n, k, lda, ldc
   using Key = std::tuple<int, int, int, int, int, int>;
   int type_key(GemmInput type) const {
-    return static_cast<int>(type) * 4 + (type == GemmInput::kFP8 ? static_cast<int>(fp8_scaling_)
-                                                                 : static_cast<int>(gemv_));
+    return static_cast<int>(type) * 4 +
+           (type == GemmInput::kFP8 ? static_cast<int>(fp8_scaling_) : static_cast<int>(gemv_));
   }
   const Plan* find(const Key& key) const;
   // cuBLASLt's heuristic candidates for a plan (at most 16), for pointers of `align` bytes.

@@ -10,9 +10,8 @@ namespace kvq::cuda_model {
 
 namespace {
 
-constexpr int kWarps = 4;    // warps per block, splitting k
-constexpr int kRows = 16;    // output features per block (the MMA's M)
-constexpr int kUnroll = 4;   // k steps of 32 per warp per iteration (and as many in flight)
+constexpr int kRows = 16;   // output features per block (the MMA's M)
+constexpr int kUnroll = 4;  // k steps of 32 per warp per iteration (and as many in flight)
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -28,19 +27,18 @@ __device__ __forceinline__ uint4 load_weight(const uint16_t* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
-// Block b: output features [16 b, 16 b + 16); warp w: k steps w, w + kWarps, ... of 32 values.
+// Block b: output features [16 b, 16 b + 16); warp w of kWarps: k steps w, w + kWarps, ... of
+// 32 values.
 // Lane (g = lane / 4, t = lane % 4) holds, per step s at column c = 32 s + 8 t, the 16 bytes
 // W[16 b + g][c..c+8), W[16 b + g + 8][c..c+8) and x[8 j + g][c..c+8) for each n-tile j.
 // m16n8k16's A fragment gives lane (g, t) the k positions {2t, 2t+1, 2t+8, 2t+9} of rows g and
 // g + 8, and the B fragment the same k positions of column g; mapping them to c + {0, 1, 2, 3}
 // (first MMA) and c + {4..7} (second) for both operands covers each column once, so the sum is
 // the product's. NT n-tiles of 8 input rows: m <= 8 NT.
-template <int NT>
-__global__ void __launch_bounds__(kWarps * 32) gemv_bf16_kernel(const uint16_t* __restrict__ in,
-                                                                int lda,
-                                                                const uint16_t* __restrict__ w,
-                                                                float* __restrict__ out, int m,
-                                                                int n, int k, int ldc, float beta) {
+template <int NT, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
+    gemv_bf16_kernel(const uint16_t* __restrict__ in, int lda, const uint16_t* __restrict__ w,
+                     float* __restrict__ out, int m, int n, int k, int ldc, float beta) {
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -78,9 +76,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_bf16_kernel(const uint16_t* 
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const int i = 8 * j + g;
-        xv[u][j] = c < k && i < m
-                       ? __ldg(reinterpret_cast<const uint4*>(in + static_cast<int64_t>(i) * lda + c))
-                       : make_uint4(0, 0, 0, 0);
+        xv[u][j] =
+            c < k && i < m
+                ? __ldg(reinterpret_cast<const uint4*>(in + static_cast<int64_t>(i) * lda + c))
+                : make_uint4(0, 0, 0, 0);
       }
     }
     if (it + 1 < iters) load_w(it + 1);
@@ -117,7 +116,9 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_bf16_kernel(const uint16_t* 
   }
 }
 
-bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+bool aligned(const void* p, uintptr_t a) {
+  return reinterpret_cast<uintptr_t>(p) % a == 0;
+}
 
 }  // namespace
 
@@ -129,18 +130,27 @@ bool gemv_bf16_fits(int m, int n, int k, const void* in, int lda, const void* w,
 }
 
 void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
-               float beta, cudaStream_t stream) {
+               float beta, cudaStream_t stream, int warps) {
   KVQ_CHECK(gemv_bf16_fits(m, n, k, in, lda, w, out, ldc),
             "gemv_bf16: operands it does not take (m, alignment or strides)");
+  KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16: 4 or 8 warps per block");
   const dim3 grid(static_cast<unsigned>((n + kRows - 1) / kRows));
   const auto* x = static_cast<const uint16_t*>(in);
   const auto* wt = static_cast<const uint16_t*>(w);
-  if (m <= 8)
-    cuda::launch_pdl(gemv_bf16_kernel<1>, grid, dim3(kWarps * 32), stream, x, lda, wt, out, m, n, k,
-                     ldc, beta);
-  else
-    cuda::launch_pdl(gemv_bf16_kernel<2>, grid, dim3(kWarps * 32), stream, x, lda, wt, out, m, n, k,
-                     ldc, beta);
+  auto launch = [&](auto kernel) {
+    cuda::launch_pdl(kernel, grid, dim3(warps * 32), stream, x, lda, wt, out, m, n, k, ldc, beta);
+  };
+  if (m <= 8) {
+    if (warps == 4)
+      launch(gemv_bf16_kernel<1, 4>);
+    else
+      launch(gemv_bf16_kernel<1, 8>);
+  } else {
+    if (warps == 4)
+      launch(gemv_bf16_kernel<2, 4>);
+    else
+      launch(gemv_bf16_kernel<2, 8>);
+  }
 }
 
 }  // namespace kvq::cuda_model

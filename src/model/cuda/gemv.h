@@ -6,7 +6,7 @@
 // Such a product reads the whole weight once and does a few FLOPs per byte, so its time is the
 // weight bytes over HBM bandwidth, and cuBLASLt's kernels for these shapes leave 6-33% of the
 // bandwidth unused (docs/notes/decode-tuning.md). This kernel streams each weight row once:
-// a block owns 16 output features, its warps split k; each lane loads 16 bytes of two weight
+// a block owns 16 output features, its 4 or 8 warps split k; each lane loads 16 bytes of two weight
 // rows and of its input row per step and feeds them to two m16n8k16 tensor-core MMAs (the k
 // positions of a fragment are permuted consistently for W and x, so a lane's contiguous 16
 // bytes are its fragment); the warps' partial sums are added in a fixed order (deterministic).
@@ -28,9 +28,12 @@ inline constexpr int kGemvMaxRows = 16;
 bool gemv_bf16_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
                     int ldc);
 
-// The product above on `stream` (operands as gemv_bf16_fits requires; checked). With beta 0,
-// `out` is written without being read (it may hold anything).
+// The warps per block (splitting k) it is built for; GemmTuner times each.
+inline constexpr int kGemvWarps[] = {4, 8};
+
+// The product above on `stream` (operands as gemv_bf16_fits requires, `warps` one of
+// kGemvWarps; checked). With beta 0, `out` is written without being read (it may hold anything).
 void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
-               float beta, cudaStream_t stream);
+               float beta, cudaStream_t stream, int warps = 4);
 
 }  // namespace kvq::cuda_model
