@@ -185,6 +185,90 @@ TEST(GemvBf16, MatchesTheProductForEveryShapeItTakes) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// gate|up with its SiLU-mul in the skinny kernel's epilogue: the bits of gemv_bf16 followed by
+// cuda_model::silu_mul (bf16 and fp32 rows, both warp counts, both n-tile widths, feature counts
+// that do not fill its 8-feature blocks, a padded output stride).
+TEST(GemvBf16, SiluMulEpilogueIsTheUnfusedBits) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  struct Shape {
+    int m, I, k;
+  };
+  for (const Shape s : {Shape{1, 8, 64}, Shape{3, 37, 264}, Shape{8, 700, 1024},
+                        Shape{11, 129, 520}, Shape{16, 64, 2056},
+                        Shape{1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 500),
+                              8 * (1 + static_cast<int>(rng() % 200))}}) {
+    SCOPED_TRACE("m " + std::to_string(s.m) + " I " + std::to_string(s.I) + " k " +
+                 std::to_string(s.k));
+    std::vector<uint16_t> in(static_cast<size_t>(s.m) * s.k), w(static_cast<size_t>(2 * s.I) * s.k);
+    for (auto& v : in) v = to_bf16(nd(rng));
+    for (auto& v : w) v = to_bf16(nd(rng) / 8.0f);
+    DeviceBuffer<uint16_t> din(in), dw(w);
+    DeviceBuffer<float> prod(static_cast<size_t>(s.m) * 2 * s.I);
+    const int ldo = s.I + 3;
+    for (const int warps : cuda_model::kGemvWarps)
+      for (const bool bf16 : {true, false}) {
+        SCOPED_TRACE("warps " + std::to_string(warps) + (bf16 ? " bf16" : " fp32"));
+        DeviceBuffer<float> ref(static_cast<size_t>(s.m) * ldo),
+            got(static_cast<size_t>(s.m) * ldo);
+        const std::vector<float> zeros(static_cast<size_t>(s.m) * ldo, 0.0f);
+        ref.upload(zeros);
+        got.upload(zeros);
+        cuda_model::gemv_bf16(s.m, 2 * s.I, s.k, din.get(), s.k, dw.get(), prod.get(), 2 * s.I,
+                              0.0f, stream, warps);
+        // silu_mul writes rows of I values; the padded stride is laid out row by row here.
+        for (int i = 0; i < s.m; ++i)
+          cuda_model::silu_mul(prod.get() + static_cast<size_t>(i) * 2 * s.I, nullptr, 1, s.I,
+                               bf16 ? static_cast<void*>(reinterpret_cast<uint16_t*>(ref.get()) +
+                                                         static_cast<size_t>(i) * ldo)
+                                    : static_cast<void*>(ref.get() + static_cast<size_t>(i) * ldo),
+                               bf16, stream);
+        ASSERT_TRUE(cuda_model::gemv_bf16_silu_mul_fits(s.m, s.I, s.k, din.get(), s.k, dw.get(),
+                                                        got.get(), ldo, bf16));
+        cuda_model::gemv_bf16_silu_mul(s.m, s.I, s.k, din.get(), s.k, dw.get(), got.get(), ldo,
+                                       bf16, stream, warps);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const std::vector<float> a = ref.download(), b = got.download();
+        ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+            << "fused and unfused bits differ";
+        // And the values are silu(gate) * up of the fp64 products.
+        for (int i = 0; i < s.m; ++i)
+          for (int f = 0; f < s.I; ++f) {
+            double gate = 0.0, up = 0.0, mag = 0.0;
+            for (int c = 0; c < s.k; ++c) {
+              const double x = from_bf16(in[static_cast<size_t>(i) * s.k + c]);
+              gate += x * from_bf16(w[static_cast<size_t>(f) * s.k + c]);
+              up += x * from_bf16(w[static_cast<size_t>(s.I + f) * s.k + c]);
+              mag += std::abs(x) * (std::abs(from_bf16(w[static_cast<size_t>(f) * s.k + c])) +
+                                    std::abs(from_bf16(w[static_cast<size_t>(s.I + f) * s.k + c])));
+            }
+            const double want = gate / (1.0 + std::exp(-gate)) * up;
+            double v = 0.0;
+            if (bf16) {
+              uint16_t h = 0;
+              std::memcpy(
+                  &h,
+                  reinterpret_cast<const uint16_t*>(b.data()) + static_cast<size_t>(i) * ldo + f,
+                  2);
+              v = from_bf16(h);
+            } else {
+              v = b[static_cast<size_t>(i) * ldo + f];
+            }
+            ASSERT_NEAR(v, want,
+                        (bf16 ? 8e-3 : 1e-5) * std::abs(want) +
+                            1e-4 * mag * (1.0 + std::abs(up) + std::abs(gate)) + 1e-6)
+                << "row " << i << " feature " << f;
+          }
+      }
+  }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 // The tuner's use of the skinny kernel: forced, tuned shapes run it (and compute the GEMM through
 // run(), beta 1 included); never, they do not; auto keeps whichever it timed faster, and shapes
 // above kGemvMaxRows rows never run it.

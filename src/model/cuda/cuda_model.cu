@@ -45,6 +45,7 @@
 #include "model/checkpoint_reader.h"
 #include "model/cuda/cublas_check.h"
 #include "model/cuda/gemm_tuner.h"
+#include "model/cuda/gemv.h"
 #include "model/cuda/linear.h"
 #include "model/cuda/model_kernels.h"
 #include "model/cuda/tensor_parallel.h"
@@ -816,6 +817,9 @@ class CudaDecoderModel final : public CudaModel {
   // A DFlash drafter's context rows ride in the layers' q|k|v products (run_body);
   // KVQ_DFLASH_RIDE=0: they are written on their own first (A/B switch).
   bool context_rows_ride_ = false;
+  // gate|up's SiLU-mul in the skinny kernel's epilogue where it runs gate|up (KVQ_GEMV_SILU=0:
+  // never, for A/B runs).
+  bool gemv_silu_ = true;
   double* inv_freq_ = nullptr;
   void* attn_ws_ = nullptr;
   void* sample_ws_ = nullptr;
@@ -1073,6 +1077,8 @@ void CudaDecoderModel::allocate_buffers() {
   void* gemm_ws = buf_.alloc(kCublasWorkspace);
   KVQ_CUBLAS_CHECK(cublasSetWorkspace(cublas_, gemm_ws, kCublasWorkspace));
   if (bf16_) tuner_ = std::make_unique<cuda_model::GemmTuner>(stream_, gemm_ws, kCublasWorkspace);
+  if (const char* e = std::getenv("KVQ_GEMV_SILU"); e != nullptr && std::strcmp(e, "0") == 0)
+    gemv_silu_ = false;
   if (const char* e = std::getenv("KVQ_FP8_FUSE"); e != nullptr && std::string(e) == "0")
     fp8_fuse_ = false;
   if (tuner_) tuner_->set_fp8_scales_deferred(fp8_fuse_);
@@ -1798,12 +1804,27 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     } else {
       cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.post_norm, eps_, h_, bf16_, stream_);
     }
-    const Deferred dg = linear(w.gate_up, T, h_, H_, mlp_, 2 * I_, 0.0f,
-                               {fuse_fp8(w.gate_up), fuse_fp8(w.gate_up)});
-    // SiLU-mul stays a wide kernel (one block per row of 14336 would be latency-bound at a few
-    // rows); the down projection's input is quantized by linear() from its bf16 output.
-    cuda_model::silu_mul(mlp_, w.gate_up_bias, T, I_, h_, bf16_, stream_, dg.row_scale,
-                         dg.col_scale);
+    // Where the tuner runs gate|up on kvq's skinny kernel (bf16 weights, no bias), its
+    // SiLU-mul rides in that kernel's epilogue (the same bits), writing bf16 rows into mlp_
+    // for down; otherwise SiLU-mul is its own wide kernel (one block per row of 14336 would be
+    // latency-bound at a few rows). down's input is quantized by linear() from bf16 rows.
+    const void* down_in = h_;
+    const int silu_warps = gemv_silu_ && tuner_ &&
+                                   w.gate_up.dtype == cuda_model::Linear::Dtype::kBF16 &&
+                                   !w.gate_up_bias
+                               ? tuner_->gemv_warps(T, 2 * I_, H_, H_, 2 * I_)
+                               : 0;
+    if (silu_warps > 0 &&
+        cuda_model::gemv_bf16_silu_mul_fits(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true)) {
+      cuda_model::gemv_bf16_silu_mul(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true, stream_,
+                                     silu_warps);
+      down_in = mlp_;
+    } else {
+      const Deferred dg = linear(w.gate_up, T, h_, H_, mlp_, 2 * I_, 0.0f,
+                                 {fuse_fp8(w.gate_up), fuse_fp8(w.gate_up)});
+      cuda_model::silu_mul(mlp_, w.gate_up_bias, T, I_, h_, bf16_, stream_, dg.row_scale,
+                           dg.col_scale);
+    }
     // down's scaled product is added by the next layer's input RMSNorm, unless this layer's
     // output is read here (the last layer: the final norm; a captured layer) or has a bias.
     bool captured = false;
@@ -1812,7 +1833,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
         captured = captured || c == l;
     const bool fold_down =
         fuse_fp8(w.down) && !w.down_bias && l + 1 < num_layers_ && !captured && !tp;
-    pending = linear(w.down, T, h_, I_, x_, H_, residual_beta, {false, fold_down});
+    pending = linear(w.down, T, down_in, I_, x_, H_, residual_beta, {false, fold_down});
     // The next layer's input RMSNorm may run inside the all-reduce (not the last layer's: the
     // final norm reads only the logit rows).
     const DeviceWeights::Layer* next =

@@ -347,9 +347,9 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   return best_us;
 }
 
-bool GemmTuner::uses_gemv(int m, int n, int k, int lda, int ldc) const {
+int GemmTuner::gemv_warps(int m, int n, int k, int lda, int ldc) const {
   const Plan* p = find(Key{type_key(GemmInput::kBF16), m, n, k, lda, ldc});
-  return p != nullptr && p->gemv_warps > 0;
+  return p != nullptr ? p->gemv_warps : 0;
 }
 
 bool GemmTuner::fp8_epilogue(int m, int n, int k, int lda, int ldc) const {

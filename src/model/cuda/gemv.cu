@@ -1,5 +1,7 @@
 #include "model/cuda/gemv.h"
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "cache/cuda/cuda_check.h"
@@ -35,15 +37,23 @@ __device__ __forceinline__ uint4 load_weight(const uint16_t* p) {
 // g + 8, and the B fragment the same k positions of column g; mapping them to c + {0, 1, 2, 3}
 // (first MMA) and c + {4..7} (second) for both operands covers each column once, so the sum is
 // the product's. NT n-tiles of 8 input rows: m <= 8 NT.
-template <int NT, int kWarps>
+//
+// kSilu: w is a gate|up matrix of 2 n rows (gate rows first) and the block's MMA rows are the
+// gate and up rows of 8 features [8 b, 8 b + 8): rows g and g + 8 of the tile are gate and up
+// of feature 8 b + g, so a lane's accumulators hold both factors of its outputs, and the
+// epilogue writes silu(gate) * up ([m][n], bf16 or fp32) instead of the product.
+template <int NT, int kWarps, bool kSilu>
 __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
     gemv_bf16_kernel(const uint16_t* __restrict__ in, int lda, const uint16_t* __restrict__ w,
-                     float* __restrict__ out, int m, int n, int k, int ldc, float beta) {
+                     void* __restrict__ out_v, int m, int n, int k, int ldc, float beta,
+                     bool out_bf16) {
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int r0 = static_cast<int>(blockIdx.x) * kRows + g, r1 = r0 + 8;
-  const bool v0 = r0 < n, v1 = r1 < n;
+  const int r0 =
+      kSilu ? static_cast<int>(blockIdx.x) * 8 + g : static_cast<int>(blockIdx.x) * kRows + g;
+  const int r1 = kSilu ? r0 + n : r0 + 8;
+  const bool v0 = r0 < n, v1 = kSilu ? v0 : r1 < n;
   const uint16_t* w0 = w + static_cast<int64_t>(v0 ? r0 : 0) * k;
   const uint16_t* w1 = w + static_cast<int64_t>(v1 ? r1 : 0) * k;
   const int steps = (k + 31) / 32;
@@ -100,19 +110,69 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
 #pragma unroll
     for (int e = 0; e < 4; ++e) part[warp][j * 4 + e][lane] = acc[j][e];
   __syncthreads();
-  for (int idx = static_cast<int>(threadIdx.x); idx < NT * 4 * 32; idx += kWarps * 32) {
-    const int q = idx / 32, l = idx % 32;
+  auto sum = [&](int q, int l) {
     float s = 0.0f;
 #pragma unroll
     for (int v = 0; v < kWarps; ++v) s += part[v][q][l];
-    // Accumulator element e of n-tile j on lane l: feature g + 8 (e / 2), input 8 j + 2 t + e % 2.
-    const int j = q / 4, e = q % 4;
-    const int row = static_cast<int>(blockIdx.x) * kRows + (l >> 2) + 8 * (e >> 1);
-    const int i = 8 * j + 2 * (l & 3) + (e & 1);
-    if (row < n && i < m) {
-      float* o = out + static_cast<int64_t>(i) * ldc + row;
-      *o = beta != 0.0f ? s + beta * *o : s;
+    return s;
+  };
+  if constexpr (kSilu) {
+    // Elements 0 / 1 of n-tile j on lane l are the gate sums of feature 8 b + l / 4 for inputs
+    // 8 j + 2 (l % 4) + {0, 1}; elements 2 / 3 the up sums of the same outputs.
+    for (int idx = static_cast<int>(threadIdx.x); idx < NT * 2 * 32; idx += kWarps * 32) {
+      const int q = idx / 32, l = idx % 32;
+      const int j = q / 2, e = q % 2;
+      const int f = static_cast<int>(blockIdx.x) * 8 + (l >> 2);
+      const int i = 8 * j + 2 * (l & 3) + e;
+      if (f < n && i < m) {
+        const float gate = sum(j * 4 + e, l), up = sum(j * 4 + 2 + e, l);
+        const float y = gate / (1.0f + expf(-gate)) * up;  // silu_mul_at's arithmetic
+        const int64_t o = static_cast<int64_t>(i) * ldc + f;
+        if (out_bf16) {
+          static_cast<__nv_bfloat16*>(out_v)[o] = __float2bfloat16_rn(y);
+        } else {
+          static_cast<float*>(out_v)[o] = y;
+        }
+      }
     }
+  } else {
+    float* out = static_cast<float*>(out_v);
+    for (int idx = static_cast<int>(threadIdx.x); idx < NT * 4 * 32; idx += kWarps * 32) {
+      const int q = idx / 32, l = idx % 32;
+      const float s = sum(q, l);
+      // Element e of n-tile j on lane l: feature g + 8 (e / 2), input 8 j + 2 t + e % 2.
+      const int j = q / 4, e = q % 4;
+      const int row = static_cast<int>(blockIdx.x) * kRows + (l >> 2) + 8 * (e >> 1);
+      const int i = 8 * j + 2 * (l & 3) + (e & 1);
+      if (row < n && i < m) {
+        float* o = out + static_cast<int64_t>(i) * ldc + row;
+        *o = beta != 0.0f ? s + beta * *o : s;
+      }
+    }
+  }
+}
+
+template <bool kSilu>
+void launch_gemv(int m, int n, int k, const void* in, int lda, const void* w, void* out, int ldc,
+                 float beta, bool out_bf16, cudaStream_t stream, int warps) {
+  const int per_block = kSilu ? 8 : kRows;
+  const dim3 grid(static_cast<unsigned>((n + per_block - 1) / per_block));
+  const auto* x = static_cast<const uint16_t*>(in);
+  const auto* wt = static_cast<const uint16_t*>(w);
+  auto launch = [&](auto kernel) {
+    cuda::launch_pdl(kernel, grid, dim3(warps * 32), stream, x, lda, wt, out, m, n, k, ldc, beta,
+                     out_bf16);
+  };
+  if (m <= 8) {
+    if (warps == 4)
+      launch(gemv_bf16_kernel<1, 4, kSilu>);
+    else
+      launch(gemv_bf16_kernel<1, 8, kSilu>);
+  } else {
+    if (warps == 4)
+      launch(gemv_bf16_kernel<2, 4, kSilu>);
+    else
+      launch(gemv_bf16_kernel<2, 8, kSilu>);
   }
 }
 
@@ -120,13 +180,23 @@ bool aligned(const void* p, uintptr_t a) {
   return reinterpret_cast<uintptr_t>(p) % a == 0;
 }
 
+// The input side of every variant: rows, k, lda and the two 16-byte streams.
+bool inputs_fit(int m, int n, int k, const void* in, int lda, const void* w) {
+  return m >= 1 && m <= kGemvMaxRows && n >= 1 && k >= 8 && k % 8 == 0 && lda >= k &&
+         lda % 8 == 0 && in != nullptr && w != nullptr && aligned(in, 16) && aligned(w, 16);
+}
+
 }  // namespace
 
 bool gemv_bf16_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
                     int ldc) {
-  return m >= 1 && m <= kGemvMaxRows && n >= 1 && k >= 8 && k % 8 == 0 && lda >= k &&
-         lda % 8 == 0 && ldc >= n && in != nullptr && w != nullptr && out != nullptr &&
-         aligned(in, 16) && aligned(w, 16) && aligned(out, 4);
+  return inputs_fit(m, n, k, in, lda, w) && ldc >= n && out != nullptr && aligned(out, 4);
+}
+
+bool gemv_bf16_silu_mul_fits(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
+                             const void* out, int ldo, bool out_bf16) {
+  return n <= (1 << 29) && inputs_fit(m, 2 * n, k, in, lda, w_gate_up) && ldo >= n &&
+         out != nullptr && aligned(out, out_bf16 ? 2 : 4);
 }
 
 void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
@@ -134,23 +204,15 @@ void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, floa
   KVQ_CHECK(gemv_bf16_fits(m, n, k, in, lda, w, out, ldc),
             "gemv_bf16: operands it does not take (m, alignment or strides)");
   KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16: 4 or 8 warps per block");
-  const dim3 grid(static_cast<unsigned>((n + kRows - 1) / kRows));
-  const auto* x = static_cast<const uint16_t*>(in);
-  const auto* wt = static_cast<const uint16_t*>(w);
-  auto launch = [&](auto kernel) {
-    cuda::launch_pdl(kernel, grid, dim3(warps * 32), stream, x, lda, wt, out, m, n, k, ldc, beta);
-  };
-  if (m <= 8) {
-    if (warps == 4)
-      launch(gemv_bf16_kernel<1, 4>);
-    else
-      launch(gemv_bf16_kernel<1, 8>);
-  } else {
-    if (warps == 4)
-      launch(gemv_bf16_kernel<2, 4>);
-    else
-      launch(gemv_bf16_kernel<2, 8>);
-  }
+  launch_gemv<false>(m, n, k, in, lda, w, out, ldc, beta, false, stream, warps);
+}
+
+void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
+                        void* out, int ldo, bool out_bf16, cudaStream_t stream, int warps) {
+  KVQ_CHECK(gemv_bf16_silu_mul_fits(m, n, k, in, lda, w_gate_up, out, ldo, out_bf16),
+            "gemv_bf16_silu_mul: operands it does not take (m, alignment or strides)");
+  KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16_silu_mul: 4 or 8 warps per block");
+  launch_gemv<true>(m, n, k, in, lda, w_gate_up, out, ldo, 0.0f, out_bf16, stream, warps);
 }
 
 }  // namespace kvq::cuda_model

@@ -36,4 +36,15 @@ inline constexpr int kGemvWarps[] = {4, 8};
 void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
                float beta, cudaStream_t stream, int warps = 4);
 
+// The MLP's gate|up product and its SiLU-mul in one kernel: out[i][f] (row stride ldo, bf16 or
+// fp32) = silu(g) * u, where g and u are features f and n + f of in[m][k] * w_gate_up[2 n][k]^T
+// (gate rows first; no bias, no scales), each summed exactly as gemv_bf16 sums it, with
+// silu_mul's arithmetic: the bits of gemv_bf16 followed by cuda_model::silu_mul, one launch
+// and no fp32 product in memory. The fits check is gemv_bf16's for the 2 n-row weight, with
+// `out` 2-byte (bf16) or 4-byte aligned.
+bool gemv_bf16_silu_mul_fits(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
+                             const void* out, int ldo, bool out_bf16);
+void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
+                        void* out, int ldo, bool out_bf16, cudaStream_t stream, int warps = 4);
+
 }  // namespace kvq::cuda_model
