@@ -146,10 +146,10 @@ Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, 
     Point p;
     p.candidates = m <= kvq::cuda_model::kGemvMaxRows ? 1 : 0;
     if (p.candidates == 1) {
-      // Every variant (kGemvVariants); the best is reported, its code as tile_id.
-      for (const int variant : kvq::cuda_model::kGemvVariants) {
+      // Every variant (warps per block); the best is reported, its warps as tile_id.
+      for (const int warps : kvq::cuda_model::kGemvWarps) {
         auto sweep = [&](float b) {
-          for (void* wp : w) kvq::cuda_model::gemv_bf16(m, n, k, in, k, wp, out, n, b, st, variant);
+          for (void* wp : w) kvq::cuda_model::gemv_bf16(m, n, k, in, k, wp, out, n, b, st, warps);
         };
         cudaEvent_t e0, e1;
         CK(cudaEventCreate(&e0));
@@ -163,9 +163,8 @@ Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, 
         float ms = 0;
         CK(cudaEventElapsedTime(&ms, e0, e1));
         const double us = 1e3 * ms / (kSweeps * layers);
-        std::fprintf(stderr, "gemv n %d k %d m %d warps %d prefetch %d: %.2f us\n", n, k, m,
-                     kvq::cuda_model::gemv_warps_of(variant), variant >> 8, us);
-        if (us < p.best_us) p.best_us = us, p.tile = variant;
+        std::fprintf(stderr, "gemv n %d k %d m %d warps %d: %.2f us\n", n, k, m, warps, us);
+        if (us < p.best_us) p.best_us = us, p.tile = warps;
         CK(cudaEventDestroy(e0));
         CK(cudaEventDestroy(e1));
       }

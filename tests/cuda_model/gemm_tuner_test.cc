@@ -142,16 +142,16 @@ TEST(GemvBf16, MatchesTheProductForEveryShapeItTakes) {
         cuda_model::gemv_bf16_fits(s.m, s.n, s.k, din.get(), s.lda, dw.get(), dout.get(), s.n));
     std::vector<float> base(static_cast<size_t>(s.m) * s.n);
     for (auto& v : base) v = nd(rng);
-    for (const int variant : cuda_model::kGemvVariants)
+    for (const int warps : cuda_model::kGemvWarps)
       for (const float beta : {0.0f, 1.0f}) {
-        SCOPED_TRACE("variant " + std::to_string(variant));
+        SCOPED_TRACE("warps " + std::to_string(warps));
         if (beta == 0.0f) {
           dout.upload(std::vector<float>(base.size(), std::numeric_limits<float>::quiet_NaN()));
         } else {
           dout.upload(base);
         }
         cuda_model::gemv_bf16(s.m, s.n, s.k, din.get(), s.lda, dw.get(), dout.get(), s.n, beta,
-                              stream, variant);
+                              stream, warps);
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
         const std::vector<float> got = dout.download();
         for (int i = 0; i < s.m; ++i)
@@ -211,16 +211,16 @@ TEST(GemvBf16, SiluMulEpilogueIsTheUnfusedBits) {
     DeviceBuffer<uint16_t> din(in), dw(w);
     DeviceBuffer<float> prod(static_cast<size_t>(s.m) * 2 * s.I);
     const int ldo = s.I + 3;
-    for (const int variant : cuda_model::kGemvVariants)
+    for (const int warps : cuda_model::kGemvWarps)
       for (const bool bf16 : {true, false}) {
-        SCOPED_TRACE("variant " + std::to_string(variant) + (bf16 ? " bf16" : " fp32"));
+        SCOPED_TRACE("warps " + std::to_string(warps) + (bf16 ? " bf16" : " fp32"));
         DeviceBuffer<float> ref(static_cast<size_t>(s.m) * ldo),
             got(static_cast<size_t>(s.m) * ldo);
         const std::vector<float> zeros(static_cast<size_t>(s.m) * ldo, 0.0f);
         ref.upload(zeros);
         got.upload(zeros);
         cuda_model::gemv_bf16(s.m, 2 * s.I, s.k, din.get(), s.k, dw.get(), prod.get(), 2 * s.I,
-                              0.0f, stream, variant);
+                              0.0f, stream, warps);
         // silu_mul writes rows of I values; the padded stride is laid out row by row here.
         for (int i = 0; i < s.m; ++i)
           cuda_model::silu_mul(prod.get() + static_cast<size_t>(i) * 2 * s.I, nullptr, 1, s.I,
@@ -231,7 +231,7 @@ TEST(GemvBf16, SiluMulEpilogueIsTheUnfusedBits) {
         ASSERT_TRUE(cuda_model::gemv_bf16_silu_mul_fits(s.m, s.I, s.k, din.get(), s.k, dw.get(),
                                                         got.get(), ldo, bf16));
         cuda_model::gemv_bf16_silu_mul(s.m, s.I, s.k, din.get(), s.k, dw.get(), got.get(), ldo,
-                                       bf16, stream, variant);
+                                       bf16, stream, warps);
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
         const std::vector<float> a = ref.download(), b = got.download();
         ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)

@@ -1809,15 +1809,15 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     // for down; otherwise SiLU-mul is its own wide kernel (one block per row of 14336 would be
     // latency-bound at a few rows). down's input is quantized by linear() from bf16 rows.
     const void* down_in = h_;
-    const int silu_variant = gemv_silu_ && tuner_ &&
-                                     w.gate_up.dtype == cuda_model::Linear::Dtype::kBF16 &&
-                                     !w.gate_up_bias
-                                 ? tuner_->gemv_variant(T, 2 * I_, H_, H_, 2 * I_)
-                                 : 0;
-    if (silu_variant > 0 &&
+    const int silu_warps = gemv_silu_ && tuner_ &&
+                                   w.gate_up.dtype == cuda_model::Linear::Dtype::kBF16 &&
+                                   !w.gate_up_bias
+                               ? tuner_->gemv_warps(T, 2 * I_, H_, H_, 2 * I_)
+                               : 0;
+    if (silu_warps > 0 &&
         cuda_model::gemv_bf16_silu_mul_fits(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true)) {
       cuda_model::gemv_bf16_silu_mul(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true, stream_,
-                                     silu_variant);
+                                     silu_warps);
       down_in = mlp_;
     } else {
       const Deferred dg = linear(w.gate_up, T, h_, H_, mlp_, 2 * I_, 0.0f,

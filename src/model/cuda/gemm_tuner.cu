@@ -33,7 +33,7 @@ struct Choice {
   cublasLtMatmulAlgo_t algo;
   uint32_t alignment;  // every pointer must be at least this aligned
   bool epilogue;       // FP8: unit-scale GEMM + kvq's scaling kernel
-  int gemv_variant;    // bf16: kvq's skinny kernel (gemv.h) in this variant, or 0 (cuBLASLt)
+  int gemv_warps;      // bf16: kvq's skinny kernel (gemv.h) with these warps per block, or 0
 };
 
 // The process-wide choices, keyed by (device, type and FP8 scaling restriction, m, n, k, lda,
@@ -65,7 +65,7 @@ struct GemmTuner::Plan {
   GemmInput type = GemmInput::kBF16;
   bool epilogue = false;  // FP8: unit scales in cuBLASLt, kvq's kernel applies them
   bool timed = false;     // tune() chose the algorithm (else cuBLASLt's heuristic did)
-  int gemv_variant = 0;   // bf16: gemv_bf16 (gemv.h) in this variant (kGemvVariants), not cuBLASLt
+  int gemv_warps = 0;     // bf16: gemv_bf16 (gemv.h) with these warps per block, not cuBLASLt
   int m = 0, n = 0, ldc = 0;
 
   Plan(GemmInput type_, int m_, int n_, int k, int lda, int ldc_, bool epilogue_ = false)
@@ -212,7 +212,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
       plan->timed = true;
       plan->algo = it->second.algo;
       plan->alignment = it->second.alignment;
-      plan->gemv_variant = it->second.gemv_variant;
+      plan->gemv_warps = it->second.gemv_warps;
       plans_[key] = std::move(plan);
       return 0.0;
     }
@@ -289,11 +289,11 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
     for (const GemmWeight& w : weights)
       gemv_fits = gemv_fits && gemv_bf16_fits(m, n, k, in, lda, w.w, out, ldc);
     bool gemv_forced = false;  // with kForce the fastest variant wins over cuBLASLt's
-    for (const int variant : kGemvVariants) {
+    for (const int warps : kGemvWarps) {
       if (!gemv_fits) break;
       auto sweep = [&]() {
         for (const GemmWeight& w : weights)
-          gemv_bf16(m, n, k, in, lda, w.w, out, ldc, 0.0f, stream_, variant);
+          gemv_bf16(m, n, k, in, lda, w.w, out, ldc, 0.0f, stream_, warps);
       };
       constexpr int kSweeps = 3;
       sweep();
@@ -306,7 +306,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
       const double us = 1e3 * ms / (kSweeps * static_cast<double>(weights.size()));
       if (log_) {
         char buf[32];
-        std::snprintf(buf, sizeof buf, " g%d/%d:%.1f", gemv_warps_of(variant), variant >> 8, us);
+        std::snprintf(buf, sizeof buf, " g%d:%.1f", warps, us);
         timed += buf;
       }
       if (us < best_us || (gemv_ == GemvUse::kForce && !gemv_forced)) {
@@ -315,7 +315,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
         best_plan = std::make_unique<Plan>(type, m, n, k, lda, ldc);
         best_plan->timed = true;
         best_plan->alignment = align;
-        best_plan->gemv_variant = variant;
+        best_plan->gemv_warps = warps;
       }
     }
   } catch (...) {
@@ -332,7 +332,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   {
     std::lock_guard<std::mutex> lock(g_mu);
     const auto [it, inserted] = choices().emplace(
-        gkey, Choice{best_plan->algo, align, best_plan->epilogue, best_plan->gemv_variant});
+        gkey, Choice{best_plan->algo, align, best_plan->epilogue, best_plan->gemv_warps});
     if (!inserted) {
       // Another tuner chose first (in another thread): take its choice, so every model of
       // this process runs the same algorithm for the shape.
@@ -340,16 +340,16 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
       best_plan->timed = true;
       best_plan->algo = it->second.algo;
       best_plan->alignment = it->second.alignment;
-      best_plan->gemv_variant = it->second.gemv_variant;
+      best_plan->gemv_warps = it->second.gemv_warps;
     }
   }
   plans_[key] = std::move(best_plan);
   return best_us;
 }
 
-int GemmTuner::gemv_variant(int m, int n, int k, int lda, int ldc) const {
+int GemmTuner::gemv_warps(int m, int n, int k, int lda, int ldc) const {
   const Plan* p = find(Key{type_key(GemmInput::kBF16), m, n, k, lda, ldc});
-  return p != nullptr ? p->gemv_variant : 0;
+  return p != nullptr ? p->gemv_warps : 0;
 }
 
 bool GemmTuner::fp8_epilogue(int m, int n, int k, int lda, int ldc) const {
@@ -364,9 +364,9 @@ bool GemmTuner::run(int m, int n, int k, const void* in, int lda, const void* w,
   if (alignment_of(in) < p->alignment || alignment_of(w) < p->alignment ||
       alignment_of(out) < p->alignment)
     return false;
-  if (p->gemv_variant > 0) {
+  if (p->gemv_warps > 0) {
     if (!gemv_bf16_fits(m, n, k, in, lda, w, out, ldc)) return false;
-    gemv_bf16(m, n, k, in, lda, w, out, ldc, beta, stream_, p->gemv_variant);
+    gemv_bf16(m, n, k, in, lda, w, out, ldc, beta, stream_, p->gemv_warps);
     return true;
   }
   KVQ_CUBLAS_CHECK(launch(*p, p->algo, in, nullptr, GemmWeight{w, nullptr}, out, beta));

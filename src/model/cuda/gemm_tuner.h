@@ -96,11 +96,11 @@ class GemmTuner {
   // Restricts the skinny kernel for later tune() calls (GemvUse).
   void set_gemv_use(GemvUse g) { gemv_ = g; }
   // For bf16 (m, n, k, lda, ldc) after tune(): whether kvq's skinny kernel runs it, and with
-  // which of its variants (kGemvVariants; 0: cuBLASLt runs it, or the shape was not tuned).
+  // how many warps per block (0: cuBLASLt runs it, or the shape was not tuned).
   bool uses_gemv(int m, int n, int k, int lda, int ldc) const {
-    return gemv_variant(m, n, k, lda, ldc) > 0;
+    return gemv_warps(m, n, k, lda, ldc) > 0;
   }
-  int gemv_variant(int m, int n, int k, int lda, int ldc) const;
+  int gemv_warps(int m, int n, int k, int lda, int ldc) const;
   // Whether the caller applies the scales of kvq-scaled FP8 products itself (in the kernels
   // that consume them: run()'s left_unscaled): tune() then times those candidates without
   // kvq's scaling kernel, as they will run. Without it a fused model was given cuBLASLt's

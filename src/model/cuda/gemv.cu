@@ -46,7 +46,7 @@ template <int NT, int kWarps, bool kSilu>
 __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
     gemv_bf16_kernel(const uint16_t* __restrict__ in, int lda, const uint16_t* __restrict__ w,
                      void* __restrict__ out_v, int m, int n, int k, int ldc, float beta,
-                     bool out_bf16, int pf) {
+                     bool out_bf16) {
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -72,26 +72,6 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
   };
   // The weights do not depend on the previous kernel: their first loads are in flight while
   // it finishes.
-  // With pf > 0, warp 0 asks L2 for each of the block's 16 weight rows `pf` iterations ahead of
-  // the loads (bulk prefetches, no registers): the first pf + 1 iterations' bytes before the wait
-  // (while the previous kernel runs), then one iteration's span per iteration.
-  constexpr int kSpan = kWarps * kUnroll * 64;  // bytes of a row per iteration
-  const uint16_t* pf_row = nullptr;
-  if (pf > 0 && warp == 0 && lane < 16) {
-    const int base = static_cast<int>(blockIdx.x) * (kSilu ? 8 : kRows);
-    const int rr = kSilu ? (lane < 8 ? base + lane : n + base + lane - 8) : base + lane;
-    if ((kSilu ? base + (lane & 7) : rr) < n) pf_row = w + static_cast<int64_t>(rr) * k;
-  }
-  auto prefetch = [&](int it) {
-    const int64_t off = int64_t{it} * kSpan, row_bytes = int64_t{k} * 2;
-    if (pf_row == nullptr || off >= row_bytes) return;
-    const auto bytes = static_cast<uint32_t>(min(int64_t{kSpan}, row_bytes - off));
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
-                     reinterpret_cast<const char*>(pf_row) + off),
-                 "r"(bytes)
-                 : "memory");
-  };
-  for (int it = 0; it <= pf; ++it) prefetch(it);
   if (iters > 0) load_w(0);
   cuda::wait_for_previous_kernel();
 
@@ -113,7 +93,6 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
       }
     }
     if (it + 1 < iters) load_w(it + 1);
-    if (pf > 0) prefetch(it + 1 + pf);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
@@ -175,15 +154,14 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
 
 template <bool kSilu>
 void launch_gemv(int m, int n, int k, const void* in, int lda, const void* w, void* out, int ldc,
-                 float beta, bool out_bf16, cudaStream_t stream, int variant) {
-  const int warps = variant & 0xff, pf = variant >> 8;
+                 float beta, bool out_bf16, cudaStream_t stream, int warps) {
   const int per_block = kSilu ? 8 : kRows;
   const dim3 grid(static_cast<unsigned>((n + per_block - 1) / per_block));
   const auto* x = static_cast<const uint16_t*>(in);
   const auto* wt = static_cast<const uint16_t*>(w);
   auto launch = [&](auto kernel) {
     cuda::launch_pdl(kernel, grid, dim3(warps * 32), stream, x, lda, wt, out, m, n, k, ldc, beta,
-                     out_bf16, pf);
+                     out_bf16);
   };
   if (m <= 8) {
     if (warps == 4)
@@ -196,12 +174,6 @@ void launch_gemv(int m, int n, int k, const void* in, int lda, const void* w, vo
     else
       launch(gemv_bf16_kernel<2, 8, kSilu>);
   }
-}
-
-bool gemv_variant_known(int v) {
-  for (const int k : kGemvVariants)
-    if (v == k) return true;
-  return false;
 }
 
 bool aligned(const void* p, uintptr_t a) {
@@ -228,19 +200,19 @@ bool gemv_bf16_silu_mul_fits(int m, int n, int k, const void* in, int lda, const
 }
 
 void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
-               float beta, cudaStream_t stream, int variant) {
+               float beta, cudaStream_t stream, int warps) {
   KVQ_CHECK(gemv_bf16_fits(m, n, k, in, lda, w, out, ldc),
             "gemv_bf16: operands it does not take (m, alignment or strides)");
-  KVQ_CHECK(gemv_variant_known(variant), "gemv_bf16: not one of kGemvVariants");
-  launch_gemv<false>(m, n, k, in, lda, w, out, ldc, beta, false, stream, variant);
+  KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16: 4 or 8 warps per block");
+  launch_gemv<false>(m, n, k, in, lda, w, out, ldc, beta, false, stream, warps);
 }
 
 void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
-                        void* out, int ldo, bool out_bf16, cudaStream_t stream, int variant) {
+                        void* out, int ldo, bool out_bf16, cudaStream_t stream, int warps) {
   KVQ_CHECK(gemv_bf16_silu_mul_fits(m, n, k, in, lda, w_gate_up, out, ldo, out_bf16),
             "gemv_bf16_silu_mul: operands it does not take (m, alignment or strides)");
-  KVQ_CHECK(gemv_variant_known(variant), "gemv_bf16_silu_mul: not one of kGemvVariants");
-  launch_gemv<true>(m, n, k, in, lda, w_gate_up, out, ldo, 0.0f, out_bf16, stream, variant);
+  KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16_silu_mul: 4 or 8 warps per block");
+  launch_gemv<true>(m, n, k, in, lda, w_gate_up, out, ldo, 0.0f, out_bf16, stream, warps);
 }
 
 }  // namespace kvq::cuda_model

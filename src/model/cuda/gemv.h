@@ -28,19 +28,13 @@ inline constexpr int kGemvMaxRows = 16;
 bool gemv_bf16_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
                     int ldc);
 
-// Its variants, `warps | pf << 8`: 4 or 8 warps per block (splitting k), and with pf > 0 the
-// block's weight rows prefetched into L2 pf iterations ahead of the loads (the first ones
-// before waiting for the previous kernel). GemmTuner times each.
-inline constexpr int kGemvVariants[] = {4, 8, 4 | 2 << 8, 8 | 2 << 8};
-// Its warps per block.
-inline constexpr int gemv_warps_of(int variant) {
-  return variant & 0xff;
-}
+// The warps per block (splitting k) it is built for; GemmTuner times each.
+inline constexpr int kGemvWarps[] = {4, 8};
 
-// The product above on `stream` (operands as gemv_bf16_fits requires, `variant` one of
-// kGemvVariants; checked). With beta 0, `out` is written without being read (it may hold anything).
+// The product above on `stream` (operands as gemv_bf16_fits requires, `warps` one of
+// kGemvWarps; checked). With beta 0, `out` is written without being read (it may hold anything).
 void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
-               float beta, cudaStream_t stream, int variant = 4);
+               float beta, cudaStream_t stream, int warps = 4);
 
 // The MLP's gate|up product and its SiLU-mul in one kernel: out[i][f] (row stride ldo, bf16 or
 // fp32) = silu(g) * u, where g and u are features f and n + f of in[m][k] * w_gate_up[2 n][k]^T
@@ -51,6 +45,6 @@ void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, floa
 bool gemv_bf16_silu_mul_fits(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
                              const void* out, int ldo, bool out_bf16);
 void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
-                        void* out, int ldo, bool out_bf16, cudaStream_t stream, int variant = 4);
+                        void* out, int ldo, bool out_bf16, cudaStream_t stream, int warps = 4);
 
 }  // namespace kvq::cuda_model
