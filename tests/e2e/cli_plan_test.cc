@@ -144,6 +144,8 @@ TEST(CliBadInput, CpuKernelEnvironmentSwitches) {
                              Case{"KVQ_CPU_INT_DOT", "yes", "maddubs", "maddubs"}};
 #ifdef KVQ_WITH_CUDA
   cases.push_back(Case{"KVQ_PREFILL_KERNEL", "fast", "mma", "auto, mma, wgmma"});
+  cases.push_back(Case{"KVQ_GEMV", "on", "0", "auto, 0, force"});
+  cases.push_back(Case{"KVQ_GEMV_SILU", "yes", "0", "1, 0"});
 #endif
   for (const Case& c : cases) {
     // Restored afterwards, whatever it was (CI may set it for the whole run).

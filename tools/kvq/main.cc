@@ -9,6 +9,9 @@
 #include "commands.h"
 #include "kvq/attention/support_matrix.h"
 #include "kvq/core/error.h"
+#ifdef KVQ_WITH_CUDA
+#include "kvq/model/cuda_model.h"
+#endif
 #include "plan_flags.h"
 
 int main(int argc, char** argv) {
@@ -41,6 +44,9 @@ int main(int argc, char** argv) {
   }
   try {
     kvq::check_cpu_kernel_env();
+#ifdef KVQ_WITH_CUDA
+    kvq::check_cuda_model_env();
+#endif
     for (auto* sub : app.get_subcommands())
       if (auto it = actions.find(sub); it != actions.end()) return it->second();
     return 2;

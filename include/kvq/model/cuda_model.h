@@ -35,6 +35,10 @@ std::string_view to_string(WeightPrecision p);
 // scales, on Hopper (compute capability 9.x) only.
 bool cuda_fp8_gemm_available();
 
+// Checks the CUDA model's A/B environment switches (KVQ_GEMV, KVQ_GEMV_SILU) before any work;
+// InputError naming the variable and the values it takes otherwise.
+void check_cuda_model_env();
+
 struct CudaModelOptions {
   WeightPrecision weights = WeightPrecision::kAuto;
   // Share of the device's total memory this process may hold: weights, activations,
@@ -55,8 +59,8 @@ struct CudaMemoryReport {
   size_t free_at_load = 0;  // free before kvq allocated anything
   size_t weights = 0;
   size_t weights_read_per_step = 0;  // `weights` less an embedding a step only gathers from
-  size_t activations = 0;  // activation buffers, attention workspaces, logits, graphs
-  size_t kv_budget = 0;    // utilization * total - everything above - other processes
+  size_t activations = 0;            // activation buffers, attention workspaces, logits, graphs
+  size_t kv_budget = 0;              // utilization * total - everything above - other processes
 };
 
 // Names accepted by synthetic_model_config (at least "llama3-8b" and "qwen3-8b").

@@ -99,6 +99,15 @@ constexpr int kMinContextBucket = 16;
 constexpr size_t kCublasWorkspace = 32u << 20;
 // Decode steps up to this many rows run GEMMs with timed cuBLASLt algorithms (gemm_tuner.h).
 constexpr int kMaxTunedRows = 256;
+
+// KVQ_GEMV_SILU=1 (default) | 0: gate|up's SiLU-mul in the skinny GEMM's epilogue where that
+// kernel runs gate|up (0: always the separate kernel, for A/B runs).
+bool gemv_silu_from_env() {
+  const char* e = std::getenv("KVQ_GEMV_SILU");
+  const std::string v = e == nullptr ? "1" : e;
+  if (v != "0" && v != "1") throw InputError("KVQ_GEMV_SILU=" + v + " is not one of: 1, 0");
+  return v == "1";
+}
 // Verification steps of speculative decoding with up to this many queries per sequence (k + 1)
 // are graph-replayed like decode steps.
 constexpr int kMaxVerifyQueries = 17;
@@ -1077,8 +1086,7 @@ void CudaDecoderModel::allocate_buffers() {
   void* gemm_ws = buf_.alloc(kCublasWorkspace);
   KVQ_CUBLAS_CHECK(cublasSetWorkspace(cublas_, gemm_ws, kCublasWorkspace));
   if (bf16_) tuner_ = std::make_unique<cuda_model::GemmTuner>(stream_, gemm_ws, kCublasWorkspace);
-  if (const char* e = std::getenv("KVQ_GEMV_SILU"); e != nullptr && std::strcmp(e, "0") == 0)
-    gemv_silu_ = false;
+  gemv_silu_ = gemv_silu_from_env();
   if (const char* e = std::getenv("KVQ_FP8_FUSE"); e != nullptr && std::string(e) == "0")
     fp8_fuse_ = false;
   if (tuner_) tuner_->set_fp8_scales_deferred(fp8_fuse_);
@@ -2426,6 +2434,11 @@ size_t init_device(size_t& total) {
 }
 
 }  // namespace
+
+void check_cuda_model_env() {
+  (void)cuda_model::gemv_use_from_env();
+  (void)gemv_silu_from_env();
+}
 
 bool cuda_fp8_gemm_available() {
   if (cuda_device_count() == 0) return false;

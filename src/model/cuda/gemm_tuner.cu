@@ -109,17 +109,17 @@ GemmTuner::GemmTuner(cudaStream_t stream, void* workspace, size_t workspace_byte
   }
   if (const char* e = std::getenv("KVQ_GEMM_LOG"); e != nullptr && std::strcmp(e, "1") == 0)
     log_ = true;
-  if (const char* e = std::getenv("KVQ_GEMV")) {
-    if (std::strcmp(e, "0") == 0) {
-      gemv_ = GemvUse::kNever;
-    } else if (std::strcmp(e, "force") == 0) {
-      gemv_ = GemvUse::kForce;
-    } else {
-      KVQ_CHECK(std::strcmp(e, "auto") == 0,
-                std::string("KVQ_GEMV accepts 0, auto or force; got '") + e + "'");
-    }
-  }
+  gemv_ = gemv_use_from_env();
   KVQ_CUBLAS_CHECK(cublasLtCreate(&lt_));
+}
+
+GemvUse gemv_use_from_env() {
+  const char* e = std::getenv("KVQ_GEMV");
+  const std::string v = e == nullptr ? "auto" : e;
+  if (v == "auto") return GemvUse::kAuto;
+  if (v == "0") return GemvUse::kNever;
+  if (v == "force") return GemvUse::kForce;
+  throw InputError("KVQ_GEMV=" + v + " is not one of: auto, 0, force");
 }
 
 GemmTuner::~GemmTuner() {

@@ -46,6 +46,8 @@ enum class Fp8Scaling : uint8_t { kAuto, kOuterVector, kEpilogue };
 // times it beside cuBLASLt's candidates, kNever leaves it out, kForce takes it wherever it
 // applies (tests, A/B runs). KVQ_GEMV=auto|0|force sets it at construction.
 enum class GemvUse : uint8_t { kAuto, kNever, kForce };
+// KVQ_GEMV's setting (auto when unset); InputError naming the variable for another value.
+GemvUse gemv_use_from_env();
 
 // One layer's weight: [n][k] values and, for FP8, its n dequantization scales (device).
 struct GemmWeight {
