@@ -3,7 +3,7 @@
 // bf16 and FP8 e4m3 operands, and which FP8 scaling mode gives it the better kernels.
 //
 //   cuda_gemm_bench [--shapes llama3-8b] [--m 1,8,16,64] [--layers 8] [--beta 0|1]
-//                   [--modes bf16,fp8-vector,fp8-scalar,gemv]
+//                   [--modes bf16,fp8-vector,fp8-scalar,gemv,gemv-fp8]
 //
 // For every (m, n, k) and mode it asks cuBLASLt's heuristic for up to 32 candidates, times each
 // over `layers` distinct weight matrices in turn (so the weights stream from HBM as in a step,
@@ -16,6 +16,7 @@
 //               applied by the kernel that consumes the product)
 //   gemv        bf16 x bf16 -> fp32 by kvq's skinny kernel (src/model/cuda/gemv.h; m <= 16),
 //               the candidate GemmTuner times beside cuBLASLt's
+//   gemv-fp8    e4m3 x e4m3 -> fp32 with both scale vectors, the same kernel's FP8 form
 // Each line also gives the device's copy bandwidth (read + write, measured once at start) and
 // the weight bytes / time as a share of it.
 // --beta 1 times out = product + out (the residual add the model's o and down projections
@@ -54,12 +55,13 @@
 
 namespace {
 
-enum class Mode { kBf16, kFp8Vector, kFp8Scalar, kGemv };
+enum class Mode { kBf16, kFp8Vector, kFp8Scalar, kGemv, kGemvFp8 };
 const char* name(Mode m) {
   return m == Mode::kBf16        ? "bf16"
          : m == Mode::kFp8Vector ? "fp8-vector"
          : m == Mode::kFp8Scalar ? "fp8-scalar"
-                                 : "gemv";
+         : m == Mode::kGemv      ? "gemv"
+                                 : "gemv-fp8";
 }
 
 // Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written (the median
@@ -121,7 +123,7 @@ struct Point {
 
 Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, int layers,
           float beta, void* ws, size_t ws_bytes) {
-  const bool fp8 = mode == Mode::kFp8Vector || mode == Mode::kFp8Scalar;
+  const bool fp8 = mode == Mode::kFp8Vector || mode == Mode::kFp8Scalar || mode == Mode::kGemvFp8;
   const size_t el = fp8 ? 1 : 2;
   std::vector<void*> w(static_cast<size_t>(layers));
   for (auto& p : w) {
@@ -142,14 +144,19 @@ Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, 
   ones<<<64, 256, 0, st>>>(sb, m);
   CK(cudaGetLastError());
 
-  if (mode == Mode::kGemv) {
+  if (mode == Mode::kGemv || mode == Mode::kGemvFp8) {
     Point p;
     p.candidates = m <= kvq::cuda_model::kGemvMaxRows ? 1 : 0;
     if (p.candidates == 1) {
       // Every variant (warps per block); the best is reported, its warps as tile_id.
       for (const int warps : kvq::cuda_model::kGemvWarps) {
         auto sweep = [&](float b) {
-          for (void* wp : w) kvq::cuda_model::gemv_bf16(m, n, k, in, k, wp, out, n, b, st, warps);
+          for (void* wp : w) {
+            if (fp8)
+              kvq::cuda_model::gemv_fp8(m, n, k, in, sb, k, wp, sa, out, n, b, st, warps);
+            else
+              kvq::cuda_model::gemv_bf16(m, n, k, in, k, wp, out, n, b, st, warps);
+          }
         };
         cudaEvent_t e0, e1;
         CK(cudaEventCreate(&e0));
@@ -290,7 +297,8 @@ int main(int argc, char** argv) {
   int layers = 8;
   float beta = 0.0f;
   std::string shape_set = "llama3-8b";
-  std::vector<Mode> modes = {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar, Mode::kGemv};
+  std::vector<Mode> modes = {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar, Mode::kGemv,
+                             Mode::kGemvFp8};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--m") && i + 1 < argc) {
       ms = parse_list(argv[++i]);
@@ -309,13 +317,14 @@ int main(int argc, char** argv) {
         const size_t c = std::min(list.find(',', pos), list.size());
         const std::string tok = list.substr(pos, c - pos);
         bool found = false;
-        for (Mode md : {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar, Mode::kGemv})
+        for (Mode md :
+             {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar, Mode::kGemv, Mode::kGemvFp8})
           if (tok == name(md)) modes.push_back(md), found = true;
         if (!found) {
-          std::fprintf(
-              stderr,
-              "cuda_gemm_bench: --modes accepts bf16, fp8-vector, fp8-scalar, gemv; got %s\n",
-              tok.c_str());
+          std::fprintf(stderr,
+                       "cuda_gemm_bench: --modes accepts bf16, fp8-vector, fp8-scalar, gemv, "
+                       "gemv-fp8; got %s\n",
+                       tok.c_str());
           return 2;
         }
         pos = c + 1;
@@ -331,9 +340,10 @@ int main(int argc, char** argv) {
         return 2;
       }
     } else {
-      std::fprintf(stderr,
-                   "usage: cuda_gemm_bench [--shapes llama3-8b|llama3-8b-tp2] [--m 1,8,16,64] "
-                   "[--layers 8] [--beta 0|1] [--modes bf16,fp8-vector,fp8-scalar,gemv]\n");
+      std::fprintf(
+          stderr,
+          "usage: cuda_gemm_bench [--shapes llama3-8b|llama3-8b-tp2] [--m 1,8,16,64] "
+          "[--layers 8] [--beta 0|1] [--modes bf16,fp8-vector,fp8-scalar,gemv,gemv-fp8]\n");
       return 2;
     }
   }
@@ -369,7 +379,8 @@ int main(int argc, char** argv) {
     for (int m : ms)
       for (Mode mode : modes) {
         const Point p = run(lt, st, mode, m, s.n, s.k, layers, beta, ws, ws_bytes);
-        const bool one_byte = mode == Mode::kFp8Vector || mode == Mode::kFp8Scalar;
+        const bool one_byte =
+            mode == Mode::kFp8Vector || mode == Mode::kFp8Scalar || mode == Mode::kGemvFp8;
         const double bytes = static_cast<double>(s.n) * s.k * (one_byte ? 1 : 2);
         const double gbs = p.best_us > 0 && p.best_us < 1e30 ? bytes / (p.best_us * 1e3) : 0.0;
         std::printf(

@@ -13,7 +13,7 @@
 #   tests  the cache-write and decode tests of kvq_cuda_tests, then the whole CUDA model tests.
 #   gemv   kvq's skinny GEMM (src/model/cuda/gemv.h): its tests, compute-sanitizer memcheck and
 #          racecheck, then cuda_gemm_bench bf16 (cuBLASLt's best) vs gemv on the 8B shapes and
-#          one TP-2 rank's (M, default 1,2,4,8,16).
+#          one TP-2 rank's (M, default 1,2,4,8,16; MODES, default bf16,gemv).
 #   forced the whole CUDA model test binary with KVQ_GEMV=force (every tuned shape it takes on
 #          the skinny kernel).
 # Logs and JSON lines go to $OUT (or ./out-step).
@@ -81,18 +81,18 @@ for part in "${@:-lab ab tests}"; do
   gemv)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     step "GemvBf16 and GemmTuner tests"
-    timeout 120 $B/tests/kvq_cuda_model_tests --gtest_filter='GemvBf16.*:GemmTuner.*' \
+    timeout 120 $B/tests/kvq_cuda_model_tests --gtest_filter='Gemv*:GemmTuner.*' \
       > "$OUT/gemv-tests.log" 2>&1; echo "rc=$?"
     grep -E "^\[  (FAILED|PASSED|SKIPPED|     OK) |^\[==========\]" "$OUT/gemv-tests.log" | tail -8
     for tool in memcheck racecheck; do
-      step "compute-sanitizer $tool GemvBf16.MatchesTheProductForEveryShapeItTakes"
+      step "compute-sanitizer $tool Gemv*.Match* and the SiLU epilogue"
       timeout 240 compute-sanitizer --tool $tool $B/tests/kvq_cuda_model_tests \
-        --gtest_filter='GemvBf16.MatchesTheProductForEveryShapeItTakes' > "$OUT/gemv-$tool.log" 2>&1
+        --gtest_filter='Gemv*.Match*:GemvBf16.SiluMul*' > "$OUT/gemv-$tool.log" 2>&1
       echo "rc=$?"; tail -3 "$OUT/gemv-$tool.log"
     done
     for set in llama3-8b llama3-8b-tp2; do
       step "cuda_gemm_bench bf16 vs gemv, $set"
-      timeout 200 $B/bench/cuda_gemm_bench --shapes $set --modes bf16,gemv --layers ${LAYERS:-4} \
+      timeout 200 $B/bench/cuda_gemm_bench --shapes $set --modes ${MODES:-bf16,gemv} --layers ${LAYERS:-4} \
         --m ${GEMV_M:-1,2,4,8,16} | tee -a "$OUT/gemv-lab.jsonl"
     done
     ;;

@@ -185,6 +185,86 @@ TEST(GemvBf16, MatchesTheProductForEveryShapeItTakes) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// The skinny kernel's FP8 form: e4m3 codes (every finite code) times both scale vectors,
+// against fp64 sums of the decoded codes, for every row count, both warp counts, ragged n and
+// k, padded input rows, beta 0 over NaN and beta 1; what it does not take is refused.
+TEST(GemvFp8, MatchesTheScaledProduct) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> mag(-4.0f, 4.0f);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  auto code = [&]() {
+    uint8_t c = static_cast<uint8_t>(rng());
+    return (c & 0x7f) == 0x7f ? static_cast<uint8_t>(c ^ 0x01) : c;  // no NaN
+  };
+  struct Shape {
+    int m, n, k, lda;
+  };
+  std::vector<Shape> shapes = {{1, 1, 16, 16},       {1, 40, 64, 80},     {5, 100, 1040, 1040},
+                               {8, 520, 2048, 2064}, {9, 33, 4112, 4112}, {16, 129, 336, 352}};
+  shapes.push_back({1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 300),
+                    16 * (1 + static_cast<int>(rng() % 200)), 0});
+  for (Shape s : shapes) {
+    if (s.lda == 0) s.lda = s.k + 16 * static_cast<int>(rng() % 2);
+    SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
+                 std::to_string(s.k) + " lda " + std::to_string(s.lda));
+    std::vector<uint8_t> in(static_cast<size_t>(s.m) * s.lda), w(static_cast<size_t>(s.n) * s.k);
+    for (auto& v : in) v = code();
+    for (auto& v : w) v = code();
+    std::vector<float> in_scale(static_cast<size_t>(s.m)), w_scale(static_cast<size_t>(s.n));
+    for (auto& v : in_scale) v = std::exp(mag(rng)) / 448.0f;
+    for (auto& v : w_scale) v = std::exp(mag(rng)) / 448.0f;
+    DeviceBuffer<uint8_t> din(in), dw(w);
+    DeviceBuffer<float> dis(in_scale), dws(w_scale), dout(static_cast<size_t>(s.m) * s.n);
+    ASSERT_TRUE(
+        cuda_model::gemv_fp8_fits(s.m, s.n, s.k, din.get(), s.lda, dw.get(), dout.get(), s.n));
+    std::vector<float> base(static_cast<size_t>(s.m) * s.n);
+    for (auto& v : base) v = nd(rng);
+    for (const int warps : cuda_model::kGemvWarps)
+      for (const float beta : {0.0f, 1.0f}) {
+        SCOPED_TRACE("warps " + std::to_string(warps) + " beta " + std::to_string(beta));
+        dout.upload(beta == 0.0f
+                        ? std::vector<float>(base.size(), std::numeric_limits<float>::quiet_NaN())
+                        : base);
+        cuda_model::gemv_fp8(s.m, s.n, s.k, din.get(), dis.get(), s.lda, dw.get(), dws.get(),
+                             dout.get(), s.n, beta, stream, warps);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const std::vector<float> got = dout.download();
+        for (int i = 0; i < s.m; ++i)
+          for (int j = 0; j < s.n; ++j) {
+            double sum = 0.0, abs_sum = 0.0;
+            for (int c = 0; c < s.k; ++c) {
+              const double p = static_cast<double>(
+                                   quant::fp8_e4m3_decode(in[static_cast<size_t>(i) * s.lda + c])) *
+                               quant::fp8_e4m3_decode(w[static_cast<size_t>(j) * s.k + c]);
+              sum += p;
+              abs_sum += std::abs(p);
+            }
+            const double sc = static_cast<double>(in_scale[static_cast<size_t>(i)]) *
+                              w_scale[static_cast<size_t>(j)];
+            const size_t o = static_cast<size_t>(i) * s.n + j;
+            const double want = sc * sum + beta * base[o];
+            ASSERT_NEAR(got[o], want, 2e-5 * sc * abs_sum + 1e-6 * std::abs(beta * base[o]) + 1e-6)
+                << "row " << i << " feature " << j;
+          }
+      }
+  }
+  DeviceBuffer<uint8_t> x(64 * 64), wt(64 * 64);
+  DeviceBuffer<float> y(64 * 64);
+  EXPECT_FALSE(cuda_model::gemv_fp8_fits(1, 8, 24, x.get(), 24, wt.get(), y.get(), 8));
+  EXPECT_FALSE(cuda_model::gemv_fp8_fits(1, 8, 32, x.get(), 40, wt.get(), y.get(), 8));
+  EXPECT_FALSE(cuda_model::gemv_fp8_fits(17, 8, 32, x.get(), 32, wt.get(), y.get(), 8));
+  EXPECT_FALSE(cuda_model::gemv_fp8_fits(1, 8, 32, x.get() + 8, 32, wt.get(), y.get(), 8));
+  EXPECT_THROW(cuda_model::gemv_fp8(1, 8, 32, x.get(), nullptr, 32, wt.get(), y.get(), y.get(), 8,
+                                    0.0f, stream),
+               InternalError);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 // gate|up with its SiLU-mul in the skinny kernel's epilogue: the bits of gemv_bf16 followed by
 // cuda_model::silu_mul (bf16 and fp32 rows, both warp counts, both n-tile widths, feature counts
 // that do not fill its 8-feature blocks, a padded output stride).

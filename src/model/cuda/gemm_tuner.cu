@@ -285,15 +285,24 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
     }
     // kvq's skinny kernel for bf16 products of up to kGemvMaxRows rows (gemv.h), timed the
     // same way; with KVQ_GEMV=force it is taken wherever it applies.
-    bool gemv_fits = !fp8 && gemv_ != GemvUse::kNever && align >= 16;
+    // FP8 shapes take it only where the scaling is not restricted (kAuto).
+    bool gemv_fits =
+        gemv_ != GemvUse::kNever && align >= 16 && (!fp8 || fp8_scaling_ == Fp8Scaling::kAuto);
     for (const GemmWeight& w : weights)
-      gemv_fits = gemv_fits && gemv_bf16_fits(m, n, k, in, lda, w.w, out, ldc);
+      gemv_fits =
+          gemv_fits && (fp8 ? gemv_fp8_fits(m, n, k, in, lda, w.w, out, ldc) && w.scale != nullptr
+                            : gemv_bf16_fits(m, n, k, in, lda, w.w, out, ldc));
     bool gemv_forced = false;  // with kForce the fastest variant wins over cuBLASLt's
     for (const int warps : kGemvWarps) {
       if (!gemv_fits) break;
       auto sweep = [&]() {
-        for (const GemmWeight& w : weights)
-          gemv_bf16(m, n, k, in, lda, w.w, out, ldc, 0.0f, stream_, warps);
+        for (const GemmWeight& w : weights) {
+          if (fp8) {
+            gemv_fp8(m, n, k, in, in_scale, lda, w.w, w.scale, out, ldc, 0.0f, stream_, warps);
+          } else {
+            gemv_bf16(m, n, k, in, lda, w.w, out, ldc, 0.0f, stream_, warps);
+          }
+        }
       };
       constexpr int kSweeps = 3;
       sweep();
@@ -382,6 +391,11 @@ bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const f
   KVQ_CHECK(in_scale != nullptr && w.scale != nullptr, "GemmTuner::run: FP8 without scales");
   const Key key{type_key(type), m, n, k, lda, ldc};
   const Plan* p = find(key);
+  if (p != nullptr && p->gemv_warps > 0) {  // kvq's skinny kernel applies the scales itself
+    if (!gemv_fp8_fits(m, n, k, in, lda, w.w, out, ldc)) return false;
+    gemv_fp8(m, n, k, in, in_scale, lda, w.w, w.scale, out, ldc, beta, stream_, p->gemv_warps);
+    return true;
+  }
   if (p == nullptr) {
     // An untuned FP8 shape (a prefill chunk, or a step of more rows than the model tunes):
     // cuBLASLt's first choice for 16-byte aligned operands (what the FP8 kernels need

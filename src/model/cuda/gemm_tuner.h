@@ -42,7 +42,8 @@ enum class GemmInput : uint8_t { kBF16, kFP8 };
 // How an FP8 GEMM applies its row and column scales: kAuto times both for tuned shapes.
 enum class Fp8Scaling : uint8_t { kAuto, kOuterVector, kEpilogue };
 
-// Whether bf16 shapes of up to kGemvMaxRows rows may run kvq's skinny kernel (gemv.h): kAuto
+// Whether shapes of up to kGemvMaxRows rows may run kvq's skinny kernel (gemv.h; FP8 ones only
+// with Fp8Scaling::kAuto, the kernel applying both scale vectors itself): kAuto
 // times it beside cuBLASLt's candidates, kNever leaves it out, kForce takes it wherever it
 // applies (tests, A/B runs). KVQ_GEMV=auto|0|force sets it at construction.
 enum class GemvUse : uint8_t { kAuto, kNever, kForce };
@@ -117,8 +118,9 @@ class GemmTuner {
   // type (with the FP8 scaling or the skinny-kernel restriction: type_key), m, n, k, lda, ldc
   using Key = std::tuple<int, int, int, int, int, int>;
   int type_key(GemmInput type) const {
-    return static_cast<int>(type) * 4 +
-           (type == GemmInput::kFP8 ? static_cast<int>(fp8_scaling_) : static_cast<int>(gemv_));
+    return static_cast<int>(type) * 16 +
+           (type == GemmInput::kFP8 ? static_cast<int>(fp8_scaling_) * 4 : 0) +
+           static_cast<int>(gemv_);
   }
   const Plan* find(const Key& key) const;
   // cuBLASLt's heuristic candidates for a plan (at most 16), for pointers of `align` bytes.

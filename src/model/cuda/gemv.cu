@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cache/cuda/cuda_check.h"
 #include "cache/cuda/pdl.h"
@@ -12,8 +13,11 @@ namespace kvq::cuda_model {
 
 namespace {
 
-constexpr int kRows = 16;   // output features per block (the MMA's M)
-constexpr int kUnroll = 4;  // k steps of 32 per warp per iteration (and as many in flight)
+constexpr int kRows = 16;  // output features per block (the MMA's M)
+// k steps per warp per iteration (and as many in flight): 4, or 3 with two n-tiles (whose
+// input fragments would otherwise spill at the 128-register bound).
+template <int NT>
+constexpr int kUnrollOf = NT == 1 ? 4 : 3;
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -24,9 +28,23 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // Streamed once per step: do not keep weight lines in L1 (evict-first).
-__device__ __forceinline__ uint4 load_weight(const uint16_t* p) {
+__device__ __forceinline__ uint4 load_weight(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
+}
+
+// fp8_scale_product's arithmetic (model_kernels.cu): raw x row scale x column scale.
+__device__ __forceinline__ float scaled(float raw, float row_scale, float col_scale) {
+  return __fmul_rn(__fmul_rn(raw, row_scale), col_scale);
 }
 
 // Block b: output features [16 b, 16 b + 16); warp w of kWarps: k steps w, w + kWarps, ... of
@@ -38,15 +56,26 @@ __device__ __forceinline__ uint4 load_weight(const uint16_t* p) {
 // (first MMA) and c + {4..7} (second) for both operands covers each column once, so the sum is
 // the product's. NT n-tiles of 8 input rows: m <= 8 NT.
 //
+// kFp8: e4m3 operands and m16n8k32 MMAs: a lane's 16 bytes are 16 values (a step is 64
+// columns, c = 64 s + 16 t), the A fragment's k positions {4t..4t+3, 4t+16..4t+19} map to
+// c + {0..7} (first MMA) and c + {8..15} (second); the sums are scaled by in_scale[i] and
+// w_scale[feature] as fp8_scale_product scales them.
+//
 // kSilu: w is a gate|up matrix of 2 n rows (gate rows first) and the block's MMA rows are the
 // gate and up rows of 8 features [8 b, 8 b + 8): rows g and g + 8 of the tile are gate and up
 // of feature 8 b + g, so a lane's accumulators hold both factors of its outputs, and the
 // epilogue writes silu(gate) * up ([m][n], bf16 or fp32) instead of the product.
-template <int NT, int kWarps, bool kSilu>
+template <int NT, int kWarps, bool kSilu, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
-    gemv_bf16_kernel(const uint16_t* __restrict__ in, int lda, const uint16_t* __restrict__ w,
-                     void* __restrict__ out_v, int m, int n, int k, int ldc, float beta,
-                     bool out_bf16) {
+    gemv_kernel(const void* __restrict__ in_v, int lda, const float* __restrict__ in_scale,
+                const void* __restrict__ w_v, const float* __restrict__ w_scale,
+                void* __restrict__ out_v, int m, int n, int k, int ldc, float beta, bool out_bf16) {
+  using E = std::conditional_t<kFp8, uint8_t, uint16_t>;
+  constexpr int kUnroll = kUnrollOf<NT>;
+  constexpr int kPer = 16 / sizeof(E);  // values per 16-byte load
+  constexpr int kCols = 4 * kPer;       // columns per warp step
+  const E* in = static_cast<const E*>(in_v);
+  const E* w = static_cast<const E*>(w_v);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -54,11 +83,13 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
       kSilu ? static_cast<int>(blockIdx.x) * 8 + g : static_cast<int>(blockIdx.x) * kRows + g;
   const int r1 = kSilu ? r0 + n : r0 + 8;
   const bool v0 = r0 < n, v1 = kSilu ? v0 : r1 < n;
-  const uint16_t* w0 = w + static_cast<int64_t>(v0 ? r0 : 0) * k;
-  const uint16_t* w1 = w + static_cast<int64_t>(v1 ? r1 : 0) * k;
-  const int steps = (k + 31) / 32;
+  const E* w0 = w + static_cast<int64_t>(v0 ? r0 : 0) * k;
+  const E* w1 = w + static_cast<int64_t>(v1 ? r1 : 0) * k;
+  const int steps = (k + kCols - 1) / kCols;
   const int iters = (steps + kWarps * kUnroll - 1) / (kWarps * kUnroll);
-  auto column = [&](int it, int u) { return (warp + kWarps * (it * kUnroll + u)) * 32 + 8 * t; };
+  auto column = [&](int it, int u) {
+    return (warp + kWarps * (it * kUnroll + u)) * kCols + kPer * t;
+  };
 
   uint4 wa[kUnroll], wb[kUnroll];
   auto load_w = [&](int it) {
@@ -97,8 +128,13 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        mma_bf16(acc[j], ca[u].x, cb[u].x, ca[u].y, cb[u].y, xv[u][j].x, xv[u][j].y);
-        mma_bf16(acc[j], ca[u].z, cb[u].z, ca[u].w, cb[u].w, xv[u][j].z, xv[u][j].w);
+        if constexpr (kFp8) {
+          mma_e4m3(acc[j], ca[u].x, cb[u].x, ca[u].y, cb[u].y, xv[u][j].x, xv[u][j].y);
+          mma_e4m3(acc[j], ca[u].z, cb[u].z, ca[u].w, cb[u].w, xv[u][j].z, xv[u][j].w);
+        } else {
+          mma_bf16(acc[j], ca[u].x, cb[u].x, ca[u].y, cb[u].y, xv[u][j].x, xv[u][j].y);
+          mma_bf16(acc[j], ca[u].z, cb[u].z, ca[u].w, cb[u].w, xv[u][j].z, xv[u][j].w);
+        }
       }
   }
   cuda::allow_next_kernel();
@@ -139,12 +175,13 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
     float* out = static_cast<float*>(out_v);
     for (int idx = static_cast<int>(threadIdx.x); idx < NT * 4 * 32; idx += kWarps * 32) {
       const int q = idx / 32, l = idx % 32;
-      const float s = sum(q, l);
       // Element e of n-tile j on lane l: feature g + 8 (e / 2), input 8 j + 2 t + e % 2.
       const int j = q / 4, e = q % 4;
       const int row = static_cast<int>(blockIdx.x) * kRows + (l >> 2) + 8 * (e >> 1);
       const int i = 8 * j + 2 * (l & 3) + (e & 1);
       if (row < n && i < m) {
+        float s = sum(q, l);
+        if constexpr (kFp8) s = scaled(s, in_scale[i], w_scale[row]);
         float* o = out + static_cast<int64_t>(i) * ldc + row;
         *o = beta != 0.0f ? s + beta * *o : s;
       }
@@ -152,27 +189,26 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
   }
 }
 
-template <bool kSilu>
-void launch_gemv(int m, int n, int k, const void* in, int lda, const void* w, void* out, int ldc,
-                 float beta, bool out_bf16, cudaStream_t stream, int warps) {
+template <bool kSilu, bool kFp8>
+void launch_gemv(int m, int n, int k, const void* in, int lda, const float* in_scale, const void* w,
+                 const float* w_scale, void* out, int ldc, float beta, bool out_bf16,
+                 cudaStream_t stream, int warps) {
   const int per_block = kSilu ? 8 : kRows;
   const dim3 grid(static_cast<unsigned>((n + per_block - 1) / per_block));
-  const auto* x = static_cast<const uint16_t*>(in);
-  const auto* wt = static_cast<const uint16_t*>(w);
   auto launch = [&](auto kernel) {
-    cuda::launch_pdl(kernel, grid, dim3(warps * 32), stream, x, lda, wt, out, m, n, k, ldc, beta,
-                     out_bf16);
+    cuda::launch_pdl(kernel, grid, dim3(warps * 32), stream, in, lda, in_scale, w, w_scale, out, m,
+                     n, k, ldc, beta, out_bf16);
   };
   if (m <= 8) {
     if (warps == 4)
-      launch(gemv_bf16_kernel<1, 4, kSilu>);
+      launch(gemv_kernel<1, 4, kSilu, kFp8>);
     else
-      launch(gemv_bf16_kernel<1, 8, kSilu>);
+      launch(gemv_kernel<1, 8, kSilu, kFp8>);
   } else {
     if (warps == 4)
-      launch(gemv_bf16_kernel<2, 4, kSilu>);
+      launch(gemv_kernel<2, 4, kSilu, kFp8>);
     else
-      launch(gemv_bf16_kernel<2, 8, kSilu>);
+      launch(gemv_kernel<2, 8, kSilu, kFp8>);
   }
 }
 
@@ -180,10 +216,11 @@ bool aligned(const void* p, uintptr_t a) {
   return reinterpret_cast<uintptr_t>(p) % a == 0;
 }
 
-// The input side of every variant: rows, k, lda and the two 16-byte streams.
-bool inputs_fit(int m, int n, int k, const void* in, int lda, const void* w) {
-  return m >= 1 && m <= kGemvMaxRows && n >= 1 && k >= 8 && k % 8 == 0 && lda >= k &&
-         lda % 8 == 0 && in != nullptr && w != nullptr && aligned(in, 16) && aligned(w, 16);
+// The input side of every variant: rows, k, lda and the two 16-byte streams (`per` values of
+// 16 bytes: 8 bf16, 16 e4m3).
+bool inputs_fit(int m, int n, int k, const void* in, int lda, const void* w, int per = 8) {
+  return m >= 1 && m <= kGemvMaxRows && n >= 1 && k >= per && k % per == 0 && lda >= k &&
+         lda % per == 0 && in != nullptr && w != nullptr && aligned(in, 16) && aligned(w, 16);
 }
 
 }  // namespace
@@ -199,12 +236,18 @@ bool gemv_bf16_silu_mul_fits(int m, int n, int k, const void* in, int lda, const
          out != nullptr && aligned(out, out_bf16 ? 2 : 4);
 }
 
+bool gemv_fp8_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
+                   int ldc) {
+  return inputs_fit(m, n, k, in, lda, w, 16) && ldc >= n && out != nullptr && aligned(out, 4);
+}
+
 void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
                float beta, cudaStream_t stream, int warps) {
   KVQ_CHECK(gemv_bf16_fits(m, n, k, in, lda, w, out, ldc),
             "gemv_bf16: operands it does not take (m, alignment or strides)");
   KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16: 4 or 8 warps per block");
-  launch_gemv<false>(m, n, k, in, lda, w, out, ldc, beta, false, stream, warps);
+  launch_gemv<false, false>(m, n, k, in, lda, nullptr, w, nullptr, out, ldc, beta, false, stream,
+                            warps);
 }
 
 void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
@@ -212,7 +255,19 @@ void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void
   KVQ_CHECK(gemv_bf16_silu_mul_fits(m, n, k, in, lda, w_gate_up, out, ldo, out_bf16),
             "gemv_bf16_silu_mul: operands it does not take (m, alignment or strides)");
   KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16_silu_mul: 4 or 8 warps per block");
-  launch_gemv<true>(m, n, k, in, lda, w_gate_up, out, ldo, 0.0f, out_bf16, stream, warps);
+  launch_gemv<true, false>(m, n, k, in, lda, nullptr, w_gate_up, nullptr, out, ldo, 0.0f, out_bf16,
+                           stream, warps);
+}
+
+void gemv_fp8(int m, int n, int k, const void* in, const float* in_scale, int lda, const void* w,
+              const float* w_scale, float* out, int ldc, float beta, cudaStream_t stream,
+              int warps) {
+  KVQ_CHECK(
+      gemv_fp8_fits(m, n, k, in, lda, w, out, ldc) && in_scale != nullptr && w_scale != nullptr,
+      "gemv_fp8: operands it does not take (m, alignment, strides or scales)");
+  KVQ_CHECK(warps == 4 || warps == 8, "gemv_fp8: 4 or 8 warps per block");
+  launch_gemv<false, true>(m, n, k, in, lda, in_scale, w, w_scale, out, ldc, beta, false, stream,
+                           warps);
 }
 
 }  // namespace kvq::cuda_model

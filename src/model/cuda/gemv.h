@@ -1,5 +1,6 @@
-// kvq's skinny bf16 GEMM for decode-sized products (issue #14, batch-1 steps at the weight
-// floor): out[m][n] (fp32, row stride ldc) = in[m][k] (bf16, row stride lda) * w[n][k]^T
+// kvq's skinny GEMM (bf16, or e4m3 with row and column scales) for decode-sized products (issue
+// #14, batch-1 steps at the weight floor): out[m][n] (fp32, row stride ldc) = in[m][k] (bf16, row
+// stride lda) * w[n][k]^T
 // (+ beta * out), for m <= kGemvMaxRows input rows (a batch-1 step, a verification step of up
 // to 16 tokens).
 //
@@ -35,6 +36,16 @@ inline constexpr int kGemvWarps[] = {4, 8};
 // kGemvWarps; checked). With beta 0, `out` is written without being read (it may hold anything).
 void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, float* out, int ldc,
                float beta, cudaStream_t stream, int warps = 4);
+
+// The FP8 path's product (model/cuda/linear.h): out[i][j] = in_scale[i] * w_scale[j] *
+// sum_c in[i][c] * w[j][c] (+ beta * out), e4m3 codes in and w (rows of k bytes; k and lda
+// multiples of 16), one fp32 scale per input row and per weight row, the scales applied with
+// fp8_scale_product's arithmetic; m16n8k32 MMAs, otherwise as gemv_bf16.
+bool gemv_fp8_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
+                   int ldc);
+void gemv_fp8(int m, int n, int k, const void* in, const float* in_scale, int lda, const void* w,
+              const float* w_scale, float* out, int ldc, float beta, cudaStream_t stream,
+              int warps = 4);
 
 // The MLP's gate|up product and its SiLU-mul in one kernel: out[i][f] (row stride ldo, bf16 or
 // fp32) = silu(g) * u, where g and u are features f and n + f of in[m][k] * w_gate_up[2 n][k]^T
