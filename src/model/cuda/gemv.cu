@@ -14,10 +14,11 @@ namespace kvq::cuda_model {
 namespace {
 
 constexpr int kRows = 16;  // output features per block (the MMA's M)
-// k steps per warp per iteration (and as many in flight): 4, or 3 with two n-tiles (whose
-// input fragments would otherwise spill at the 128-register bound).
-template <int NT>
-constexpr int kUnrollOf = NT == 1 ? 4 : 3;
+// k steps per warp per iteration (and as many in flight): 4, or 3 for e4m3 with two n-tiles
+// (84 bytes of spill at 4 under the 128-register bound; bf16 with two n-tiles keeps 4 for an
+// 8-byte spill: 3 steps measured 6-12% slower, docs/notes/decode-tuning.md version 14).
+template <int NT, bool kFp8>
+constexpr int kUnrollOf = NT == 2 && kFp8 ? 3 : 4;
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -71,7 +72,7 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
                 const void* __restrict__ w_v, const float* __restrict__ w_scale,
                 void* __restrict__ out_v, int m, int n, int k, int ldc, float beta, bool out_bf16) {
   using E = std::conditional_t<kFp8, uint8_t, uint16_t>;
-  constexpr int kUnroll = kUnrollOf<NT>;
+  constexpr int kUnroll = kUnrollOf<NT, kFp8>;
   constexpr int kPer = 16 / sizeof(E);  // values per 16-byte load
   constexpr int kCols = 4 * kPer;       // columns per warp step
   const E* in = static_cast<const E*>(in_v);
