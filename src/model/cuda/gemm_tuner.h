@@ -7,7 +7,8 @@
 // in turn (so each run streams its weights from HBM, as in a step, rather than hitting L2) and
 // keeps the fastest. The choice is process-wide (keyed by device and shape), so two models of
 // the same shape in one process -- graphs on and off -- run the same algorithms and give
-// bit-identical results.
+// bit-identical results. For up to kGemvMaxRows rows kvq's skinny kernel (gemv.h; 4 and 8
+// warps per block) is one more candidate, timed the same way (GemvUse).
 //
 // Layout: out[m][n] (fp32, row stride ldc) = in[m][k] (row stride lda) * w[n][k]^T
 // (+ beta * out), i.e. column-major out^T = w^T-op * in^T.

@@ -9,14 +9,16 @@
 //   kF32:  fp32 weights and fp32 inputs, cublasGemmEx with pedantic fp32 compute (matches the
 //          CPU model).
 //   kBF16: bf16 weights and bf16 inputs, fp32 accumulation; decode shapes use timed cuBLASLt
-//          algorithms (gemm_tuner.h).
+//          algorithms or, up to 16 rows, kvq's skinny GEMM where it timed faster
+//          (gemm_tuner.h, gemv.h).
 //   kFP8:  e4m3 weights with one fp32 dequantization scale per output row (a per-tensor
 //          checkpoint scale is that row vector with one value); the bf16 input rows are
 //          quantized to e4m3 before the GEMM (quantize_rows_fp8) with a scale per token row
 //          (dynamic: the row's max / 448) or the checkpoint's static `input_scale`; the GEMM
 //          accumulates in fp32 and both scale vectors are applied by cuBLASLt (outer-vector
-//          scaling) or by kvq's kernel after a unit-scale GEMM, whichever the tuner timed
-//          faster for the shape (gemm_tuner.h).
+//          scaling) or by kvq's kernel after a unit-scale GEMM, or (up to 16 rows) by kvq's
+//          skinny GEMM's FP8 form, whichever the tuner timed faster for the shape
+//          (gemm_tuner.h, gemv.h).
 // Outputs are always fp32 (the residual stream), written or accumulated (beta 1).
 #pragma once
 
