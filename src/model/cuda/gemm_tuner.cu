@@ -234,6 +234,21 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   double best_us = std::numeric_limits<double>::infinity();
   std::unique_ptr<Plan> best_plan;
   std::string timed;  // KVQ_GEMM_LOG: every candidate's time
+  // Microseconds per GEMM of one candidate: a warm-up sweep (each sweep runs the shape over
+  // every layer's weight, each read from HBM, as in a step), then three timed; negative when a
+  // sweep fails to launch (the candidate is skipped).
+  auto time_sweeps = [&](auto&& sweep) {
+    constexpr int kSweeps = 3;
+    if (!sweep()) return -1.0;
+    KVQ_CUDA_CHECK(cudaEventRecord(e0, stream_));
+    bool ok = true;
+    for (int s = 0; s < kSweeps && ok; ++s) ok = sweep();
+    KVQ_CUDA_CHECK(cudaEventRecord(e1, stream_));
+    KVQ_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0.0f;
+    KVQ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    return ok ? 1e3 * ms / (kSweeps * static_cast<double>(weights.size())) : -1.0;
+  };
   try {
     for (const bool epilogue : scalings) {
       auto plan = std::make_unique<Plan>(type, m, n, k, lda, ldc, epilogue);
@@ -244,36 +259,25 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
       // refuses the query otherwise, and picks kernels for the scales it was shown).
       if (fp8 && !epilogue) set_scale_pointers(*plan, in_scale, weights.front().scale);
       const int returned = candidates(*plan, align, found);
-      // One sweep runs the shape over every layer's weight (each read from HBM, as in a step);
-      // the epilogue variant includes its scaling kernel.
-      auto sweep = [&](const cublasLtMatmulAlgo_t& algo) {
-        for (const GemmWeight& w : weights) {
-          const cublasStatus_t st = epilogue ? launch_epilogue(*plan, algo, in, in_scale, w, out,
-                                                               out, 0.0f, !fp8_scales_deferred_)
-                                             : launch(*plan, algo, in, in_scale, w, out, 0.0f);
-          if (st != CUBLAS_STATUS_SUCCESS) return false;
-        }
-        return true;
-      };
-      constexpr int kSweeps = 3;
+      // The epilogue variant includes its scaling kernel.
       for (int i = 0; i < returned; ++i) {
         if (found[static_cast<size_t>(i)].state != CUBLAS_STATUS_SUCCESS) continue;
         const cublasLtMatmulAlgo_t& algo = found[static_cast<size_t>(i)].algo;
-        if (!sweep(algo)) continue;  // warm-up; an algorithm that fails to launch is skipped
-        KVQ_CUDA_CHECK(cudaEventRecord(e0, stream_));
-        bool ok = true;
-        for (int s = 0; s < kSweeps && ok; ++s) ok = sweep(algo);
-        KVQ_CUDA_CHECK(cudaEventRecord(e1, stream_));
-        KVQ_CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms = 0.0f;
-        KVQ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        const double us = 1e3 * ms / (kSweeps * static_cast<double>(weights.size()));
+        const double us = time_sweeps([&]() {
+          for (const GemmWeight& w : weights) {
+            const cublasStatus_t st = epilogue ? launch_epilogue(*plan, algo, in, in_scale, w, out,
+                                                                 out, 0.0f, !fp8_scales_deferred_)
+                                               : launch(*plan, algo, in, in_scale, w, out, 0.0f);
+            if (st != CUBLAS_STATUS_SUCCESS) return false;
+          }
+          return true;
+        });
         if (log_) {
           char buf[32];
-          std::snprintf(buf, sizeof buf, " %s%.1f", epilogue ? "e" : "", ok ? us : -1.0);
+          std::snprintf(buf, sizeof buf, " %s%.1f", epilogue ? "e" : "", us);
           timed += buf;
         }
-        if (ok && us < best_us) {
+        if (us >= 0.0 && us < best_us) {
           best_us = us;
           plan->algo = algo;
           best_plan = std::move(plan);
@@ -283,7 +287,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
         }
       }
     }
-    // kvq's skinny kernel for bf16 products of up to kGemvMaxRows rows (gemv.h), timed the
+    // kvq's skinny kernel for products of up to kGemvMaxRows rows (gemv.h), timed the
     // same way; with KVQ_GEMV=force it is taken wherever it applies.
     // FP8 shapes take it only where the scaling is not restricted (kAuto).
     bool gemv_fits =
@@ -295,7 +299,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
     bool gemv_forced = false;  // with kForce the fastest variant wins over cuBLASLt's
     for (const int warps : kGemvWarps) {
       if (!gemv_fits) break;
-      auto sweep = [&]() {
+      const double us = time_sweeps([&]() {
         for (const GemmWeight& w : weights) {
           if (fp8) {
             gemv_fp8(m, n, k, in, in_scale, lda, w.w, w.scale, out, ldc, 0.0f, stream_, warps);
@@ -303,16 +307,8 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
             gemv_bf16(m, n, k, in, lda, w.w, out, ldc, 0.0f, stream_, warps);
           }
         }
-      };
-      constexpr int kSweeps = 3;
-      sweep();
-      KVQ_CUDA_CHECK(cudaEventRecord(e0, stream_));
-      for (int s = 0; s < kSweeps; ++s) sweep();
-      KVQ_CUDA_CHECK(cudaEventRecord(e1, stream_));
-      KVQ_CUDA_CHECK(cudaEventSynchronize(e1));
-      float ms = 0.0f;
-      KVQ_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      const double us = 1e3 * ms / (kSweeps * static_cast<double>(weights.size()));
+        return true;
+      });
       if (log_) {
         char buf[32];
         std::snprintf(buf, sizeof buf, " g%d:%.1f", warps, us);
