@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <utility>
@@ -108,8 +109,9 @@ INSTANTIATE_TEST_SUITE_P(EveryDtype, CudaDecodeGrid, ::testing::ValuesIn(concret
                          });
 
 // run_decode through the device-level API on dev's batch (output poisoned first), planned with
-// `opt`; with q_indptr where the plan takes several queries per sequence. The output and the
-// plan's split count.
+// `opt`; with q_indptr where the plan takes several queries per sequence. The workspace starts
+// as garbage, and the plan runs twice on it (as a replayed graph does): the second output must
+// be the same bits. The output and the plan's split count.
 struct DeviceRun {
   std::vector<float> out;
   int splits = 0;
@@ -127,10 +129,18 @@ DeviceRun run_device(const CudaAttnProblem& p, test::DeviceBatch& dev, float sof
   a.softmax_scale = p.softmax_scale();
   a.logit_soft_cap = soft_cap;
   a.workspace = ws.get();
+  EXPECT_EQ(cudaMemset(ws.get(), 0xA5, plan.workspace_bytes), cudaSuccess);
   dev.out.poison();
   cuda::run_decode(p.spec(), plan, a, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  return {dev.out.download(), plan.max_splits};
+  DeviceRun r{dev.out.download(), plan.max_splits};
+  dev.out.poison();
+  cuda::run_decode(p.spec(), plan, a, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> again = dev.out.download();
+  EXPECT_EQ(std::memcmp(again.data(), r.out.data(), again.size() * sizeof(float)), 0)
+      << "a second run of the same plan gave other bits (" << r.splits << " splits)";
+  return r;
 }
 
 // The device-level API with forced chunking: one tile per work item (hundreds of splits to

@@ -402,6 +402,18 @@ TEST(GemvBf16, TunerForcedNeverAndAuto) {
             << "use " << static_cast<int>(use) << " row " << i << " feature " << j;
       }
   }
+  {
+    // A margin (a caller's fused epilogue): the skinny kernel is taken unless cuBLASLt is over
+    // 1000x faster; a margin below 1 is refused, and kNever still means never.
+    cuda_model::GemmTuner tuner(stream, ws.get(), kWs);
+    EXPECT_THROW((void)tuner.tune(m, n, k, din.get(), k, wp, dout.get(), n, 0.5), InternalError);
+    EXPECT_GT(tuner.tune(m, n, k, din.get(), k, wp, dout.get(), n, 1000.0), 0.0);
+    EXPECT_TRUE(tuner.uses_gemv(m, n, k, k, n));
+    cuda_model::GemmTuner never(stream, ws.get(), kWs);
+    never.set_gemv_use(cuda_model::GemvUse::kNever);
+    EXPECT_GT(never.tune(m, n, k, din.get(), k, wp, dout.get(), n, 1000.0), 0.0);
+    EXPECT_FALSE(never.uses_gemv(m, n, k, k, n));
+  }
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 

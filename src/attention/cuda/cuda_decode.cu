@@ -166,6 +166,7 @@ struct MergeParams {
   int num_q_heads, num_kv_heads, ratio, head_chunks, rows;  // rows: per warp (8 or 16)
   int chunk_tiles, max_splits, attention_kind, window;
   bool unrotate;
+  bool early;  // pdl_early()
   HadamardSigns signs;
 };
 
@@ -229,6 +230,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int tid = static_cast<int>(threadIdx.x);
   const int qh = static_cast<int>(blockIdx.x);
   wait_for_previous_kernel();  // the split-KV kernel's partials
+  if (p.early) allow_next_kernel();
   const MergeRows mr = merge_rows(p, qh);
   const int nsplit = mr.nsplit;
   const size_t row0 = mr.row0, split_stride = mr.split_stride;
@@ -288,6 +290,7 @@ __global__ void __launch_bounds__(128)
   const int qh = static_cast<int>(blockIdx.x) * 4 + static_cast<int>(threadIdx.x >> 5);
   if (qh >= p.num_q_heads) return;
   wait_for_previous_kernel();  // the split-KV kernel's partials
+  if (p.early) allow_next_kernel();
   const MergeRows mr = merge_rows(p, qh);
   const int nsplit = mr.nsplit;
   const size_t row0 = mr.row0, split_stride = mr.split_stride;
@@ -568,6 +571,7 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   mp.attention_kind = static_cast<int>(spec.attention);
   mp.window = spec.sliding_window;
   mp.unrotate = traits(spec.v_dtype).rotated;
+  mp.early = pdl_early(4);
   mp.signs = signs;
 
   DecodeKernelParams kp{};
@@ -593,12 +597,21 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   kp.attention_kind = static_cast<int>(spec.attention);
   kp.window = spec.sliding_window;
   kp.soft_cap = args.logit_soft_cap;
+  kp.early = pdl_early(2);
 
+  // KVQ_DECODE_LAB (timing experiments only: the outputs are wrong), bits: 1 no Q prep,
+  // 2 no merge. The step's time without a launch is its cost.
+  static const int lab = [] {
+    const char* e = std::getenv("KVQ_DECODE_LAB");
+    return e == nullptr ? 0 : std::atoi(e);
+  }();
   const auto seqs = static_cast<unsigned>(plan.num_seqs);
-  launch_by_dim(
-      hd, Aux::kPrep, pp, mp,
-      dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * plan.rows_per_warp), seqs),
-      stream);
+  if (!(lab & 1))
+    launch_by_dim(
+        hd, Aux::kPrep, pp, mp,
+        dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * plan.rows_per_warp),
+             seqs),
+        stream);
   const int64_t warps =
       static_cast<int64_t>(plan.max_splits) * plan.head_chunks * spec.num_kv_heads * plan.num_seqs;
   KVQ_CHECK((warps + kDecodeWarps - 1) / kDecodeWarps <= 0x7FFFFFFF, "run_decode: grid too large");
@@ -607,7 +620,7 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
          kp, true, stream);
   // Sequences with a single split were written by the split-KV kernel (unless V is rotated);
   // the merge handles the rest: a warp per head for a few splits, a block for many.
-  if (plan.max_splits == 1 && !mp.unrotate) return;
+  if ((plan.max_splits == 1 && !mp.unrotate) || (lab & 2)) return;
   const auto query_rows = static_cast<unsigned>(plan.num_seqs * plan.q_per_seq);
   if (plan.max_splits <= kMergeWarpMaxSplits)
     launch_by_dim(hd, Aux::kMergeWarp, pp, mp,

@@ -430,6 +430,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
 
   // Q's fragments come from the prep kernel, which may still be finishing.
   wait_for_previous_kernel();
+  if (p.early) allow_next_kernel();
   const size_t qbase =
       (static_cast<size_t>(seq) * p.num_kv_heads + kvh) * p.head_chunks + static_cast<size_t>(hc);
   // Q's A-operand registers (per k-step: a0, a2 of row g, then a1, a3 of row g + 8); for
@@ -625,7 +626,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     }
   }
 
-  allow_next_kernel();  // the merge may get scheduled; it waits for this grid's writes
+  if (!p.early) allow_next_kernel();  // the merge may get scheduled; it waits for our writes
 
   // ---- each row's partial: o normalized by its own sum, with (max, sum) to merge ----
   float scale_o = 1.0f;

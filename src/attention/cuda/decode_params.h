@@ -121,6 +121,7 @@ struct DecodeKernelParams {
   int num_seqs, num_q_heads, num_kv_heads, ratio, head_chunks, block_tokens;
   int chunk_tiles, max_splits, attention_kind, window;
   float soft_cap;  // 0: off
+  bool early;      // pdl_early(): let the next kernel be scheduled at once
 };
 
 // The first query row and the query count of a sequence.

@@ -24,6 +24,19 @@ __device__ __forceinline__ void allow_next_kernel() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// Kernels that let the next kernel be scheduled only after their main loop (or never) and
+// do it as their first instruction instead, as bits (`early` kernel arguments): 1 kvq's
+// skinny GEMM (the default: its dependents' launches then overlap it), 2 the split-KV decode
+// kernel, 4 the decode merges (2 and 4 measured no gain: docs/notes/decode-tuning.md version
+// 15). KVQ_PDL_EARLY=bits overrides the default (A/B; 0: every one after its main loop).
+inline bool pdl_early(int which) {
+  static const int bits = [] {
+    const char* e = std::getenv("KVQ_PDL_EARLY");
+    return e == nullptr || *e == '\0' ? 1 : std::atoi(e);
+  }();
+  return (bits & which) != 0;
+}
+
 inline bool pdl_enabled() {
   static const bool on = [] {
     const char* e = std::getenv("KVQ_PDL");

@@ -829,6 +829,11 @@ class CudaDecoderModel final : public CudaModel {
   // gate|up's SiLU-mul in the skinny kernel's epilogue where it runs gate|up (KVQ_GEMV_SILU=0:
   // never, for A/B runs).
   bool gemv_silu_ = true;
+  // KVQ_STEP_LAB (timing experiments only: the outputs are wrong), bits: 1 no input RMSNorm,
+  // 2 no q|k|v post, 4 no cache write, 8 no attention, 16 no attention-output conversion,
+  // 32 no post-attention RMSNorm, 64 no GEMMs. The step's time without a kernel is its cost.
+  int step_lab_ = 0;
+  mutable bool lab_no_gemm_ = false;  // inside run_body with KVQ_STEP_LAB bit 64
   double* inv_freq_ = nullptr;
   void* attn_ws_ = nullptr;
   void* sample_ws_ = nullptr;
@@ -1087,6 +1092,7 @@ void CudaDecoderModel::allocate_buffers() {
   KVQ_CUBLAS_CHECK(cublasSetWorkspace(cublas_, gemm_ws, kCublasWorkspace));
   if (bf16_) tuner_ = std::make_unique<cuda_model::GemmTuner>(stream_, gemm_ws, kCublasWorkspace);
   gemv_silu_ = gemv_silu_from_env();
+  if (const char* e = std::getenv("KVQ_STEP_LAB"); e != nullptr) step_lab_ = std::atoi(e);
   if (const char* e = std::getenv("KVQ_FP8_FUSE"); e != nullptr && std::string(e) == "0")
     fp8_fuse_ = false;
   if (tuner_) tuner_->set_fp8_scales_deferred(fp8_fuse_);
@@ -1333,7 +1339,7 @@ CudaDecoderModel::Deferred CudaDecoderModel::linear(const cuda_model::Linear& L,
                                                     const void* in, int lda, float* out, int ldc,
                                                     float beta, LinearOpts opts) const {
   using Dtype = cuda_model::Linear::Dtype;
-  if (m == 0 || L.n == 0) return {};
+  if (m == 0 || L.n == 0 || lab_no_gemm_) return {};
   if (L.dtype == Dtype::kFP8) {
     KVQ_CHECK(act8_ != nullptr && tuner_ != nullptr && bf16_,
               "an FP8 projection in a model without FP8 buffers");
@@ -1737,6 +1743,8 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     }
   }
   const int T = st.T;
+  const int lab = st.decode ? step_lab_ : 0;  // timing experiments only (step_lab_)
+  lab_no_gemm_ = (lab & 64) != 0;
   const int32_t* tokens = d_at<int32_t>(off_.tokens);
   cuda_model::embed_gather(w_->embed, bf16_, w_->mask, tokens, T, H_, x_, stream_);
   cuda_model::rope_table(d_at<int32_t>(off_.positions), T, inv_freq_, d_ / 2, cs_, stream_);
@@ -1761,7 +1769,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     // scales applied by the kernel that consumes it, where fuse_fp8() (the same bits).
     // The previous layer's down product joins the residual stream here when its add was
     // deferred (pending.add).
-    if (normed) {
+    if (normed || (lab & 1)) {
       // the previous layer's down all-reduce normalized x_ into h_
     } else if (fuse_fp8(w.qkv)) {
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.input_norm, eps_, fp8_mode(w.qkv), w.qkv.in_scale,
@@ -1776,21 +1784,23 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     // With ctx rows: rows [-ctx, 0) of these buffers are the context rows (see above).
     const Deferred dq = linear(w.qkv, ctx + T, ctx_h, H_, qkv_ - ctx * qkv_dim_, qkv_dim_, 0.0f,
                                {fuse_fp8(w.qkv), fuse_fp8(w.qkv)});
-    cuda_model::qkv_post(qkv_ - ctx * qkv_dim_, w.qkv_bias, w.q_norm, w.k_norm, cs_ - ctx * d_,
-                         ctx + T, nq_, nkv_, d_, eps_, q_ - ctx * q_dim_, k_ - ctx * kv_dim_,
-                         v_ - ctx * kv_dim_, stream_, dq.row_scale, dq.col_scale);
+    if (!(lab & 2))
+      cuda_model::qkv_post(qkv_ - ctx * qkv_dim_, w.qkv_bias, w.q_norm, w.k_norm, cs_ - ctx * d_,
+                           ctx + T, nq_, nkv_, d_, eps_, q_ - ctx * q_dim_, k_ - ctx * kv_dim_,
+                           v_ - ctx * kv_dim_, stream_, dq.row_scale, dq.col_scale);
     if (ctx > 0)
       write_kv_cuda(spec, views[static_cast<size_t>(l)], ctx_slots, ctx, k_ - ctx * kv_dim_,
                     v_ - ctx * kv_dim_, stream_);
-    write_kv_cuda(spec, views[static_cast<size_t>(l)], d_at<int64_t>(off_.slots), T, k_, v_,
-                  stream_);
-    attention(st, l, views[static_cast<size_t>(l)]);
+    if (!(lab & 4))
+      write_kv_cuda(spec, views[static_cast<size_t>(l)], d_at<int64_t>(off_.slots), T, k_, v_,
+                    stream_);
+    if (!(lab & 8)) attention(st, l, views[static_cast<size_t>(l)]);
     const void* att_in = att_;
     if (fuse_fp8(w.o)) {
       cuda_model::quantize_rows_fp8_rounded(att_, T, q_dim_, q_dim_, fp8_mode(w.o), w.o.in_scale,
                                             act8_, act_scale_, stream_);
     } else if (bf16_) {
-      cuda_model::to_bf16(att_, static_cast<int64_t>(T) * q_dim_, h_, stream_);
+      if (!(lab & 16)) cuda_model::to_bf16(att_, static_cast<int64_t>(T) * q_dim_, h_, stream_);
       att_in = h_;
     }
     // o's scaled product is added to the residual by the post-attention RMSNorm (no bias).
@@ -1801,7 +1811,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
                                 {fuse_fp8(w.o), fuse_fp8(w.o) && !w.o_bias && !tp});
     normed = tp && all_reduce(w.post_norm, !w.o_bias && !fuse_fp8(w.gate_up));
     if (w.o_bias) cuda_model::add_bias_rows(x_, w.o_bias, T, H_, stream_);
-    if (normed) {
+    if (normed || (lab & 32)) {
       // h_ is the post-attention RMSNorm of the all-reduced residual
     } else if (fuse_fp8(w.gate_up)) {
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.post_norm, eps_, fp8_mode(w.gate_up),
@@ -1822,7 +1832,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
                                    !w.gate_up_bias
                                ? tuner_->gemv_warps(T, 2 * I_, H_, H_, 2 * I_)
                                : 0;
-    if (silu_warps > 0 &&
+    if (silu_warps > 0 && !(lab & 64) &&
         cuda_model::gemv_bf16_silu_mul_fits(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true)) {
       cuda_model::gemv_bf16_silu_mul(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true, stream_,
                                      silu_warps);
@@ -1860,6 +1870,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     }
   }
   KVQ_CHECK(pending.add == nullptr, "run_body: the last layer's residual add was deferred");
+  lab_no_gemm_ = false;
   // A decode step computes its (padded) logit rows inside the body, so a graph holds them.
   if (st.decode || st.verify) logits_rows(0, st.T);
 }
@@ -2029,7 +2040,12 @@ void CudaDecoderModel::tune_gemms(int m) const {
   if (!tuner_ || m > kMaxTunedRows || !tuned_rows_.insert(m).second) return;
   // Each projection kind over every layer, per precision (an FP8 checkpoint's ignore list can
   // leave some layers' projections in bf16).
-  auto tune = [&](auto member, float* out) {
+  // gate|up on kvq's skinny kernel carries the SiLU-mul in its epilogue (run_body), one launch
+  // less than cuBLASLt's product and the separate kernel: it is taken within this margin of
+  // cuBLASLt (H200, 8B batch 1: 60.3 us against 56.7 us alone, but 4.98-5.02 ms per step
+  // against 5.07-5.22; docs/notes/decode-tuning.md version 15).
+  constexpr double kSiluFusedMargin = 1.10;
+  auto tune = [&](auto member, float* out, double margin = 1.0) {
     std::vector<const void*> bf16;
     std::vector<cuda_model::GemmWeight> fp8;
     const cuda_model::Linear* shape = nullptr;
@@ -2041,14 +2057,17 @@ void CudaDecoderModel::tune_gemms(int m) const {
     }
     if (shape == nullptr) return;
     // Nothing is live between steps: the scratch operands are the step's own buffers.
-    if (!bf16.empty()) tuner_->tune(m, shape->n, shape->k, h_, shape->k, bf16, out, shape->n);
+    if (!bf16.empty())
+      tuner_->tune(m, shape->n, shape->k, h_, shape->k, bf16, out, shape->n, margin);
     if (!fp8.empty())
       tuner_->tune(cuda_model::GemmInput::kFP8, m, shape->n, shape->k, act8_, act_scale_, shape->k,
                    fp8, out, shape->n);
   };
   tune(&DeviceWeights::Layer::qkv, qkv_);
   tune(&DeviceWeights::Layer::o, x_);
-  tune(&DeviceWeights::Layer::gate_up, mlp_);
+  bool gate_up_bias = false;
+  for (const DeviceWeights::Layer& w : w_->layers) gate_up_bias = gate_up_bias || w.gate_up_bias;
+  tune(&DeviceWeights::Layer::gate_up, mlp_, gemv_silu_ && !gate_up_bias ? kSiluFusedMargin : 1.0);
   tune(&DeviceWeights::Layer::down, x_);
   const cuda_model::Linear& head = w_->lm_head;
   if (head.dtype == Dtype::kBF16) {

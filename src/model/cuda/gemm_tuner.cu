@@ -188,14 +188,17 @@ cublasStatus_t GemmTuner::launch_epilogue(const Plan& plan, const cublasLtMatmul
 }
 
 double GemmTuner::tune(int m, int n, int k, const void* in, int lda,
-                       std::span<const void* const> weights, float* out, int ldc) {
+                       std::span<const void* const> weights, float* out, int ldc,
+                       double gemv_margin) {
   std::vector<GemmWeight> w;
   for (const void* p : weights) w.push_back({p, nullptr});
-  return tune(GemmInput::kBF16, m, n, k, in, nullptr, lda, w, out, ldc);
+  return tune(GemmInput::kBF16, m, n, k, in, nullptr, lda, w, out, ldc, gemv_margin);
 }
 
 double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, const float* in_scale,
-                       int lda, std::span<const GemmWeight> weights, float* out, int ldc) {
+                       int lda, std::span<const GemmWeight> weights, float* out, int ldc,
+                       double gemv_margin) {
+  KVQ_CHECK(gemv_margin >= 1.0, "GemmTuner::tune: gemv_margin below 1");
   KVQ_CHECK(m > 0 && n > 0 && k > 0 && !weights.empty(), "GemmTuner::tune: empty GEMM");
   KVQ_CHECK(type != GemmInput::kFP8 || in_scale != nullptr, "GemmTuner::tune: FP8 without scales");
   const int ti = type_key(type);
@@ -314,7 +317,9 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
         std::snprintf(buf, sizeof buf, " g%d:%.1f", warps, us);
         timed += buf;
       }
-      if (us < best_us || (gemv_ == GemvUse::kForce && !gemv_forced)) {
+      // best_us: cuBLASLt's best (margin), or the other skinny variant's (plain comparison).
+      const double bar = best_plan && best_plan->gemv_warps > 0 ? best_us : best_us * gemv_margin;
+      if (us < bar || (gemv_ == GemvUse::kForce && !gemv_forced)) {
         gemv_forced = true;
         best_us = us;
         best_plan = std::make_unique<Plan>(type, m, n, k, lda, ldc);

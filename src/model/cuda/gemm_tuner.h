@@ -70,12 +70,15 @@ class GemmTuner {
   // pointer in `weights` is one layer's [n][k] matrix; `in` / `out` are scratch the size of the
   // real operands (their contents are overwritten). Must not run while `stream` is captured.
   // Returns the microseconds per GEMM of the choice (0 when it was known already).
+  // `gemv_margin` (>= 1): the skinny kernel is taken where its time is under cuBLASLt's best x
+  // the margin, for a caller that saves a launch when it runs (a fused epilogue) which the
+  // timing of the product alone does not see.
   double tune(int m, int n, int k, const void* in, int lda, std::span<const void* const> weights,
-              float* out, int ldc);
+              float* out, int ldc, double gemv_margin = 1.0);
   // The same for any input type; FP8 needs `in_scale` (m floats, device) and each weight's
   // scale.
   double tune(GemmInput type, int m, int n, int k, const void* in, const float* in_scale, int lda,
-              std::span<const GemmWeight> weights, float* out, int ldc);
+              std::span<const GemmWeight> weights, float* out, int ldc, double gemv_margin = 1.0);
 
   // Runs the GEMM with the tuned algorithm; false (nothing launched) when (m, n, k, lda, ldc)
   // was not tuned or a pointer is less aligned than the tuned algorithm needs.

@@ -70,7 +70,9 @@ template <int NT, int kWarps, bool kSilu, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
     gemv_kernel(const void* __restrict__ in_v, int lda, const float* __restrict__ in_scale,
                 const void* __restrict__ w_v, const float* __restrict__ w_scale,
-                void* __restrict__ out_v, int m, int n, int k, int ldc, float beta, bool out_bf16) {
+                void* __restrict__ out_v, int m, int n, int k, int ldc, float beta, bool out_bf16,
+                bool early) {
+  if (early) cuda::allow_next_kernel();
   using E = std::conditional_t<kFp8, uint8_t, uint16_t>;
   constexpr int kUnroll = kUnrollOf<NT, kFp8>;
   constexpr int kPer = 16 / sizeof(E);  // values per 16-byte load
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
         }
       }
   }
-  cuda::allow_next_kernel();
+  if (!early) cuda::allow_next_kernel();
 
   // The warps' partial sums, added in warp order.
   __shared__ float part[kWarps][NT * 4][32];
@@ -198,7 +200,7 @@ void launch_gemv(int m, int n, int k, const void* in, int lda, const float* in_s
   const dim3 grid(static_cast<unsigned>((n + per_block - 1) / per_block));
   auto launch = [&](auto kernel) {
     cuda::launch_pdl(kernel, grid, dim3(warps * 32), stream, in, lda, in_scale, w, w_scale, out, m,
-                     n, k, ldc, beta, out_bf16);
+                     n, k, ldc, beta, out_bf16, cuda::pdl_early(1));
   };
   if (m <= 8) {
     if (warps == 4)
