@@ -7,7 +7,8 @@
 # PARTs (run in order):
 #   lab    cuda_gemm_bench, bf16, the 8B projections at m 1 / 8 / 64, beta 0 and beta 1.
 #   ab     `kvq bench --synthetic llama3-8b` decode, each point with AB settings in turn
-#          (AB="KVQ_FP8_FUSE=1 KVQ_FP8_FUSE=0" for example, default one plain run; KVS, BATCHES, CTXS, DTYPES,
+#          (AB="KVQ_FP8_FUSE=1 KVQ_FP8_FUSE=0" for example; a setting may join several variables with
+#          commas, "A=1,B=2"; default one plain run; KVS, BATCHES, CTXS, DTYPES,
 #          REPS narrow it), then the default model (models/kvq-code-tiny) at batch 1 / 8.
 #   ncu    per-kernel times of 8B decode steps at batch 1 (Nsight Compute, in place).
 #   tests  the cache-write and decode tests of kvq_cuda_tests, then the whole CUDA model tests.
@@ -38,7 +39,7 @@ for part in "${@:-lab ab tests}"; do
           for ctx in ${CTXS:-1024}; do
             for b in ${BATCHES:-1 8 64}; do
               for ab in ${AB:-KVQ_AB=plain}; do
-                env $ab timeout 90 $B/kvq bench --synthetic llama3-8b --device cuda --dtype $w \
+                env ${ab//,/ } timeout 90 $B/kvq bench --synthetic llama3-8b --device cuda --dtype $w \
                   --kv-cache-dtype $kv --batch $b --input-len $ctx --output-len ${OUTLEN:-32} \
                   --prefill-sequences 1 --json 2>>"$OUT/ab.err" |
                   python3 bench/step_summary.py "$ab" >> "$OUT/ab.jsonl"
@@ -50,7 +51,7 @@ for part in "${@:-lab ab tests}"; do
       for kv in ${KVS:-bfloat16 fp8}; do
         for b in 1 8; do
           for ab in ${AB:-KVQ_AB=plain}; do
-            env $ab timeout 90 $B/kvq bench --model models/kvq-code-tiny --device cuda \
+            env ${ab//,/ } timeout 90 $B/kvq bench --model models/kvq-code-tiny --device cuda \
               --kv-cache-dtype $kv --batch $b --input-len 256 --output-len 128 --json \
               2>>"$OUT/ab.err" | python3 bench/step_summary.py "$ab" >> "$OUT/ab-tiny.jsonl"
           done

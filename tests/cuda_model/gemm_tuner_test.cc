@@ -404,15 +404,19 @@ TEST(GemvBf16, TunerForcedNeverAndAuto) {
   }
   {
     // A margin (a caller's fused epilogue): the skinny kernel is taken unless cuBLASLt is over
-    // 1000x faster; a margin below 1 is refused, and kNever still means never.
+    // 1000x faster; a margin below 1 is refused, and kNever still means never. (Plans are kept
+    // per process and shape, so these are shapes not tuned above.)
+    const int n2 = n + 16, n3 = n + 32;
     cuda_model::GemmTuner tuner(stream, ws.get(), kWs);
-    EXPECT_THROW((void)tuner.tune(m, n, k, din.get(), k, wp, dout.get(), n, 0.5), InternalError);
-    EXPECT_GT(tuner.tune(m, n, k, din.get(), k, wp, dout.get(), n, 1000.0), 0.0);
-    EXPECT_TRUE(tuner.uses_gemv(m, n, k, k, n));
+    EXPECT_THROW((void)tuner.tune(m, n2, k, din.get(), k, wp, dout.get(), n2, 0.5), InternalError);
+    DeviceBuffer<uint16_t> w3(static_cast<size_t>(n3) * k);
+    const std::vector<const void*> wp3 = {w3.get()};
+    EXPECT_GT(tuner.tune(m, n3, k, din.get(), k, wp3, dout.get(), n3, 1000.0), 0.0);
+    EXPECT_TRUE(tuner.uses_gemv(m, n3, k, k, n3));
     cuda_model::GemmTuner never(stream, ws.get(), kWs);
     never.set_gemv_use(cuda_model::GemvUse::kNever);
-    EXPECT_GT(never.tune(m, n, k, din.get(), k, wp, dout.get(), n, 1000.0), 0.0);
-    EXPECT_FALSE(never.uses_gemv(m, n, k, k, n));
+    EXPECT_GT(never.tune(m, n3, k, din.get(), k, wp3, dout.get(), n3, 1000.0), 0.0);
+    EXPECT_FALSE(never.uses_gemv(m, n3, k, k, n3));
   }
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }

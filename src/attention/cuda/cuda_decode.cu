@@ -29,11 +29,13 @@ namespace {
 // (default model, batch 1: 0.238-0.245 -> 0.218-0.224 ms per plain step; larger grids
 // measured 1-3.5% slower with the small floor, and an 8B step at 1k plans for 96 tiles). Several
 // queries (verification, DFlash blocks), whose warps hold 16 rows: sequences x kv heads <= 8 (batch
-// 8 of the default model measured slower). Both at most 64 tiles (docs/notes/decode-tuning.md
-// version 8). KVQ_DECODE_MIN_CHUNK_TILES / KVQ_DECODE_MQ_MIN_CHUNK_TILES=n (1..64) override the
-// small floor of one-query / multi-query plans (A/B switches).
+// 8 of the default model measured slower). At most 96 tiles for one query, 64 for several
+// (docs/notes/decode-tuning.md versions 8 and 15). KVQ_DECODE_MIN_CHUNK_TILES /
+// KVQ_DECODE_MQ_MIN_CHUNK_TILES=n (1..64) override the small floor of one-query / multi-query
+// plans (A/B switches).
 constexpr int kMinChunkTiles = 8;
 constexpr int kMinChunkTilesTinyGrid = 2;
+constexpr int kTinyGridMaxTiles = 96;
 
 int env_floor(const char* name) {
   const char* e = std::getenv(name);
@@ -43,13 +45,20 @@ int env_floor(const char* name) {
 }
 
 int min_chunk_tiles(int q_per_seq, int64_t seqs_x_kv_heads, int max_tiles) {
-  if (max_tiles > 64) return kMinChunkTiles;
   if (q_per_seq > 1) {
     static const int multi = env_floor("KVQ_DECODE_MQ_MIN_CHUNK_TILES");
-    return seqs_x_kv_heads <= 8 ? multi : kMinChunkTiles;
+    return seqs_x_kv_heads <= 8 && max_tiles <= 64 ? multi : kMinChunkTiles;
   }
+  // One query: up to 96 tiles (a context bucket of 1536 tokens; 8B batch 1 x 1k, H200: floor
+  // 2 4.78-4.81 ms per step against 4.98-4.99 with 8, fp8 KV 4.88 vs 4.92-4.96, but at 4k
+  // and 8k floor 2 was 1-3% slower; docs/notes/decode-tuning.md version 15).
+  // KVQ_DECODE_TINY_MAX_TILES=n moves that limit (A/B).
+  static const int tiny_max_tiles = [] {
+    const char* e = std::getenv("KVQ_DECODE_TINY_MAX_TILES");
+    return e == nullptr || *e == '\0' ? kTinyGridMaxTiles : std::max(1, std::atoi(e));
+  }();
   static const int one = env_floor("KVQ_DECODE_MIN_CHUNK_TILES");
-  return seqs_x_kv_heads <= 16 ? one : kMinChunkTiles;
+  return seqs_x_kv_heads <= 16 && max_tiles <= tiny_max_tiles ? one : kMinChunkTiles;
 }
 
 constexpr size_t kAlign = 256;
