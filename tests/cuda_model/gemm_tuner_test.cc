@@ -268,6 +268,98 @@ TEST(GemvFp8, MatchesTheScaledProduct) {
 // gate|up with its SiLU-mul in the skinny kernel's epilogue: the bits of gemv_bf16 followed by
 // cuda_model::silu_mul (bf16 and fp32 rows, both warp counts, both n-tile widths, feature counts
 // that do not fill its 8-feature blocks, a padded output stride).
+// The RMSNorm in the skinny GEMM's prologue (gemv_bf16_norm, gemv_bf16_silu_mul_norm) against
+// rms_norm_rows (bf16 rows) followed by the plain kernels: the same bits, for every row count it
+// takes, padded input rows, ragged n, both warp counts, beta 0 over NaN and beta 1; and what it
+// refuses.
+TEST(GemvBf16, NormPrologueIsTheUnfusedBits) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  struct Shape {
+    int m, n, k;
+  };
+  for (const Shape s :
+       {Shape{1, 16, 64}, Shape{2, 37, 264}, Shape{3, 700, 1024}, Shape{4, 129, 4096},
+        Shape{1 + static_cast<int>(rng() % cuda_model::kGemvNormMaxRows),
+              1 + static_cast<int>(rng() % 500), 8 * (1 + static_cast<int>(rng() % 400))}}) {
+    SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
+                 std::to_string(s.k));
+    const int ldx = s.k + 4 * static_cast<int>(rng() % 3);  // padded rows
+    std::vector<float> x(static_cast<size_t>(s.m) * ldx), g(static_cast<size_t>(s.k));
+    for (auto& v : x) v = 3.0f * nd(rng);
+    for (auto& v : g) v = 1.0f + 0.5f * nd(rng);
+    std::vector<uint16_t> w(static_cast<size_t>(2 * s.n) * s.k);
+    for (auto& v : w) v = to_bf16(nd(rng) / 8.0f);
+    DeviceBuffer<float> dx(x), dg(g);
+    DeviceBuffer<uint16_t> dw(w), normed(static_cast<size_t>(s.m) * s.k);
+    constexpr float kEps = 1e-5f;
+    const cuda_model::GemvNorm nm{dx.get(), ldx, dg.get(), kEps};
+    ASSERT_TRUE(cuda_model::gemv_norm_fits(s.m, s.k, nm));
+    // The unfused input: rms_norm_rows' bf16 rows (row stride k), one launch per row (its
+    // rows are contiguous H-float rows, x's are ldx apart).
+    for (int i = 0; i < s.m; ++i)
+      cuda_model::rms_norm_rows(dx.get() + static_cast<size_t>(i) * ldx, nullptr, 1, s.k, dg.get(),
+                                kEps, normed.get() + static_cast<size_t>(i) * s.k, true, stream);
+    for (const int warps : cuda_model::kGemvWarps) {
+      SCOPED_TRACE("warps " + std::to_string(warps));
+      for (const float beta : {0.0f, 1.0f}) {
+        std::vector<float> base(static_cast<size_t>(s.m) * s.n);
+        for (auto& v : base) v = beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : nd(rng);
+        DeviceBuffer<float> ref(base), got(base);
+        cuda_model::gemv_bf16(s.m, s.n, s.k, normed.get(), s.k, dw.get(), ref.get(), s.n, beta,
+                              stream, warps);
+        cuda_model::gemv_bf16_norm(s.m, s.n, s.k, nm, dw.get(), got.get(), s.n, beta, stream,
+                                   warps);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const std::vector<float> a = ref.download(), b = got.download();
+        ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+            << "gemv_bf16_norm and rms_norm_rows + gemv_bf16 differ, beta " << beta;
+        for (float v : b) ASSERT_TRUE(std::isfinite(v));
+      }
+      DeviceBuffer<uint16_t> ref(static_cast<size_t>(s.m) * s.n),
+          got(static_cast<size_t>(s.m) * s.n);
+      cuda_model::gemv_bf16_silu_mul(s.m, s.n, s.k, normed.get(), s.k, dw.get(), ref.get(), s.n,
+                                     true, stream, warps);
+      cuda_model::gemv_bf16_silu_mul_norm(s.m, s.n, s.k, nm, dw.get(), got.get(), s.n, true, stream,
+                                          warps);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const std::vector<uint16_t> a = ref.download(), b = got.download();
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(uint16_t)), 0)
+          << "gemv_bf16_silu_mul_norm and rms_norm_rows + gemv_bf16_silu_mul differ";
+    }
+    // And the normalized rows are RMSNorm's, from fp64 (a bf16 rounding each).
+    const std::vector<uint16_t> h = normed.download();
+    for (int i = 0; i < s.m; ++i) {
+      double ss = 0.0;
+      for (int c = 0; c < s.k; ++c)
+        ss += static_cast<double>(x[static_cast<size_t>(i) * ldx + c]) *
+              x[static_cast<size_t>(i) * ldx + c];
+      const double inv = 1.0 / std::sqrt(ss / s.k + kEps);
+      for (int c = 0; c < s.k; ++c) {
+        const double want = x[static_cast<size_t>(i) * ldx + c] * inv * g[static_cast<size_t>(c)];
+        ASSERT_NEAR(from_bf16(h[static_cast<size_t>(i) * s.k + c]), want,
+                    4e-3 * std::abs(want) + 1e-6)
+            << "row " << i << " column " << c;
+      }
+    }
+  }
+  // Refusals: too many rows, k not a multiple of 8, misaligned or short rows, no weight.
+  DeviceBuffer<float> x(static_cast<size_t>(8) * 1032), g(1032);
+  EXPECT_FALSE(cuda_model::gemv_norm_fits(cuda_model::kGemvNormMaxRows + 1, 1024,
+                                          {x.get(), 1024, g.get(), 1e-5f}));
+  EXPECT_FALSE(cuda_model::gemv_norm_fits(1, 1028, {x.get(), 1032, g.get(), 1e-5f}));
+  EXPECT_FALSE(cuda_model::gemv_norm_fits(1, 1024, {x.get() + 1, 1024, g.get(), 1e-5f}));
+  EXPECT_FALSE(cuda_model::gemv_norm_fits(2, 1024, {x.get(), 1000, g.get(), 1e-5f}));
+  EXPECT_FALSE(cuda_model::gemv_norm_fits(1, 1024, {x.get(), 1024, nullptr, 1e-5f}));
+  EXPECT_FALSE(cuda_model::gemv_norm_fits(4, 16384, {x.get(), 16384, g.get(), 1e-5f}));
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 TEST(GemvBf16, SiluMulEpilogueIsTheUnfusedBits) {
   KVQ_REQUIRE_GPU();
   const unsigned seed = fresh_seed();

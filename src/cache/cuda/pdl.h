@@ -45,14 +45,15 @@ inline bool pdl_enabled() {
   return on;
 }
 
-// kernel<<<grid, block, 0, stream>>>(args...), with the programmatic-serialization attribute
+// kernel<<<grid, block, smem, stream>>>(args...), with the programmatic-serialization attribute
 // when `programmatic`; launch errors are checked.
 template <typename... Params, typename... Args>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
-                   bool programmatic, Args&&... args) {
+void launch_kernel_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                        cudaStream_t stream, bool programmatic, Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -60,6 +61,11 @@ void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_
   cfg.attrs = attr;
   cfg.numAttrs = programmatic ? 1 : 0;
   KVQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                   bool programmatic, Args&&... args) {
+  launch_kernel_smem(kernel, grid, block, 0, stream, programmatic, std::forward<Args>(args)...);
 }
 
 // launch_kernel with the attribute when pdl_enabled() and stream is not the legacy default

@@ -108,6 +108,14 @@ bool gemv_silu_from_env() {
   if (v != "0" && v != "1") throw InputError("KVQ_GEMV_SILU=" + v + " is not one of: 1, 0");
   return v == "1";
 }
+// KVQ_GEMV_NORM=1 (default) | 0: the RMSNorm before q|k|v and before gate|up inside the skinny
+// GEMM that reads it, where that kernel runs the product (0: the separate kernel, A/B).
+bool gemv_norm_from_env() {
+  const char* e = std::getenv("KVQ_GEMV_NORM");
+  const std::string v = e == nullptr ? "1" : e;
+  if (v != "0" && v != "1") throw InputError("KVQ_GEMV_NORM=" + v + " is not one of: 1, 0");
+  return v == "1";
+}
 // Verification steps of speculative decoding with up to this many queries per sequence (k + 1)
 // are graph-replayed like decode steps.
 constexpr int kMaxVerifyQueries = 17;
@@ -724,6 +732,9 @@ class CudaDecoderModel final : public CudaModel {
   // The first n slots, positions (and rows) of h_feat_step_ to d_feat_step_, on the stream.
   void stage_feature_rows(int n, bool rows) const;
   void run_body(const Step& st, const std::vector<LayerCacheView>& views) const;
+  // The skinny GEMM's warps for L's product of T rows with the RMSNorm (weight norm_w) of x_ in
+  // its prologue (gemv_bf16_norm), or 0 where the tuner does not run L there, or it does not fit.
+  int norm_in_gemv_warps(const cuda_model::Linear& L, int T, const float* norm_w) const;
   void attention(const Step& st, int layer, const LayerCacheView& view) const;
   // Final norm + lm_head for logit rows [first, first + n) into logits_ rows [0, n).
   void logits_rows(int first, int n) const;
@@ -829,6 +840,7 @@ class CudaDecoderModel final : public CudaModel {
   // gate|up's SiLU-mul in the skinny kernel's epilogue where it runs gate|up (KVQ_GEMV_SILU=0:
   // never, for A/B runs).
   bool gemv_silu_ = true;
+  bool gemv_norm_ = true;  // KVQ_GEMV_NORM
   // KVQ_STEP_LAB (timing experiments only: the outputs are wrong), bits: 1 no input RMSNorm,
   // 2 no q|k|v post, 4 no cache write, 8 no attention, 16 no attention-output conversion,
   // 32 no post-attention RMSNorm, 64 no GEMMs. The step's time without a kernel is its cost.
@@ -1092,6 +1104,7 @@ void CudaDecoderModel::allocate_buffers() {
   KVQ_CUBLAS_CHECK(cublasSetWorkspace(cublas_, gemm_ws, kCublasWorkspace));
   if (bf16_) tuner_ = std::make_unique<cuda_model::GemmTuner>(stream_, gemm_ws, kCublasWorkspace);
   gemv_silu_ = gemv_silu_from_env();
+  gemv_norm_ = gemv_norm_from_env();
   if (const char* e = std::getenv("KVQ_STEP_LAB"); e != nullptr) step_lab_ = std::atoi(e);
   if (const char* e = std::getenv("KVQ_FP8_FUSE"); e != nullptr && std::string(e) == "0")
     fp8_fuse_ = false;
@@ -1719,6 +1732,15 @@ void CudaDecoderModel::logits_rows(int first, int n) const {
   cuda_model::interleave_shards(lm_gather_, tp_.size, n, vs, logits_, stream_);
 }
 
+int CudaDecoderModel::norm_in_gemv_warps(const cuda_model::Linear& L, int T,
+                                         const float* norm_w) const {
+  if (!gemv_norm_ || !bf16_ || !tuner_ || tp_.active() ||
+      L.dtype != cuda_model::Linear::Dtype::kBF16 || L.k != H_)
+    return 0;
+  const int warps = tuner_->gemv_warps(T, L.n, L.k, L.k, L.n);
+  return warps > 0 && cuda_model::gemv_norm_fits(T, L.k, {x_, H_, norm_w, eps_}) ? warps : 0;
+}
+
 void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView>& views) const {
   // A DFlash drafter's context rows: C rows whose K/V every layer writes before the block
   // attends to them. Where the layers' q|k|v products are plain (no FP8 input, no tensor
@@ -1769,8 +1791,13 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     // scales applied by the kernel that consumes it, where fuse_fp8() (the same bits).
     // The previous layer's down product joins the residual stream here when its add was
     // deferred (pending.add).
-    if (normed || (lab & 1)) {
-      // the previous layer's down all-reduce normalized x_ into h_
+    // The input RMSNorm inside q|k|v's skinny GEMM where the tuner runs it there (bf16, a few
+    // rows, no context rows riding, no deferred residual add): one launch less.
+    const int qkv_norm_warps = !normed && ctx == 0 && !pending.add && !(lab & 1)
+                                   ? norm_in_gemv_warps(w.qkv, T, w.input_norm)
+                                   : 0;
+    if (normed || (lab & 1) || qkv_norm_warps > 0) {
+      // the previous layer's down all-reduce normalized x_ into h_ (or the GEMM normalizes)
     } else if (fuse_fp8(w.qkv)) {
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.input_norm, eps_, fp8_mode(w.qkv), w.qkv.in_scale,
                                     act8_, act_scale_, stream_, pending.residual());
@@ -1782,8 +1809,13 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     }
     pending = {};
     // With ctx rows: rows [-ctx, 0) of these buffers are the context rows (see above).
-    const Deferred dq = linear(w.qkv, ctx + T, ctx_h, H_, qkv_ - ctx * qkv_dim_, qkv_dim_, 0.0f,
-                               {fuse_fp8(w.qkv), fuse_fp8(w.qkv)});
+    Deferred dq;
+    if (qkv_norm_warps > 0)
+      cuda_model::gemv_bf16_norm(T, qkv_dim_, H_, {x_, H_, w.input_norm, eps_}, w.qkv.w, qkv_,
+                                 qkv_dim_, 0.0f, stream_, qkv_norm_warps);
+    else
+      dq = linear(w.qkv, ctx + T, ctx_h, H_, qkv_ - ctx * qkv_dim_, qkv_dim_, 0.0f,
+                  {fuse_fp8(w.qkv), fuse_fp8(w.qkv)});
     if (!(lab & 2))
       cuda_model::qkv_post(qkv_ - ctx * qkv_dim_, w.qkv_bias, w.q_norm, w.k_norm, cs_ - ctx * d_,
                            ctx + T, nq_, nkv_, d_, eps_, q_ - ctx * q_dim_, k_ - ctx * kv_dim_,
@@ -1811,8 +1843,22 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
                                 {fuse_fp8(w.o), fuse_fp8(w.o) && !w.o_bias && !tp});
     normed = tp && all_reduce(w.post_norm, !w.o_bias && !fuse_fp8(w.gate_up));
     if (w.o_bias) cuda_model::add_bias_rows(x_, w.o_bias, T, H_, stream_);
-    if (normed || (lab & 32)) {
-      // h_ is the post-attention RMSNorm of the all-reduced residual
+    // Where the tuner runs gate|up on kvq's skinny kernel (bf16 weights, no bias), its
+    // SiLU-mul rides in that kernel's epilogue (the same bits), writing bf16 rows into mlp_
+    // for down; otherwise SiLU-mul is its own wide kernel (one block per row of 14336 would be
+    // latency-bound at a few rows). down's input is quantized by linear() from bf16 rows.
+    const int silu_warps =
+        gemv_silu_ && tuner_ && w.gate_up.dtype == cuda_model::Linear::Dtype::kBF16 &&
+                !w.gate_up_bias && !(lab & 64) &&
+                cuda_model::gemv_bf16_silu_mul_fits(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true)
+            ? tuner_->gemv_warps(T, 2 * I_, H_, H_, 2 * I_)
+            : 0;
+    // The post-attention RMSNorm inside that kernel, where it fits (as for q|k|v above).
+    const bool post_norm_in_gemv = silu_warps > 0 && gemv_norm_ && !normed && !dox.add &&
+                                   !(lab & 32) && !fuse_fp8(w.gate_up) &&
+                                   cuda_model::gemv_norm_fits(T, H_, {x_, H_, w.post_norm, eps_});
+    if (normed || (lab & 32) || post_norm_in_gemv) {
+      // h_ is the post-attention RMSNorm of the all-reduced residual (or the GEMM normalizes)
     } else if (fuse_fp8(w.gate_up)) {
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.post_norm, eps_, fp8_mode(w.gate_up),
                                     w.gate_up.in_scale, act8_, act_scale_, stream_, dox.residual());
@@ -1822,18 +1868,12 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     } else {
       cuda_model::rms_norm_rows(x_, nullptr, T, H_, w.post_norm, eps_, h_, bf16_, stream_);
     }
-    // Where the tuner runs gate|up on kvq's skinny kernel (bf16 weights, no bias), its
-    // SiLU-mul rides in that kernel's epilogue (the same bits), writing bf16 rows into mlp_
-    // for down; otherwise SiLU-mul is its own wide kernel (one block per row of 14336 would be
-    // latency-bound at a few rows). down's input is quantized by linear() from bf16 rows.
     const void* down_in = h_;
-    const int silu_warps = gemv_silu_ && tuner_ &&
-                                   w.gate_up.dtype == cuda_model::Linear::Dtype::kBF16 &&
-                                   !w.gate_up_bias
-                               ? tuner_->gemv_warps(T, 2 * I_, H_, H_, 2 * I_)
-                               : 0;
-    if (silu_warps > 0 && !(lab & 64) &&
-        cuda_model::gemv_bf16_silu_mul_fits(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true)) {
+    if (post_norm_in_gemv) {
+      cuda_model::gemv_bf16_silu_mul_norm(T, I_, H_, {x_, H_, w.post_norm, eps_}, w.gate_up.w, mlp_,
+                                          I_, true, stream_, silu_warps);
+      down_in = mlp_;
+    } else if (silu_warps > 0) {
       cuda_model::gemv_bf16_silu_mul(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true, stream_,
                                      silu_warps);
       down_in = mlp_;
@@ -2457,6 +2497,7 @@ size_t init_device(size_t& total) {
 void check_cuda_model_env() {
   (void)cuda_model::gemv_use_from_env();
   (void)gemv_silu_from_env();
+  (void)gemv_norm_from_env();
 }
 
 bool cuda_fp8_gemm_available() {

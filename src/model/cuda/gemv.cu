@@ -8,6 +8,7 @@
 #include "cache/cuda/cuda_check.h"
 #include "cache/cuda/pdl.h"
 #include "kvq/core/error.h"
+#include "model/cuda/row_ops.cuh"
 
 namespace kvq::cuda_model {
 
@@ -43,6 +44,58 @@ __device__ __forceinline__ uint4 load_weight(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
+// kNorm: the input rows, RMSNorm'd, in shared memory as bf16, each row kNormPad values longer
+// than k so the 8 rows of an n-tile start 64 bytes apart (16-byte reads of 8 lanes, one per
+// row, in distinct banks).
+constexpr int kNormPad = 32;
+
+// The RMSNorm of rows 0..m-1 of nm.x (k floats each) into xs, with rms_norm_rows' arithmetic
+// (a double sum of squares, rows::rms_inverse, x * inv * w rounded once each, then bf16): the
+// bits that kernel writes, but each block makes its own copy. Ends with a barrier.
+template <int kThreads>
+__device__ __forceinline__ void normalize_rows(const GemvNorm& nm, int m, int k, uint16_t* xs) {
+  __shared__ double part[kThreads / 32][kGemvNormMaxRows];
+  __shared__ float inv[kGemvNormMaxRows];
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  for (int i = 0; i < m; ++i) {
+    const float* row = nm.x + static_cast<int64_t>(i) * nm.ldx;
+    double ss = 0.0;
+    for (int c = 4 * tid; c < k; c += 4 * kThreads) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(row + c));
+      ss += static_cast<double>(v.x) * v.x + static_cast<double>(v.y) * v.y +
+            static_cast<double>(v.z) * v.z + static_cast<double>(v.w) * v.w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) part[warp][i] = ss;
+  }
+  __syncthreads();
+  if (tid < m) {
+    double ss = 0.0;
+    for (int w = 0; w < kThreads / 32; ++w) ss += part[w][tid];
+    inv[tid] = rows::rms_inverse(ss, k, nm.eps);
+  }
+  __syncthreads();
+  for (int i = 0; i < m; ++i) {
+    const float* row = nm.x + static_cast<int64_t>(i) * nm.ldx;
+    const float s = inv[i];
+    uint16_t* dst = xs + static_cast<int64_t>(i) * (k + kNormPad);
+    for (int c = 4 * tid; c < k; c += 4 * kThreads) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(row + c));
+      const float4 g = __ldg(reinterpret_cast<const float4*>(nm.w + c));
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(v.x, s), g.x),
+                                                      __fmul_rn(__fmul_rn(v.y, s), g.y));
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(__fmul_rn(__fmul_rn(v.z, s), g.z),
+                                                      __fmul_rn(__fmul_rn(v.w, s), g.w));
+      uint2 packed;
+      packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+      packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(dst + c) = packed;
+    }
+  }
+  __syncthreads();
+}
+
 // fp8_scale_product's arithmetic (model_kernels.cu): raw x row scale x column scale.
 __device__ __forceinline__ float scaled(float raw, float row_scale, float col_scale) {
   return __fmul_rn(__fmul_rn(raw, row_scale), col_scale);
@@ -66,12 +119,17 @@ __device__ __forceinline__ float scaled(float raw, float row_scale, float col_sc
 // gate and up rows of 8 features [8 b, 8 b + 8): rows g and g + 8 of the tile are gate and up
 // of feature 8 b + g, so a lane's accumulators hold both factors of its outputs, and the
 // epilogue writes silu(gate) * up ([m][n], bf16 or fp32) instead of the product.
-template <int NT, int kWarps, bool kSilu, bool kFp8>
+//
+// kNorm (bf16, m <= kGemvNormMaxRows): the input is norm's rows RMSNorm'd by every block into
+// shared memory (normalize_rows) after the wait, instead of `in`.
+template <int NT, int kWarps, bool kSilu, bool kFp8, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
     gemv_kernel(const void* __restrict__ in_v, int lda, const float* __restrict__ in_scale,
                 const void* __restrict__ w_v, const float* __restrict__ w_scale,
                 void* __restrict__ out_v, int m, int n, int k, int ldc, float beta, bool out_bf16,
-                bool early) {
+                bool early, GemvNorm norm) {
+  static_assert(!kNorm || (!kFp8 && NT == 1));
+  extern __shared__ __align__(16) uint16_t norm_rows[];
   if (early) cuda::allow_next_kernel();
   using E = std::conditional_t<kFp8, uint8_t, uint16_t>;
   constexpr int kUnroll = kUnrollOf<NT, kFp8>;
@@ -108,6 +166,7 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
   // it finishes.
   if (iters > 0) load_w(0);
   cuda::wait_for_previous_kernel();
+  if constexpr (kNorm) normalize_rows<kWarps * 32>(norm, m, k, norm_rows);
 
   float acc[NT][4] = {};
   for (int it = 0; it < iters; ++it) {
@@ -120,10 +179,16 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const int i = 8 * j + g;
-        xv[u][j] =
-            c < k && i < m
-                ? __ldg(reinterpret_cast<const uint4*>(in + static_cast<int64_t>(i) * lda + c))
-                : make_uint4(0, 0, 0, 0);
+        if constexpr (kNorm) {
+          xv[u][j] = c < k && i < m ? *reinterpret_cast<const uint4*>(
+                                          norm_rows + static_cast<int64_t>(i) * (k + kNormPad) + c)
+                                    : make_uint4(0, 0, 0, 0);
+        } else {
+          xv[u][j] =
+              c < k && i < m
+                  ? __ldg(reinterpret_cast<const uint4*>(in + static_cast<int64_t>(i) * lda + c))
+                  : make_uint4(0, 0, 0, 0);
+        }
       }
     }
     if (it + 1 < iters) load_w(it + 1);
@@ -192,26 +257,45 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
   }
 }
 
+size_t norm_smem_bytes(int m, int k) {
+  return static_cast<size_t>(m) * static_cast<size_t>(k + kNormPad) * 2;
+}
+
 template <bool kSilu, bool kFp8>
 void launch_gemv(int m, int n, int k, const void* in, int lda, const float* in_scale, const void* w,
                  const float* w_scale, void* out, int ldc, float beta, bool out_bf16,
-                 cudaStream_t stream, int warps) {
+                 cudaStream_t stream, int warps, const GemvNorm* norm = nullptr) {
   const int per_block = kSilu ? 8 : kRows;
   const dim3 grid(static_cast<unsigned>((n + per_block - 1) / per_block));
+  const GemvNorm nm = norm ? *norm : GemvNorm{};
+  const size_t smem = norm ? norm_smem_bytes(m, k) : 0;
   auto launch = [&](auto kernel) {
-    cuda::launch_pdl(kernel, grid, dim3(warps * 32), stream, in, lda, in_scale, w, w_scale, out, m,
-                     n, k, ldc, beta, out_bf16, cuda::pdl_early(1));
+    if (smem > 48u * 1024)  // the opt-in above the default; once per kernel is enough
+      KVQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(kGemvNormMaxSmem)));
+    cuda::launch_kernel_smem(kernel, grid, dim3(warps * 32), smem, stream,
+                             cuda::pdl_enabled() && stream != nullptr, in, lda, in_scale, w,
+                             w_scale, out, m, n, k, ldc, beta, out_bf16, cuda::pdl_early(1), nm);
   };
+  if constexpr (!kFp8) {
+    if (norm != nullptr) {
+      if (warps == 4)
+        launch(gemv_kernel<1, 4, kSilu, false, true>);
+      else
+        launch(gemv_kernel<1, 8, kSilu, false, true>);
+      return;
+    }
+  }
   if (m <= 8) {
     if (warps == 4)
-      launch(gemv_kernel<1, 4, kSilu, kFp8>);
+      launch(gemv_kernel<1, 4, kSilu, kFp8, false>);
     else
-      launch(gemv_kernel<1, 8, kSilu, kFp8>);
+      launch(gemv_kernel<1, 8, kSilu, kFp8, false>);
   } else {
     if (warps == 4)
-      launch(gemv_kernel<2, 4, kSilu, kFp8>);
+      launch(gemv_kernel<2, 4, kSilu, kFp8, false>);
     else
-      launch(gemv_kernel<2, 8, kSilu, kFp8>);
+      launch(gemv_kernel<2, 8, kSilu, kFp8, false>);
   }
 }
 
@@ -239,6 +323,12 @@ bool gemv_bf16_silu_mul_fits(int m, int n, int k, const void* in, int lda, const
          out != nullptr && aligned(out, out_bf16 ? 2 : 4);
 }
 
+bool gemv_norm_fits(int m, int k, const GemvNorm& norm) {
+  return m >= 1 && m <= kGemvNormMaxRows && k >= 8 && k % 8 == 0 && norm.x != nullptr &&
+         norm.w != nullptr && norm.ldx >= k && norm.ldx % 4 == 0 && aligned(norm.x, 16) &&
+         aligned(norm.w, 16) && norm_smem_bytes(m, k) <= kGemvNormMaxSmem;
+}
+
 bool gemv_fp8_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
                    int ldc) {
   return inputs_fit(m, n, k, in, lda, w, 16) && ldc >= n && out != nullptr && aligned(out, 4);
@@ -260,6 +350,25 @@ void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void
   KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16_silu_mul: 4 or 8 warps per block");
   launch_gemv<true, false>(m, n, k, in, lda, nullptr, w_gate_up, nullptr, out, ldo, 0.0f, out_bf16,
                            stream, warps);
+}
+
+void gemv_bf16_norm(int m, int n, int k, const GemvNorm& norm, const void* w, float* out, int ldc,
+                    float beta, cudaStream_t stream, int warps) {
+  KVQ_CHECK(gemv_norm_fits(m, k, norm) && gemv_bf16_fits(m, n, k, norm.x, k, w, out, ldc),
+            "gemv_bf16_norm: operands it does not take (m, alignment or strides)");
+  KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16_norm: 4 or 8 warps per block");
+  launch_gemv<false, false>(m, n, k, nullptr, k, nullptr, w, nullptr, out, ldc, beta, false, stream,
+                            warps, &norm);
+}
+
+void gemv_bf16_silu_mul_norm(int m, int n, int k, const GemvNorm& norm, const void* w_gate_up,
+                             void* out, int ldo, bool out_bf16, cudaStream_t stream, int warps) {
+  KVQ_CHECK(gemv_norm_fits(m, k, norm) &&
+                gemv_bf16_silu_mul_fits(m, n, k, norm.x, k, w_gate_up, out, ldo, out_bf16),
+            "gemv_bf16_silu_mul_norm: operands it does not take (m, alignment or strides)");
+  KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16_silu_mul_norm: 4 or 8 warps per block");
+  launch_gemv<true, false>(m, n, k, nullptr, k, nullptr, w_gate_up, nullptr, out, ldo, 0.0f,
+                           out_bf16, stream, warps, &norm);
 }
 
 void gemv_fp8(int m, int n, int k, const void* in, const float* in_scale, int lda, const void* w,

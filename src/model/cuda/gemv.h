@@ -19,6 +19,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 namespace kvq::cuda_model {
 
 inline constexpr int kGemvMaxRows = 16;
@@ -57,5 +59,27 @@ bool gemv_bf16_silu_mul_fits(int m, int n, int k, const void* in, int lda, const
                              const void* out, int ldo, bool out_bf16);
 void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
                         void* out, int ldo, bool out_bf16, cudaStream_t stream, int warps = 4);
+
+// The RMSNorm that feeds a product, inside it (one launch less per norm; docs/notes/
+// decode-tuning.md version 16): the input rows are x's rows (fp32, row stride ldx) normalized
+// with rms_norm_rows' arithmetic (weight w, eps) and rounded to bf16, the bits rms_norm_rows
+// writes for a bf16 model; every block normalizes its own copy into shared memory after the
+// wait for the kernel that writes x. Rows 1..kGemvNormMaxRows; k a multiple of 8; x and w
+// 16-byte aligned, ldx a multiple of 4; m x (k + 32) x 2 bytes of shared memory at most
+// kGemvNormMaxSmem.
+struct GemvNorm {
+  const float* x = nullptr;
+  int ldx = 0;
+  const float* w = nullptr;
+  float eps = 0.0f;
+};
+inline constexpr int kGemvNormMaxRows = 4;
+inline constexpr size_t kGemvNormMaxSmem = 96u * 1024;
+bool gemv_norm_fits(int m, int k, const GemvNorm& norm);
+// gemv_bf16 / gemv_bf16_silu_mul of the normalized rows (their other operands as there).
+void gemv_bf16_norm(int m, int n, int k, const GemvNorm& norm, const void* w, float* out, int ldc,
+                    float beta, cudaStream_t stream, int warps = 4);
+void gemv_bf16_silu_mul_norm(int m, int n, int k, const GemvNorm& norm, const void* w_gate_up,
+                             void* out, int ldo, bool out_bf16, cudaStream_t stream, int warps = 4);
 
 }  // namespace kvq::cuda_model
