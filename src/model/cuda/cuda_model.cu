@@ -2498,6 +2498,18 @@ void check_cuda_model_env() {
   (void)cuda_model::gemv_use_from_env();
   (void)gemv_silu_from_env();
   (void)gemv_norm_from_env();
+  // Read where they apply (cache/cuda/pdl.h, attention/cuda/cuda_decode.cu); checked here.
+  auto check_int = [](const char* name, int lo, int hi, const char* accepted) {
+    const char* e = std::getenv(name);
+    if (e == nullptr) return;
+    const std::string v = e;
+    char* end = nullptr;
+    const long n = std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || n < lo || n > hi)
+      throw InputError(std::string(name) + "=" + v + " is not " + accepted);
+  };
+  check_int("KVQ_PDL_EARLY", 0, 7, "one of: 0 .. 7 (bits)");
+  check_int("KVQ_DECODE_TINY_MAX_TILES", 1, 1 << 20, "a tile count from 1");
 }
 
 bool cuda_fp8_gemm_available() {
