@@ -265,9 +265,6 @@ TEST(GemvFp8, MatchesTheScaledProduct) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
-// gate|up with its SiLU-mul in the skinny kernel's epilogue: the bits of gemv_bf16 followed by
-// cuda_model::silu_mul (bf16 and fp32 rows, both warp counts, both n-tile widths, feature counts
-// that do not fill its 8-feature blocks, a padded output stride).
 // The RMSNorm in the skinny GEMM's prologue (gemv_bf16_norm, gemv_bf16_silu_mul_norm) against
 // rms_norm_rows (bf16 rows) followed by the plain kernels: the same bits, for every row count it
 // takes, padded input rows, ragged n, both warp counts, beta 0 over NaN and beta 1; and what it
@@ -360,6 +357,9 @@ TEST(GemvBf16, NormPrologueIsTheUnfusedBits) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// gate|up with its SiLU-mul in the skinny kernel's epilogue: the bits of gemv_bf16 followed by
+// cuda_model::silu_mul (bf16 and fp32 rows, both warp counts, both n-tile widths, feature counts
+// that do not fill its 8-feature blocks, a padded output stride).
 TEST(GemvBf16, SiluMulEpilogueIsTheUnfusedBits) {
   KVQ_REQUIRE_GPU();
   const unsigned seed = fresh_seed();
