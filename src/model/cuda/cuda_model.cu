@@ -1793,7 +1793,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     // deferred (pending.add).
     // The input RMSNorm inside q|k|v's skinny GEMM where the tuner runs it there (bf16, a few
     // rows, no context rows riding, no deferred residual add): one launch less.
-    const int qkv_norm_warps = !normed && ctx == 0 && !pending.add && !(lab & 1)
+    const int qkv_norm_warps = !normed && ctx == 0 && !pending.add && !(lab & (1 | 64))
                                    ? norm_in_gemv_warps(w.qkv, T, w.input_norm)
                                    : 0;
     if (normed || (lab & 1) || qkv_norm_warps > 0) {
