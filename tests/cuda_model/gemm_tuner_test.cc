@@ -282,6 +282,8 @@ TEST(GemvBf16, NormPrologueIsTheUnfusedBits) {
   };
   for (const Shape s :
        {Shape{1, 16, 64}, Shape{2, 37, 264}, Shape{3, 700, 1024}, Shape{4, 129, 4096},
+        // At the shared-memory limit (4 x (5088 + 32) x 2 bytes = 40 KiB), and a 70B-wide row.
+        Shape{4, 21, 5088}, Shape{2, 33, 8192},
         Shape{1 + static_cast<int>(rng() % cuda_model::kGemvNormMaxRows),
               1 + static_cast<int>(rng() % 500), 8 * (1 + static_cast<int>(rng() % 400))}}) {
     SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
@@ -354,6 +356,7 @@ TEST(GemvBf16, NormPrologueIsTheUnfusedBits) {
   EXPECT_FALSE(cuda_model::gemv_norm_fits(2, 1024, {x.get(), 1000, g.get(), 1e-5f}));
   EXPECT_FALSE(cuda_model::gemv_norm_fits(1, 1024, {x.get(), 1024, nullptr, 1e-5f}));
   EXPECT_FALSE(cuda_model::gemv_norm_fits(4, 16384, {x.get(), 16384, g.get(), 1e-5f}));
+  EXPECT_FALSE(cuda_model::gemv_norm_fits(4, 5096, {x.get(), 5096, g.get(), 1e-5f}));
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 

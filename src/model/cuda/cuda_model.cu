@@ -1854,7 +1854,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
             ? tuner_->gemv_warps(T, 2 * I_, H_, H_, 2 * I_)
             : 0;
     // The post-attention RMSNorm inside that kernel, where it fits (as for q|k|v above).
-    const bool post_norm_in_gemv = silu_warps > 0 && gemv_norm_ && !normed && !dox.add &&
+    const bool post_norm_in_gemv = silu_warps > 0 && gemv_norm_ && !tp && !normed && !dox.add &&
                                    !(lab & 32) && !fuse_fp8(w.gate_up) &&
                                    cuda_model::gemv_norm_fits(T, H_, {x_, H_, w.post_norm, eps_});
     if (normed || (lab & 32) || post_norm_in_gemv) {
@@ -2501,7 +2501,7 @@ void check_cuda_model_env() {
   // Read where they apply (cache/cuda/pdl.h, attention/cuda/cuda_decode.cu); checked here.
   auto check_int = [](const char* name, int lo, int hi, const char* accepted) {
     const char* e = std::getenv(name);
-    if (e == nullptr) return;
+    if (e == nullptr || *e == '\0') return;  // unset or empty: the default
     const std::string v = e;
     char* end = nullptr;
     const long n = std::strtol(v.c_str(), &end, 10);

@@ -45,8 +45,8 @@ __device__ __forceinline__ uint4 load_weight(const void* p) {
 }
 
 // kNorm: the input rows, RMSNorm'd, in shared memory as bf16, each row kNormPad values longer
-// than k so the 8 rows of an n-tile start 64 bytes apart (16-byte reads of 8 lanes, one per
-// row, in distinct banks).
+// than k, so where k is a multiple of 64 the rows of an n-tile start 64 bytes apart modulo 128
+// (the 16-byte reads of a quarter warp, two rows, in distinct banks).
 constexpr int kNormPad = 32;
 
 // The RMSNorm of rows 0..m-1 of nm.x (k floats each) into xs, with rms_norm_rows' arithmetic
@@ -270,9 +270,8 @@ void launch_gemv(int m, int n, int k, const void* in, int lda, const float* in_s
   const GemvNorm nm = norm ? *norm : GemvNorm{};
   const size_t smem = norm ? norm_smem_bytes(m, k) : 0;
   auto launch = [&](auto kernel) {
-    if (smem > 48u * 1024)  // the opt-in above the default; once per kernel is enough
-      KVQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(kGemvNormMaxSmem)));
+    // smem <= kGemvNormMaxSmem: with the static arrays (~4.4 KB) within the default 48 KiB, so
+    // no opt-in attribute (an API call that would also run during graph capture).
     cuda::launch_kernel_smem(kernel, grid, dim3(warps * 32), smem, stream,
                              cuda::pdl_enabled() && stream != nullptr, in, lda, in_scale, w,
                              w_scale, out, m, n, k, ldc, beta, out_bf16, cuda::pdl_early(1), nm);
