@@ -404,6 +404,110 @@ TEST(CudaDecode, RefusesMoreQueriesThanItTakes) {
   EXPECT_EQ(cuda::plan_decode(spec_for(c), lens, opt).rows_per_warp, 8);
 }
 
+// The cluster merge (DecodePlan::cluster: a cluster of 8 blocks per (sequence, kv head), the
+// splits merged through distributed shared memory), forced for every pair of kv_pairs.h: one
+// query and several per sequence (rows of a query across two head chunks at GQA 12), head_dim
+// 64 / 128 / 256, ragged contexts up to 2500 tokens (up to 5 tiles per warp), every mask,
+// soft-cap; then a padding sequence (seq_len 0 on the device) gets zeros and the others keep
+// their values.
+class CudaDecodeCluster : public ::testing::TestWithParam<KvPair> {};
+
+TEST_P(CudaDecodeCluster, MatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const auto [kd, vd] = GetParam();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  int index = 0;
+  for (int hd : {64, 128, 256}) {
+    for (int ratio : {1, 4, 12}) {
+      const bool multi = index % 2 == 1;
+      CudaAttnCase c = decode_case(kd, {});
+      c.v_dtype = vd;
+      c.set_head_dim(hd);
+      c.block_tokens = index % 3 == 0 ? 32 : 16;
+      c.ratio = ratio;
+      c.num_kv_heads = ratio == 12 ? 1 : 2;
+      const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                     AttentionKind::kNonCausal};
+      c.kind = kinds[index % 3];
+      c.window = std::uniform_int_distribution<int>(20, 300)(rng);
+      c.soft_cap = index % 4 == 1 ? 5.0f : 0.0f;
+      const int q_max = multi ? (index % 4 == 1 ? cuda::kDecodeMaxQueries : 9) : 1;
+      c.kv_lens = {1, 17, c.block_tokens + 1, std::uniform_int_distribution<int>(600, 2500)(rng),
+                   3 * c.block_tokens};
+      std::shuffle(c.kv_lens.begin(), c.kv_lens.end(), rng);
+      c.q_lens.clear();
+      for (int len : c.kv_lens)
+        c.q_lens.push_back(multi ? std::uniform_int_distribution<int>(0, std::min(len, q_max))(rng)
+                                 : 1);
+      if (multi) c.q_lens[static_cast<size_t>(index) % c.q_lens.size()] = 1;
+      ++index;
+      const unsigned case_seed = seed + static_cast<unsigned>(index);
+      const CudaAttnProblem problem(c, case_seed);
+      const std::vector<float> want = problem.reference();
+      test::DeviceBatch dev(problem);
+      cuda::DecodeOptions opt;
+      opt.q_per_seq = q_max;
+      opt.cluster = 1;
+      const cuda::DecodePlan plan = cuda::plan_decode(problem.spec(), problem.seq_lens(), opt);
+      ASSERT_EQ(plan.cluster, cuda::kDecodeClusterBlocks) << c.describe();
+      ASSERT_LE(plan.max_splits * plan.head_chunks, 4 * plan.cluster) << c.describe();
+      const DeviceRun r = run_device(problem, dev, c.soft_cap, opt);
+      EXPECT_TRUE(problem.check(r.out, want, decode_tolerance(c)))
+          << c.describe() << ", cluster merge (" << r.splits << " splits), seed " << seed
+          << " (case seed " << case_seed << ")";
+      if (multi) continue;
+      // Sequence 1 as a padding sequence of a graph step: zeros; the rest unchanged.
+      const int32_t zero = 0;
+      ASSERT_EQ(cudaMemcpy(dev.seq_lens.get() + 1, &zero, sizeof zero, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      const DeviceRun z = run_device(problem, dev, c.soft_cap, opt);
+      const size_t row = static_cast<size_t>(c.num_kv_heads * ratio * hd);  // one sequence
+      for (size_t i = 0; i < z.out.size(); ++i) {
+        if (i >= row && i < 2 * row)
+          ASSERT_EQ(z.out[i], 0.0f) << "padding row element " << i - row << ", " << c.describe();
+        else
+          ASSERT_EQ(z.out[i], r.out[i]) << "element " << i << ", " << c.describe();
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryPair, CudaDecodeCluster, ::testing::ValuesIn(test::supported_pairs()),
+                         [](const ::testing::TestParamInfo<KvPair>& p) {
+                           return test::pair_name(p.param);
+                         });
+
+// The plan's rule for the cluster merge (no device needed: SMs and chunking given): taken for
+// a small grid of short contexts, not for long ones or grids larger than the SMs; the option
+// forces it on or off; the workspace holds no partial rows then.
+TEST(CudaDecode, ClusterPlanRule) {
+  CudaAttnCase c = decode_case(KvDtype::kFp8E4M3, {1024});
+  c.set_head_dim(128);
+  c.ratio = 4;
+  c.num_kv_heads = 8;
+  cuda::DecodeOptions opt;
+  opt.num_sms = 132;
+  opt.chunk_tiles = 8;
+  const LayerKvSpec spec = spec_for(c);
+  const std::vector<int32_t> one{1024}, long_one{16384}, four(4, 1024);
+  const cuda::DecodePlan small = cuda::plan_decode(spec, one, opt);
+  EXPECT_EQ(small.cluster, cuda::kDecodeClusterBlocks);
+  EXPECT_EQ(small.max_splits, 32);  // 4 warps x 8 blocks, one head chunk
+  EXPECT_EQ(cuda::plan_decode(spec, long_one, opt).cluster, 0);  // 32 tiles per warp
+  EXPECT_EQ(cuda::plan_decode(spec, four, opt).cluster, 0);      // 256 blocks > 132 SMs
+  opt.cluster = 0;
+  const cuda::DecodePlan off = cuda::plan_decode(spec, one, opt);
+  EXPECT_EQ(off.cluster, 0);
+  EXPECT_GT(off.workspace_bytes, small.workspace_bytes);  // partial rows in global memory
+  opt.cluster = 1;
+  EXPECT_EQ(cuda::plan_decode(spec, long_one, opt).cluster, cuda::kDecodeClusterBlocks);
+  opt.q_per_seq = 9;  // 9 x 4 rows: 3 head chunks of 16, 10 splits
+  const cuda::DecodePlan mq = cuda::plan_decode(spec, one, opt);
+  EXPECT_EQ(mq.head_chunks, 3);
+  EXPECT_EQ(mq.max_splits, 10);
+}
+
 // Larger q_len runs the prefill kernel: tests/cuda/prefill_attention_cuda_test.cc.
 
 }  // namespace

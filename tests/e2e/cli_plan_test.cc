@@ -149,6 +149,8 @@ TEST(CliBadInput, CpuKernelEnvironmentSwitches) {
   cases.push_back(Case{"KVQ_GEMV_NORM", "on", "0", "1, 0"});
   cases.push_back(Case{"KVQ_PDL_EARLY", "8", "0", "0 .. 7"});
   cases.push_back(Case{"KVQ_DECODE_TINY_MAX_TILES", "lots", "64", "from 1"});
+  cases.push_back(Case{"KVQ_DECODE_CLUSTER", "on", "force", "auto, 0, force"});
+  cases.push_back(Case{"KVQ_DECODE_CLUSTER_MAX_TILES", "0", "8", "from 1"});
 #endif
   for (const Case& c : cases) {
     // Restored afterwards, whatever it was (CI may set it for the whole run).

@@ -61,6 +61,37 @@ int min_chunk_tiles(int q_per_seq, int64_t seqs_x_kv_heads, int max_tiles) {
   return seqs_x_kv_heads <= 16 && max_tiles <= tiny_max_tiles ? one : kMinChunkTiles;
 }
 
+// The cluster merge (DecodePlan::cluster): where the plan's rule takes it. A cluster of 8
+// blocks per (sequence, kv head), taken where every block has an SM of its own (sequences x
+// kv heads x 8 <= SMs: the 8B shape at batch 1-2, the default model's 2 kv heads up to
+// batch 8) and each warp walks at most
+// kClusterMaxTiles tiles (one query, 32 splits: contexts up to 4k tokens; H200 kernel lab at
+// batch 1, bf16 / fp8 / int4: faster than the split-KV kernel and its merge launch from 256 to
+// 4k tokens, 15-20% slower at 8k with 16 tiles a warp; docs/notes/decode-tuning.md version
+// 17). KVQ_DECODE_CLUSTER=0 | force and KVQ_DECODE_CLUSTER_MAX_TILES=n are the A/B switches.
+constexpr int kClusterMaxTiles = 8;
+
+enum class ClusterUse { kAuto, kOff, kForce };
+
+ClusterUse cluster_use_from_env() {
+  static const ClusterUse use = [] {
+    const char* e = std::getenv("KVQ_DECODE_CLUSTER");
+    const std::string v = e == nullptr ? "" : e;
+    if (v == "0") return ClusterUse::kOff;
+    if (v == "force") return ClusterUse::kForce;
+    return ClusterUse::kAuto;  // unset, empty, auto (other values fail in check_cuda_model_env)
+  }();
+  return use;
+}
+
+int cluster_max_tiles() {
+  static const int n = [] {
+    const char* e = std::getenv("KVQ_DECODE_CLUSTER_MAX_TILES");
+    return e == nullptr || *e == '\0' ? kClusterMaxTiles : std::max(1, std::atoi(e));
+  }();
+  return n;
+}
+
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t n) {
@@ -75,7 +106,8 @@ WorkspaceLayout workspace_layout(const LayerKvSpec& spec, const DecodePlan& plan
   const size_t hd = static_cast<size_t>(spec.head_dim_k);
   const size_t R = static_cast<size_t>(plan.rows_per_warp);
   const size_t groups = static_cast<size_t>(plan.num_seqs) * spec.num_kv_heads * plan.head_chunks;
-  const size_t rows = groups * static_cast<size_t>(plan.max_splits) * R;
+  // The cluster merge keeps its partials in shared memory.
+  const size_t rows = plan.cluster > 0 ? 0 : groups * static_cast<size_t>(plan.max_splits) * R;
   WorkspaceLayout w;
   w.qfrag = 0;
   w.qmeta = align_up(w.qfrag + groups * (hd / 16) * 32 * (R / 8) * sizeof(uint2));
@@ -513,6 +545,26 @@ DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_len
     plan.max_splits = std::max(plan.max_splits,
                                decode_num_splits(tiles, plan.chunk_tiles, kDecodeMaxSplits, chunk));
   }
+  // The cluster merge: every warp of a cluster is an item (4 x 8 = 32 per (sequence, kv
+  // head), as many splits as the head chunks leave), each taking ceil(tiles / splits) tiles.
+  const int cl_splits = kDecodeWarps * kDecodeClusterBlocks / plan.head_chunks;
+  const ClusterUse use = options.cluster == 0   ? ClusterUse::kOff
+                         : options.cluster == 1 ? ClusterUse::kForce
+                                                : cluster_use_from_env();
+  if (use != ClusterUse::kOff && cl_splits >= 1 && !tiles.empty()) {
+    bool take = use == ClusterUse::kForce;
+    if (!take) {
+      const int max_tiles = *std::max_element(tiles.begin(), tiles.end());
+      const int64_t blocks =
+          static_cast<int64_t>(tiles.size()) * spec.num_kv_heads * kDecodeClusterBlocks;
+      take = blocks <= num_sms && (max_tiles + cl_splits - 1) / cl_splits <= cluster_max_tiles();
+    }
+    if (take) {
+      plan.cluster = kDecodeClusterBlocks;
+      plan.max_splits = cl_splits;
+      plan.chunk_tiles = 1;
+    }
+  }
   plan.workspace_bytes = workspace_layout(spec, plan).total;
   return plan;
 }
@@ -607,6 +659,15 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   kp.window = spec.sliding_window;
   kp.soft_cap = args.logit_soft_cap;
   kp.early = pdl_early(2);
+  kp.cluster = plan.cluster;
+  kp.unrotate = mp.unrotate;
+  kp.signs = signs;
+  if (plan.cluster > 0) {
+    KVQ_CHECK(static_cast<int64_t>(plan.max_splits) * plan.head_chunks <=
+                  static_cast<int64_t>(kDecodeWarps) * plan.cluster,
+              "run_decode: a cluster plan with more items than the cluster's warps");
+    kp.out = args.out;  // every row is final (the merge un-rotates)
+  }
 
   // KVQ_DECODE_LAB (timing experiments only: the outputs are wrong), bits: 1 no Q prep,
   // 2 no merge. The step's time without a launch is its cost.
@@ -621,12 +682,21 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
         dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * plan.rows_per_warp),
              seqs),
         stream);
+  const DecodeMainKernel kernel = main_kernel(spec.k_dtype, spec.v_dtype, hd, plan.q_per_seq > 1);
+  if (plan.cluster > 0) {
+    // One cluster per (sequence, kv head); the splits merge inside it.
+    const int64_t blocks = static_cast<int64_t>(plan.num_seqs) * spec.num_kv_heads * plan.cluster;
+    KVQ_CHECK(blocks <= 0x7FFFFFFF, "run_decode: grid too large");
+    launch_kernel_cluster(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kDecodeWarps * 32),
+                          decode_cluster_smem_bytes(hd, plan.rows_per_warp),
+                          static_cast<unsigned>(plan.cluster), stream, true, kp);
+    return;
+  }
   const int64_t warps =
       static_cast<int64_t>(plan.max_splits) * plan.head_chunks * spec.num_kv_heads * plan.num_seqs;
   KVQ_CHECK((warps + kDecodeWarps - 1) / kDecodeWarps <= 0x7FFFFFFF, "run_decode: grid too large");
-  launch(main_kernel(spec.k_dtype, spec.v_dtype, hd, plan.q_per_seq > 1),
-         dim3(static_cast<unsigned>((warps + kDecodeWarps - 1) / kDecodeWarps)), kDecodeWarps * 32,
-         kp, true, stream);
+  launch(kernel, dim3(static_cast<unsigned>((warps + kDecodeWarps - 1) / kDecodeWarps)),
+         kDecodeWarps * 32, kp, true, stream);
   // Sequences with a single split were written by the split-KV kernel (unless V is rotated);
   // the merge handles the rest: a warp per head for a few splits, a block for many.
   if ((plan.max_splits == 1 && !mp.unrotate) || (lab & 2)) return;

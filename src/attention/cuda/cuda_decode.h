@@ -4,7 +4,8 @@
 // keep the block table on the device (benchmarks, a future graph-captured engine step):
 //   plan_decode  host-side scheduling from the host copy of the sequence lengths;
 //   run_decode   three launches on `stream`: Q preparation, the split-KV kernel, the merge
-//                (the last two with programmatic dependent launch, to overlap launch gaps).
+//                (the last two with programmatic dependent launch, to overlap launch gaps);
+//                two where the plan merges inside the split-KV kernel (DecodePlan::cluster).
 //
 // Work split: one warp owns (sequence, kv head, 8 or 16 query rows of its GQA group, a
 // contiguous range of 16-token tiles); a row is a query head of the group or, for several
@@ -22,7 +23,11 @@
 // z * sum(q) to a logit and sum(p * z) to an output. Each warp writes an (o, m, l) partial
 // (or, for a sequence with a single split and unrotated V, its final output); the merge
 // kernel combines the splits of a query head and un-rotates rotated V. The grid is 1-D over
-// (sequence, kv head, work item), so blocks are always full.
+// (sequence, kv head, work item), so blocks are always full. Where the grid is small and the
+// contexts short (DecodePlan::cluster), a cluster of 8 blocks owns a (sequence, kv head): its
+// warps write their partials to shared memory, and after a cluster barrier each warp merges
+// rows by reading every split's partial through distributed shared memory, so no merge
+// kernel runs and no partial goes through global memory.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -58,7 +63,16 @@ struct DecodeOptions {
   // (sequence, kv head) are (query token x the group's query heads), token-major, in warps
   // of rows_per_warp rows, so every warp of the group reads the same K/V tiles.
   int q_per_seq = 1;
+  // The cluster merge (kDecodeClusterBlocks blocks per (sequence, kv head), the splits
+  // merged through distributed shared memory inside the split-KV kernel, no merge launch):
+  // -1 by the plan's rule (every block on an SM of its own and at most 8 tiles of 16 tokens
+  // per warp: one query up to 4k tokens; KVQ_DECODE_CLUSTER=0 turns it off, =force takes it
+  // wherever it can run), 0 never, 1 wherever it can run.
+  int cluster = -1;
 };
+
+// Blocks per cluster of the cluster merge (the portable cluster size).
+inline constexpr int kDecodeClusterBlocks = 8;
 
 struct DecodePlan {
   int32_t num_seqs = 0;
@@ -67,6 +81,9 @@ struct DecodePlan {
   int32_t head_chunks = 0;    // ceil(q_per_seq * gqa_ratio / rows_per_warp)
   int32_t q_per_seq = 1;      // query tokens per sequence, at most
   int32_t rows_per_warp = 8;  // decode_rows_per_warp: 16 (all MMA rows live) for q_per_seq > 1
+  // Blocks per cluster where the splits are merged inside the split-KV kernel (one cluster per
+  // (sequence, kv head), max_splits x head_chunks <= 4 warps x cluster), 0: the merge kernel.
+  int32_t cluster = 0;
   size_t workspace_bytes = 0;
 };
 

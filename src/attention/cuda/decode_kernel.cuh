@@ -3,6 +3,7 @@
 // algorithm and decode_params.h for the register layouts.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -335,6 +336,97 @@ __device__ __forceinline__ void mma16(float (&d)[4], const uint32_t (&a)[4], uin
   }
 }
 
+// The cluster merge (DecodePlan::cluster), after a warp's main loop: its rows' partials (o
+// normalized by its own sum, and (max, sum)) into its block's shared memory; a cluster
+// barrier; then warp w of the cluster merges rows w, w + 4 x cluster, ... of the (sequence,
+// kv head), reading every split's partial of the row through distributed shared memory, as
+// decode_merge_warp_kernel does from global memory (un-rotating rotated V); a second barrier
+// keeps each block's shared memory alive until every reader is done.
+template <int HD, int kR, bool kZero>
+__device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p,
+                                              const float (&o)[HD / 8][kR / 4],
+                                              const float (&m)[kR / 8], const float (&l)[kR / 8],
+                                              const float (&zacc)[kR / 8], float scale_o, int seq,
+                                              int kvh) {
+  namespace cg = cooperative_groups;
+  // Recomputed here rather than kept live through the main loop's registers.
+  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
+  int q0 = seq, q_len = 1;
+  decode_queries(p.q_indptr, seq, q0, q_len);
+  constexpr int kH = kR / 8, kStride = decode_cluster_row_stride(HD), E = HD / 32;
+  extern __shared__ float4 decode_cluster_smem[];
+  float* part_o = reinterpret_cast<float*>(decode_cluster_smem);  // [warp][row][kStride]
+  float2* part_ml = reinterpret_cast<float2*>(part_o + kDecodeWarps * kR * kStride);
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int h = 0; h < kH; ++h) {
+    const float l_tot = quad_sum(l[h]);
+    const float inv_l = l_tot > 0.0f ? 1.0f / l_tot : 0.0f;  // 0: a row that saw no token
+    const float zterm = kZero ? quad_sum(zacc[h]) : 0.0f;
+    const int rloc = 8 * h + g;
+    float* dst = part_o + (warp * kR + rloc) * kStride;
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j) {
+      dst[(2 * c) * (HD / 8) + j] = (o[j][2 * h] * scale_o + zterm) * inv_l;
+      dst[(2 * c + 1) * (HD / 8) + j] = (o[j][2 * h + 1] * scale_o + zterm) * inv_l;
+    }
+    if (c == 0) part_ml[warp * kR + rloc] = make_float2(m[h], l_tot);
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int rows = q_len * p.ratio;  // the (query token, head) rows that exist
+  for (int r = rank * kDecodeWarps + warp; r < rows; r += p.cluster * kDecodeWarps) {
+    const int hc = r / kR, rloc = r - hc * kR;
+    // Lane s holds split s's (max, sum), then its weight l * 2^(m - M); max_splits <= 32
+    // (4 warps x 8 blocks over at least one head chunk). Then every split's slice of the row,
+    // eight loads in flight at a time (no branch between them: an empty split's o is zeros).
+    float2 v = make_float2(-__uint_as_float(kF32Inf), 0.0f);
+    if (lane < p.max_splits) {
+      const int it = lane * p.head_chunks + hc;
+      v = cluster.map_shared_rank(part_ml, it / kDecodeWarps)[(it % kDecodeWarps) * kR + rloc];
+    }
+    const float mx = warp_max(v.y > 0.0f ? v.x : -__uint_as_float(kF32Inf));
+    const float w = v.y > 0.0f ? v.y * exp2f(v.x - mx) : 0.0f;
+    float wsum = w, acc[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+#pragma unroll 8
+    for (int k = 0; k < p.max_splits; ++k) {
+      const float wk = __shfl_sync(kFullMask, w, k);
+      const int it = k * p.head_chunks + hc;
+      const float* src = cluster.map_shared_rank(part_o, it / kDecodeWarps) +
+                         ((it % kDecodeWarps) * kR + rloc) * kStride + lane * E;
+      float x[E];
+      if constexpr (E % 4 == 0) {
+#pragma unroll
+        for (int q = 0; q < E / 4; ++q) {
+          const float4 t = reinterpret_cast<const float4*>(src)[q];
+          x[4 * q] = t.x, x[4 * q + 1] = t.y, x[4 * q + 2] = t.z, x[4 * q + 3] = t.w;
+        }
+      } else {
+        static_assert(E == 2);
+        const float2 t = *reinterpret_cast<const float2*>(src);
+        x[0] = t.x, x[1] = t.y;
+      }
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] = fmaf(wk, x[e], acc[e]);
+    }
+    wsum = warp_sum(wsum);
+    // No split saw a key (a padding sequence of a graph step, seq_len 0): zeros.
+    const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] *= inv;
+    if (p.unrotate) warp_hadamard_unrotate<E>(acc, lane, p.signs);
+    const int t = r / p.ratio, head = r - t * p.ratio;
+    float* out =
+        p.out + (static_cast<size_t>(q0 + t) * p.num_q_heads + kvh * p.ratio + head) * HD + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; ++e) out[e] = acc[e];
+  }
+  cluster.sync();
+}
+
 // Blocks (of 4 warps) per SM the register budget is set for: more resident warps hide more
 // load latency. 16/32-bit dtypes and head_dim 256 keep the compiler's natural allocation
 // (capping them spills); 16-row warps (twice the accumulators and Q registers) get two
@@ -362,11 +454,22 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   // A 1-D grid of warps over (sequence, kv head, work item): a block may hold the items of
   // several (sequence, kv head) pairs, so the launch has no partly idle blocks and the
   // number of resident rounds follows the number of items, not of (sequence, head) pairs.
+  // The cluster merge: cluster i is (sequence, kv head) i, its warps the items in order (those
+  // past max_splits x head_chunks idle), and no warp leaves before the cluster's barriers.
   const int items_per = p.max_splits * p.head_chunks;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kDecodeWarps + warp;
-  const int64_t group = w / items_per;  // seq * num_kv_heads + kvh
-  if (group >= static_cast<int64_t>(p.num_seqs) * p.num_kv_heads) return;
-  const int item = static_cast<int>(w - group * items_per);
+  const bool clustered = p.cluster > 0;
+  int64_t group = 0;  // seq * num_kv_heads + kvh
+  int item = 0;
+  if (clustered) {
+    group = blockIdx.x / p.cluster;
+    item = static_cast<int>(blockIdx.x % p.cluster) * kDecodeWarps + warp;
+  } else {
+    const int64_t w = static_cast<int64_t>(blockIdx.x) * kDecodeWarps + warp;
+    group = w / items_per;
+    item = static_cast<int>(w - group * items_per);
+  }
+  if (group >= static_cast<int64_t>(p.num_seqs) * p.num_kv_heads) return;  // never clustered
+  bool idle = item >= items_per;  // clustered only: a warp past the group's items
   const int seq = static_cast<int>(group / p.num_kv_heads);
   const int kvh = static_cast<int>(group - static_cast<int64_t>(seq) * p.num_kv_heads);
   const int split = item / p.head_chunks;
@@ -379,7 +482,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   // run from t_first to t_last; none: the warp has nothing to do.
   const int r_first = hc * kR;
   const int t_first = r_first / p.ratio;
-  if (t_first >= q_len) return;
+  if (t_first >= q_len) {
+    if (!clustered) return;
+    idle = true;
+  }
   const int t_last = min(q_len - 1, (r_first + kR - 1) / p.ratio);
   int first_tile = 0, chunk = 0;
   const int tiles = decode_visible_tiles(kv_len, q_len, p.attention_kind, p.window, first_tile);
@@ -388,7 +494,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   // one-split plan has no merge after this kernel: its first item writes its rows' zeros (an
   // empty partial, normalized by a zero sum). With several splits the merge writes them.
   const bool zero_fill = nsplit == 0 && split == 0 && p.out != nullptr && p.max_splits == 1;
-  if (split >= nsplit && !zero_fill) return;  // whole warp: no block-level synchronization
+  if (split >= nsplit && !zero_fill) {  // whole warp: no block-level synchronization
+    if (!clustered) return;
+    idle = true;
+  }
   TileCtx x;
   // Loads: the union of the warp's rows' visible ranges (zeros outside it); the logits: each
   // of the lane's rows' own range.
@@ -398,7 +507,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     decode_query_range(kv_len, q_len, t_last, p.attention_kind, p.window, lo, x.hi);
   }
   int tb = first_tile + split * chunk;
-  int te = min(first_tile + tiles, tb + chunk);
+  int te = idle ? tb : min(first_tile + tiles, tb + chunk);
   if constexpr (kMulti) {
     tb = max(tb, x.lo / kDecodeTileTokens);
     te = min(te, (x.hi + kDecodeTileTokens - 1) / kDecodeTileTokens);
@@ -632,6 +741,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   float scale_o = 1.0f;
   if constexpr (SV::kRowScale) scale_o = s_run;
   if constexpr (SV::kTensorScale) scale_o = p.v.tensor_scale[kvh];
+  if (p.cluster > 0) {
+    cluster_merge<HD, kR, SV::kInt4>(p, o, m, l, zacc, scale_o, seq, kvh);
+    return;
+  }
   // A sequence with a single split is final here (when V is not rotated): write the output.
   const bool direct = p.out != nullptr && (nsplit == 1 || zero_fill);
 #pragma unroll

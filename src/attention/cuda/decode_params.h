@@ -122,7 +122,23 @@ struct DecodeKernelParams {
   int chunk_tiles, max_splits, attention_kind, window;
   float soft_cap;  // 0: off
   bool early;      // pdl_early(): let the next kernel be scheduled at once
+  // The cluster merge (DecodePlan::cluster): blocks per cluster (0: off; then `out` gets
+  // every final row, un-rotated with `signs` where `unrotate`) and the dynamic shared memory
+  // layout of decode_cluster_smem_bytes.
+  int cluster;
+  bool unrotate;
+  HadamardSigns signs;
 };
+
+// Dynamic shared memory of a split-KV block in the cluster merge: each warp's partial rows
+// ([rows][head_dim + 4] fp32, padded so the rows start in different banks) and their (max, sum).
+__host__ __device__ constexpr int decode_cluster_row_stride(int head_dim) {
+  return head_dim + 4;
+}
+__host__ __device__ constexpr size_t decode_cluster_smem_bytes(int head_dim, int rows_per_warp) {
+  return static_cast<size_t>(kDecodeWarps) * rows_per_warp *
+         (decode_cluster_row_stride(head_dim) * sizeof(float) + 2 * sizeof(float));
+}
 
 // The first query row and the query count of a sequence.
 __device__ __forceinline__ void decode_queries(const int32_t* q_indptr, int seq, int& q0,

@@ -47,20 +47,39 @@ inline bool pdl_enabled() {
 
 // kernel<<<grid, block, smem, stream>>>(args...), with the programmatic-serialization attribute
 // when `programmatic`; launch errors are checked.
+// `cluster` > 0: thread-block clusters of that many blocks along x (grid.x a multiple of it).
 template <typename... Params, typename... Args>
-void launch_kernel_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                        cudaStream_t stream, bool programmatic, Args&&... args) {
+void launch_kernel_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                           unsigned cluster, cudaStream_t stream, bool programmatic,
+                           Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (programmatic) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster > 0) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = programmatic ? 1 : 0;
+  cfg.numAttrs = n;
   KVQ_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+template <typename... Params, typename... Args>
+void launch_kernel_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                        cudaStream_t stream, bool programmatic, Args&&... args) {
+  launch_kernel_cluster(kernel, grid, block, smem, 0, stream, programmatic,
+                        std::forward<Args>(args)...);
 }
 template <typename... Params, typename... Args>
 void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,

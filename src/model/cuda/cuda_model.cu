@@ -2510,6 +2510,12 @@ void check_cuda_model_env() {
   };
   check_int("KVQ_PDL_EARLY", 0, 7, "one of: 0 .. 7 (bits)");
   check_int("KVQ_DECODE_TINY_MAX_TILES", 1, 1 << 20, "a tile count from 1");
+  check_int("KVQ_DECODE_CLUSTER_MAX_TILES", 1, 1 << 20, "a tile count from 1");
+  if (const char* e = std::getenv("KVQ_DECODE_CLUSTER"); e != nullptr) {
+    const std::string v = e;
+    if (!v.empty() && v != "auto" && v != "0" && v != "force")
+      throw InputError("KVQ_DECODE_CLUSTER=" + v + " is not one of: auto, 0, force");
+  }
 }
 
 bool cuda_fp8_gemm_available() {
