@@ -336,42 +336,36 @@ __device__ __forceinline__ void mma16(float (&d)[4], const uint32_t (&a)[4], uin
   }
 }
 
-// The cluster merge (DecodePlan::cluster), after a warp's main loop: its rows' partials (o
-// normalized by its own sum, and (max, sum)) into its block's shared memory; a cluster
-// barrier; then warp w of the cluster merges rows w, w + 4 x cluster, ... of the (sequence,
-// kv head), reading every split's partial of the row through distributed shared memory, as
-// decode_merge_warp_kernel does from global memory (un-rotating rotated V); a second barrier
-// keeps each block's shared memory alive until every reader is done.
-template <int HD, int kR, bool kZero>
-__device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p,
-                                              const float (&o)[HD / 8][kR / 4],
-                                              const float (&m)[kR / 8], const float (&l)[kR / 8],
-                                              const float (&zacc)[kR / 8], float scale_o, int seq,
-                                              int kvh) {
+// The cluster merge (DecodePlan::cluster). Each warp's rows' partials (o normalized by its own
+// sum, and (max, sum)) sit in its block's dynamic shared memory: [warp][row][kStride] floats,
+// then [warp][row] float2.
+template <int HD, int kR>
+struct ClusterSmem {
+  static constexpr int kStride = decode_cluster_row_stride(HD);
+  __device__ static float* o() {
+    extern __shared__ float4 decode_cluster_smem[];
+    return reinterpret_cast<float*>(decode_cluster_smem);
+  }
+  __device__ static float2* ml() { return reinterpret_cast<float2*>(o() + kDecodeWarps * kR * kStride); }
+};
+
+// After every warp wrote its partials: a cluster barrier, then warp w of the cluster merges
+// rows w, w + 4 x cluster, ... of the (sequence, kv head), reading every split's partial of
+// the row through distributed shared memory, as decode_merge_warp_kernel does from global
+// memory (un-rotating rotated V); a second barrier keeps each block's shared memory alive
+// until every reader is done. Not inlined: the split-KV loop's register allocation stays that
+// of the kernel without it (inlined, int4 at head_dim 128 spilled 12 bytes more and ran 2%
+// slower at batch 32 x 4k).
+template <int HD, int kR>
+__device__ __noinline__ void cluster_merge(const DecodeKernelParams& p, int seq, int kvh) {
   namespace cg = cooperative_groups;
-  // Recomputed here rather than kept live through the main loop's registers.
+  using CS = ClusterSmem<HD, kR>;
+  constexpr int E = HD / 32;
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
   int q0 = seq, q_len = 1;
   decode_queries(p.q_indptr, seq, q0, q_len);
-  constexpr int kH = kR / 8, kStride = decode_cluster_row_stride(HD), E = HD / 32;
-  extern __shared__ float4 decode_cluster_smem[];
-  float* part_o = reinterpret_cast<float*>(decode_cluster_smem);  // [warp][row][kStride]
-  float2* part_ml = reinterpret_cast<float2*>(part_o + kDecodeWarps * kR * kStride);
-  const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-  for (int h = 0; h < kH; ++h) {
-    const float l_tot = quad_sum(l[h]);
-    const float inv_l = l_tot > 0.0f ? 1.0f / l_tot : 0.0f;  // 0: a row that saw no token
-    const float zterm = kZero ? quad_sum(zacc[h]) : 0.0f;
-    const int rloc = 8 * h + g;
-    float* dst = part_o + (warp * kR + rloc) * kStride;
-#pragma unroll
-    for (int j = 0; j < HD / 8; ++j) {
-      dst[(2 * c) * (HD / 8) + j] = (o[j][2 * h] * scale_o + zterm) * inv_l;
-      dst[(2 * c + 1) * (HD / 8) + j] = (o[j][2 * h + 1] * scale_o + zterm) * inv_l;
-    }
-    if (c == 0) part_ml[warp * kR + rloc] = make_float2(m[h], l_tot);
-  }
+  float* part_o = CS::o();
+  float2* part_ml = CS::ml();
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int rank = static_cast<int>(cluster.block_rank());
@@ -388,7 +382,7 @@ __device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p,
     }
     const float mx = warp_max(v.y > 0.0f ? v.x : -__uint_as_float(kF32Inf));
     const float w = v.y > 0.0f ? v.y * exp2f(v.x - mx) : 0.0f;
-    float wsum = w, acc[E];
+    float acc[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = 0.0f;
 #pragma unroll 8
@@ -396,7 +390,7 @@ __device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p,
       const float wk = __shfl_sync(kFullMask, w, k);
       const int it = k * p.head_chunks + hc;
       const float* src = cluster.map_shared_rank(part_o, it / kDecodeWarps) +
-                         ((it % kDecodeWarps) * kR + rloc) * kStride + lane * E;
+                         ((it % kDecodeWarps) * kR + rloc) * CS::kStride + lane * E;
       float x[E];
       if constexpr (E % 4 == 0) {
 #pragma unroll
@@ -412,7 +406,7 @@ __device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p,
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[e] = fmaf(wk, x[e], acc[e]);
     }
-    wsum = warp_sum(wsum);
+    const float wsum = warp_sum(w);
     // No split saw a key (a padding sequence of a graph step, seq_len 0): zeros.
     const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
 #pragma unroll
@@ -469,7 +463,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     item = static_cast<int>(w - group * items_per);
   }
   if (group >= static_cast<int64_t>(p.num_seqs) * p.num_kv_heads) return;  // never clustered
-  bool idle = item >= items_per;  // clustered only: a warp past the group's items
   const int seq = static_cast<int>(group / p.num_kv_heads);
   const int kvh = static_cast<int>(group - static_cast<int64_t>(seq) * p.num_kv_heads);
   const int split = item / p.head_chunks;
@@ -482,10 +475,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   // run from t_first to t_last; none: the warp has nothing to do.
   const int r_first = hc * kR;
   const int t_first = r_first / p.ratio;
-  if (t_first >= q_len) {
-    if (!clustered) return;
-    idle = true;
-  }
+  if (t_first >= q_len && !clustered) return;
   const int t_last = min(q_len - 1, (r_first + kR - 1) / p.ratio);
   int first_tile = 0, chunk = 0;
   const int tiles = decode_visible_tiles(kv_len, q_len, p.attention_kind, p.window, first_tile);
@@ -494,10 +484,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   // one-split plan has no merge after this kernel: its first item writes its rows' zeros (an
   // empty partial, normalized by a zero sum). With several splits the merge writes them.
   const bool zero_fill = nsplit == 0 && split == 0 && p.out != nullptr && p.max_splits == 1;
-  if (split >= nsplit && !zero_fill) {  // whole warp: no block-level synchronization
-    if (!clustered) return;
-    idle = true;
-  }
+  // Whole warp: no block-level synchronization (the cluster merge's warps stay, idle).
+  if (split >= nsplit && !zero_fill && !clustered) return;
   TileCtx x;
   // Loads: the union of the warp's rows' visible ranges (zeros outside it); the logits: each
   // of the lane's rows' own range.
@@ -507,6 +495,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     decode_query_range(kv_len, q_len, t_last, p.attention_kind, p.window, lo, x.hi);
   }
   int tb = first_tile + split * chunk;
+  // Clustered: a warp past the group's items, or whose rows have no query, or past the
+  // sequence's splits walks no tile (an empty partial).
+  const bool idle =
+      clustered && (item >= items_per || t_first >= q_len || (split >= nsplit && !zero_fill));
   int te = idle ? tb : min(first_tile + tiles, tb + chunk);
   if constexpr (kMulti) {
     tb = max(tb, x.lo / kDecodeTileTokens);
@@ -741,12 +733,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   float scale_o = 1.0f;
   if constexpr (SV::kRowScale) scale_o = s_run;
   if constexpr (SV::kTensorScale) scale_o = p.v.tensor_scale[kvh];
-  if (p.cluster > 0) {
-    cluster_merge<HD, kR, SV::kInt4>(p, o, m, l, zacc, scale_o, seq, kvh);
-    return;
-  }
   // A sequence with a single split is final here (when V is not rotated): write the output.
-  const bool direct = p.out != nullptr && (nsplit == 1 || zero_fill);
+  // The cluster merge: the partial goes to this block's shared memory (ClusterSmem).
+  const bool direct = !clustered && p.out != nullptr && (nsplit == 1 || zero_fill);
 #pragma unroll
   for (int h = 0; h < kH; ++h) {
     const float l_tot = quad_sum(l[h]);
@@ -760,8 +749,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
                         hc) *
                            kR +
                        rloc;
+    const int slot = warp * kR + rloc;
     float* dst =
-        direct
+        clustered ? ClusterSmem<HD, kR>::o() + slot * ClusterSmem<HD, kR>::kStride
+        : direct
             ? p.out +
                   (static_cast<size_t>(q0 + row_t[h]) * p.num_q_heads + kvh * p.ratio + head) * HD
             : p.part_o + row * HD;
@@ -770,8 +761,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
       dst[(2 * x.c) * (HD / 8) + j] = (o[j][2 * h] * scale_o + zterm) * inv_l;
       dst[(2 * x.c + 1) * (HD / 8) + j] = (o[j][2 * h + 1] * scale_o + zterm) * inv_l;
     }
-    if (x.c == 0 && !direct) p.part_ml[row] = make_float2(m[h], l_tot);
+    if (x.c == 0 && !direct)
+      (clustered ? ClusterSmem<HD, kR>::ml()[slot] : p.part_ml[row]) = make_float2(m[h], l_tot);
   }
+  if (clustered) cluster_merge<HD, kR>(p, seq, kvh);
 }
 
 }  // namespace decode_detail
