@@ -355,9 +355,18 @@ struct ClusterSmem {
 // memory (un-rotating rotated V); a second barrier keeps each block's shared memory alive
 // until every reader is done. Not inlined: the split-KV loop's register allocation stays that
 // of the kernel without it (inlined, int4 at head_dim 128 spilled 12 bytes more and ran 2%
-// slower at batch 32 x 4k).
+// slower at batch 32 x 4k). It takes the few parameters it reads by value: a reference to the
+// kernel's parameter block made the caller copy the whole block (over 1 KB) to each thread's
+// stack, which made the merge slower than the merge kernel.
+struct ClusterMergeArgs {
+  const int32_t* q_indptr;
+  float* out;
+  int ratio, max_splits, head_chunks, cluster, num_q_heads;
+  bool unrotate;
+  HadamardSigns signs;
+};
 template <int HD, int kR>
-__device__ __noinline__ void cluster_merge(const DecodeKernelParams& p, int seq, int kvh) {
+__device__ __noinline__ void cluster_merge(const ClusterMergeArgs p, int seq, int kvh) {
   namespace cg = cooperative_groups;
   using CS = ClusterSmem<HD, kR>;
   constexpr int E = HD / 32;
@@ -764,7 +773,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     if (x.c == 0 && !direct)
       (clustered ? ClusterSmem<HD, kR>::ml()[slot] : p.part_ml[row]) = make_float2(m[h], l_tot);
   }
-  if (clustered) cluster_merge<HD, kR>(p, seq, kvh);
+  if (clustered)
+    cluster_merge<HD, kR>({p.q_indptr, p.out, p.ratio, p.max_splits, p.head_chunks, p.cluster,
+                           p.num_q_heads, p.unrotate, p.signs},
+                          seq, kvh);
 }
 
 }  // namespace decode_detail
