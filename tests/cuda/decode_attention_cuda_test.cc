@@ -407,7 +407,8 @@ TEST(CudaDecode, RefusesMoreQueriesThanItTakes) {
 // The cluster merge (DecodePlan::cluster: a cluster of 8 blocks per (sequence, kv head), the
 // splits merged through distributed shared memory), forced for every pair of kv_pairs.h: one
 // query and several per sequence (rows of a query across two head chunks at GQA 12), head_dim
-// 64 / 128 / 256, ragged contexts up to 2500 tokens (up to 5 tiles per warp), every mask,
+// 64 / 128 / 256, ragged contexts up to 2500 tokens (up to 5 tiles per warp with one query,
+// more with several: fewer splits per head chunk), every mask,
 // soft-cap; then a padding sequence (seq_len 0 on the device) gets zeros and the others keep
 // their values.
 class CudaDecodeCluster : public ::testing::TestWithParam<KvPair> {};
