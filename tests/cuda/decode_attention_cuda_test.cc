@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -457,16 +458,18 @@ TEST_P(CudaDecodeCluster, MatchesCpuReference) {
       EXPECT_TRUE(problem.check(r.out, want, decode_tolerance(c)))
           << c.describe() << ", cluster merge (" << r.splits << " splits), seed " << seed
           << " (case seed " << case_seed << ")";
-      if (multi) continue;
-      // Sequence 1 as a padding sequence of a graph step: zeros; the rest unchanged.
+      // Sequence 1 as a padding sequence of a graph step (seq_len 0, its queries kept):
+      // zeros in its query rows; the rest unchanged.
       const int32_t zero = 0;
       ASSERT_EQ(cudaMemcpy(dev.seq_lens.get() + 1, &zero, sizeof zero, cudaMemcpyHostToDevice),
                 cudaSuccess);
       const DeviceRun z = run_device(problem, dev, c.soft_cap, opt);
-      const size_t row = static_cast<size_t>(c.num_kv_heads * ratio * hd);  // one sequence
+      const size_t row = static_cast<size_t>(c.num_kv_heads * ratio * hd);  // one query token
+      const size_t pad_lo = static_cast<size_t>(c.q_lens[0]) * row;
+      const size_t pad_hi = pad_lo + static_cast<size_t>(c.q_lens[1]) * row;
       for (size_t i = 0; i < z.out.size(); ++i) {
-        if (i >= row && i < 2 * row)
-          ASSERT_EQ(z.out[i], 0.0f) << "padding row element " << i - row << ", " << c.describe();
+        if (i >= pad_lo && i < pad_hi)
+          ASSERT_EQ(z.out[i], 0.0f) << "padding row element " << i - pad_lo << ", " << c.describe();
         else
           ASSERT_EQ(z.out[i], r.out[i]) << "element " << i << ", " << c.describe();
       }
@@ -479,17 +482,20 @@ INSTANTIATE_TEST_SUITE_P(EveryPair, CudaDecodeCluster, ::testing::ValuesIn(test:
                            return test::pair_name(p.param);
                          });
 
-// The plan's rule for the cluster merge (no device needed: SMs and chunking given): taken for
-// a small grid of short contexts, not for long ones or grids larger than the SMs; the option
-// forces it on or off; the workspace holds no partial rows then.
+// The plan's rule for the cluster merge (132 SMs given): taken for a small grid of short
+// contexts, not for long ones, grids larger than the SMs, or a caller's own chunking; the
+// option forces it on or off; the workspace holds no partial rows then.
 TEST(CudaDecode, ClusterPlanRule) {
+  KVQ_REQUIRE_GPU();  // the plan reads the kernel's occupancy
+  for (const char* v : {"KVQ_DECODE_CLUSTER", "KVQ_DECODE_CLUSTER_MAX_TILES"})
+    if (const char* e = std::getenv(v); e != nullptr && *e != '\0')
+      GTEST_SKIP() << v << " is set: the rule under test is the default one";
   CudaAttnCase c = decode_case(KvDtype::kFp8E4M3, {1024});
   c.set_head_dim(128);
   c.ratio = 4;
   c.num_kv_heads = 8;
   cuda::DecodeOptions opt;
   opt.num_sms = 132;
-  opt.chunk_tiles = 8;
   const LayerKvSpec spec = spec_for(c);
   const std::vector<int32_t> one{1024}, long_one{16384}, four(4, 1024);
   const cuda::DecodePlan small = cuda::plan_decode(spec, one, opt);
@@ -497,6 +503,9 @@ TEST(CudaDecode, ClusterPlanRule) {
   EXPECT_EQ(small.max_splits, 32);  // 4 warps x 8 blocks, one head chunk
   EXPECT_EQ(cuda::plan_decode(spec, long_one, opt).cluster, 0);  // 32 tiles per warp
   EXPECT_EQ(cuda::plan_decode(spec, four, opt).cluster, 0);      // 256 blocks > 132 SMs
+  cuda::DecodeOptions chunked = opt;
+  chunked.chunk_tiles = 8;  // the caller's split: the merge kernel
+  EXPECT_EQ(cuda::plan_decode(spec, one, chunked).cluster, 0);
   opt.cluster = 0;
   const cuda::DecodePlan off = cuda::plan_decode(spec, one, opt);
   EXPECT_EQ(off.cluster, 0);

@@ -547,10 +547,13 @@ DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_len
   }
   // The cluster merge: every warp of a cluster is an item (4 x 8 = 32 per (sequence, kv
   // head), as many splits as the head chunks leave), each taking ceil(tiles / splits) tiles.
+  // The rule applies where the plan chooses the work split; a caller's own chunk_tiles keeps
+  // the merge kernel unless the cluster merge is forced.
   const int cl_splits = kDecodeWarps * kDecodeClusterBlocks / plan.head_chunks;
-  const ClusterUse use = options.cluster == 0   ? ClusterUse::kOff
-                         : options.cluster == 1 ? ClusterUse::kForce
-                                                : cluster_use_from_env();
+  ClusterUse use = options.cluster == 0   ? ClusterUse::kOff
+                   : options.cluster == 1 ? ClusterUse::kForce
+                                          : cluster_use_from_env();
+  if (use == ClusterUse::kAuto && options.chunk_tiles > 0) use = ClusterUse::kOff;
   if (use != ClusterUse::kOff && cl_splits >= 1 && !tiles.empty()) {
     bool take = use == ClusterUse::kForce;
     if (!take) {
@@ -663,6 +666,9 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   kp.unrotate = mp.unrotate;
   kp.signs = signs;
   if (plan.cluster > 0) {
+    KVQ_CHECK(plan.cluster <= kDecodeClusterBlocks,
+              "run_decode: a cluster plan of " + std::to_string(plan.cluster) + " blocks (at most " +
+                  std::to_string(kDecodeClusterBlocks) + ")");
     KVQ_CHECK(static_cast<int64_t>(plan.max_splits) * plan.head_chunks <=
                   static_cast<int64_t>(kDecodeWarps) * plan.cluster,
               "run_decode: a cluster plan with more items than the cluster's warps");

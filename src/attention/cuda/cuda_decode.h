@@ -65,9 +65,9 @@ struct DecodeOptions {
   int q_per_seq = 1;
   // The cluster merge (kDecodeClusterBlocks blocks per (sequence, kv head), the splits
   // merged through distributed shared memory inside the split-KV kernel, no merge launch):
-  // -1 by the plan's rule (every block on an SM of its own and at most 8 tiles of 16 tokens
-  // per warp: one query up to 4k tokens; KVQ_DECODE_CLUSTER=0 turns it off, =force takes it
-  // wherever it can run), 0 never, 1 wherever it can run.
+  // -1 by the plan's rule where chunk_tiles is 0 (every block on an SM of its own and at most
+  // 8 tiles of 16 tokens per warp: one query up to 4k tokens; KVQ_DECODE_CLUSTER=0 turns it
+  // off, =force takes it wherever it can run), 0 never, 1 wherever it can run.
   int cluster = -1;
 };
 
