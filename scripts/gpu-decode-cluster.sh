@@ -11,8 +11,10 @@
 #   sanitize  compute-sanitizer memcheck and racecheck on the cluster test (fp8 and int4 pairs)
 #   model     the whole CUDA model test binary, then the skinny-GEMM tests
 #   ab        `kvq bench` steps with KVQ_DECODE_CLUSTER=0 against the default rule (or AB=...):
-#             Llama-3-8B shape at BATCHES x CTXS (EIGHTB=0 skips it), then the default model
-#             at batch 1 / 8 plain and with the DFlash drafter, k = 8 (TINY=0 skips it)
+#             Llama-3-8B shape at BATCHES x CTXS x VERIFY (verification steps of 1 + k tokens,
+#             default 0: decode; EIGHTB=0 skips it), then the default model at batch 1 / 8 plain
+#             (TINY_PLAIN=0 skips it) and with the DFlash drafter, k in DFLASH_K (default 8;
+#             TINY=0 skips both)
 #   lab       cuda_decode_bench at small batches, cluster merge off and on
 # Logs and JSON lines go to $OUT (or ./out-cluster).
 set -uo pipefail
@@ -54,24 +56,29 @@ for part in "$@"; do
         for ctx in ${CTXS:-1024}; do
           [ "${EIGHTB:-1}" = 0 ] && break
           for b in ${BATCHES:-1}; do
-            for ab in $AB; do
-              env ${ab//,/ } timeout 90 $B/kvq bench --synthetic llama3-8b --device cuda \
-                --kv-cache-dtype $kv --batch $b --input-len $ctx --output-len 32 \
-                --prefill-sequences 1 --json 2>>"$OUT/ab.err" |
-                python3 bench/step_summary.py "$ab" >> "$OUT/ab.jsonl"
+            for v in ${VERIFY:-0}; do
+              for ab in $AB; do
+                env ${ab//,/ } timeout 90 $B/kvq bench --synthetic llama3-8b --device cuda \
+                  --kv-cache-dtype $kv --batch $b --input-len $ctx --output-len 32 \
+                  --prefill-sequences 1 --verify-tokens $v --json 2>>"$OUT/ab.err" |
+                  python3 bench/step_summary.py "$ab verify=$v" >> "$OUT/ab.jsonl"
+              done
             done
           done
         done
         for b in 1 8; do
           [ "${TINY:-1}" = 0 ] && break
           for ab in $AB; do
-            env ${ab//,/ } timeout 90 $B/kvq bench --model models/kvq-code-tiny --device cuda \
-              --kv-cache-dtype $kv --batch $b --input-len 256 --output-len 128 --json \
-              2>>"$OUT/ab.err" | python3 bench/step_summary.py "$ab" >> "$OUT/ab-tiny.jsonl"
-            env ${ab//,/ } timeout 120 $B/kvq bench --model models/kvq-code-tiny --device cuda \
-              --kv-cache-dtype $kv --batch $b --input-len 256 --output-len 128 --num-prompts 16 \
-              --dataset models/kvq-code-tiny/heldout.txt --speculative-config "$DFLASH" --json \
-              2>>"$OUT/ab.err" | python3 bench/step_summary.py "$ab" >> "$OUT/ab-dflash.jsonl"
+            [ "${TINY_PLAIN:-1}" = 1 ] &&
+              env ${ab//,/ } timeout 90 $B/kvq bench --model models/kvq-code-tiny --device cuda \
+                --kv-cache-dtype $kv --batch $b --input-len 256 --output-len 128 --json \
+                2>>"$OUT/ab.err" | python3 bench/step_summary.py "$ab" >> "$OUT/ab-tiny.jsonl"
+            for k in ${DFLASH_K:-8}; do
+              env ${ab//,/ } timeout 120 $B/kvq bench --model models/kvq-code-tiny --device cuda \
+                --kv-cache-dtype $kv --batch $b --input-len 256 --output-len 128 --num-prompts 16 \
+                --dataset models/kvq-code-tiny/heldout.txt --speculative-config "${DFLASH/:8/:$k}" \
+                --json 2>>"$OUT/ab.err" | python3 bench/step_summary.py "$ab k=$k" >> "$OUT/ab-dflash.jsonl"
+            done
           done
         done
       done

@@ -9,8 +9,10 @@
 #   ab     `kvq bench --synthetic llama3-8b` decode, each point with AB settings in turn
 #          (AB="KVQ_FP8_FUSE=1 KVQ_FP8_FUSE=0" for example; a setting may join several variables with
 #          commas, "A=1,B=2"; default one plain run; KVS, BATCHES, CTXS, DTYPES,
-#          REPS narrow it), then the default model (models/kvq-code-tiny) at batch 1 / 8.
-#   ncu    per-kernel times of 8B decode steps at batch 1 (Nsight Compute, in place).
+#          REPS narrow it; VERIFY=k times verification steps of 1 + k tokens), then the default
+#          model (models/kvq-code-tiny) at batch 1 / 8 (TINY=0: not).
+#   ncu    per-kernel times of 8B decode steps at batch 1 (Nsight Compute, in place; VERIFY=k:
+#          of verification steps).
 #   tests  the cache-write and decode tests of kvq_cuda_tests, then the whole CUDA model tests.
 #   gemv   kvq's skinny GEMM (src/model/cuda/gemv.h): its tests, compute-sanitizer memcheck and
 #          racecheck, then cuda_gemm_bench bf16 (cuBLASLt's best) vs gemv on the 8B shapes and
@@ -41,13 +43,14 @@ for part in "${@:-lab ab tests}"; do
               for ab in ${AB:-KVQ_AB=plain}; do
                 env ${ab//,/ } timeout 90 $B/kvq bench --synthetic llama3-8b --device cuda --dtype $w \
                   --kv-cache-dtype $kv --batch $b --input-len $ctx --output-len ${OUTLEN:-32} \
-                  --prefill-sequences 1 --json 2>>"$OUT/ab.err" |
+                  --prefill-sequences 1 --verify-tokens ${VERIFY:-0} --json 2>>"$OUT/ab.err" |
                   python3 bench/step_summary.py "$ab" >> "$OUT/ab.jsonl"
               done
             done
           done
         done
       done
+      [ "${TINY:-1}" = 1 ] || continue
       for kv in ${KVS:-bfloat16 fp8}; do
         for b in 1 8; do
           for ab in ${AB:-KVQ_AB=plain}; do
@@ -65,9 +68,9 @@ for part in "${@:-lab ab tests}"; do
       timeout 240 ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum \
         --launch-skip 30000 --launch-count 1000 --csv \
         $B/kvq bench --synthetic llama3-8b --device cuda --kv-cache-dtype $kv --batch 1 \
-        --input-len 1024 --output-len 128 --prefill-sequences 1 --json \
-        > "$OUT/ncu-b1-$kv.csv" 2> "$OUT/ncu-b1-$kv.err"
-      gzip -f "$OUT/ncu-b1-$kv.csv"
+        --input-len 1024 --output-len 128 --prefill-sequences 1 --verify-tokens ${VERIFY:-0} --json \
+        > "$OUT/ncu-b1-$kv-v${VERIFY:-0}.csv" 2> "$OUT/ncu-b1-$kv-v${VERIFY:-0}.err"
+      gzip -f "$OUT/ncu-b1-$kv-v${VERIFY:-0}.csv"
     done
     ;;
   tests)

@@ -8,8 +8,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -516,6 +516,18 @@ TEST(CudaDecode, ClusterPlanRule) {
   const cuda::DecodePlan mq = cuda::plan_decode(spec, one, opt);
   EXPECT_EQ(mq.head_chunks, 3);
   EXPECT_EQ(mq.max_splits, 10);
+  // Several queries by the rule: up to 16 tiles a warp (one query: 8).
+  opt.cluster = -1;
+  opt.q_per_seq = 16;  // 4 head chunks, 8 splits
+  const std::vector<int32_t> ctx2k{2048}, ctx2k1{2064};
+  const cuda::DecodePlan mq2k = cuda::plan_decode(spec, ctx2k, opt);  // 128 tiles: 16 a warp
+  EXPECT_EQ(mq2k.cluster, cuda::kDecodeClusterBlocks);
+  EXPECT_EQ(mq2k.max_splits, 8);
+  EXPECT_EQ(cuda::plan_decode(spec, ctx2k1, opt).cluster, 0);  // 129 tiles: 17 a warp
+  opt.q_per_seq = 1;
+  EXPECT_EQ(cuda::plan_decode(spec, std::vector<int32_t>{4096}, opt).cluster,
+            cuda::kDecodeClusterBlocks);                                           // 8 tiles a warp
+  EXPECT_EQ(cuda::plan_decode(spec, std::vector<int32_t>{4112}, opt).cluster, 0);  // 9
 }
 
 // Larger q_len runs the prefill kernel: tests/cuda/prefill_attention_cuda_test.cc.

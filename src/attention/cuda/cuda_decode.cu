@@ -70,6 +70,11 @@ int min_chunk_tiles(int q_per_seq, int64_t seqs_x_kv_heads, int max_tiles) {
 // 4k tokens, 15-20% slower at 8k with 16 tiles a warp; docs/notes/decode-tuning.md version
 // 17). KVQ_DECODE_CLUSTER=0 | force and KVQ_DECODE_CLUSTER_MAX_TILES=n are the A/B switches.
 constexpr int kClusterMaxTiles = 8;
+// Several queries per sequence (verification, a DFlash block): the merge kernel they would
+// otherwise need costs more (16-row partials), and the cluster won at up to 16 tiles a warp
+// (8B verification at batch 1 x 1k, H200: 1 + 15 tokens, 4 warps of rows, 8 splits of 12
+// tiles: 5.66 ms against 6.01 with the merge kernel; docs/notes/decode-tuning.md version 18).
+constexpr int kClusterMaxTilesMulti = 16;
 
 enum class ClusterUse { kAuto, kOff, kForce };
 
@@ -84,12 +89,13 @@ ClusterUse cluster_use_from_env() {
   return use;
 }
 
-int cluster_max_tiles() {
+// KVQ_DECODE_CLUSTER_MAX_TILES=n sets both limits (A/B).
+int cluster_max_tiles(bool multi_query) {
   static const int n = [] {
     const char* e = std::getenv("KVQ_DECODE_CLUSTER_MAX_TILES");
-    return e == nullptr || *e == '\0' ? kClusterMaxTiles : std::max(1, std::atoi(e));
+    return e == nullptr || *e == '\0' ? 0 : std::max(1, std::atoi(e));
   }();
-  return n;
+  return n > 0 ? n : multi_query ? kClusterMaxTilesMulti : kClusterMaxTiles;
 }
 
 constexpr size_t kAlign = 256;
@@ -560,7 +566,8 @@ DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_len
       const int max_tiles = *std::max_element(tiles.begin(), tiles.end());
       const int64_t blocks =
           static_cast<int64_t>(tiles.size()) * spec.num_kv_heads * kDecodeClusterBlocks;
-      take = blocks <= num_sms && (max_tiles + cl_splits - 1) / cl_splits <= cluster_max_tiles();
+      take = blocks <= num_sms &&
+             (max_tiles + cl_splits - 1) / cl_splits <= cluster_max_tiles(plan.q_per_seq > 1);
     }
     if (take) {
       plan.cluster = kDecodeClusterBlocks;
@@ -667,8 +674,8 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   kp.signs = signs;
   if (plan.cluster > 0) {
     KVQ_CHECK(plan.cluster <= kDecodeClusterBlocks,
-              "run_decode: a cluster plan of " + std::to_string(plan.cluster) + " blocks (at most " +
-                  std::to_string(kDecodeClusterBlocks) + ")");
+              "run_decode: a cluster plan of " + std::to_string(plan.cluster) +
+                  " blocks (at most " + std::to_string(kDecodeClusterBlocks) + ")");
     KVQ_CHECK(static_cast<int64_t>(plan.max_splits) * plan.head_chunks <=
                   static_cast<int64_t>(kDecodeWarps) * plan.cluster,
               "run_decode: a cluster plan with more items than the cluster's warps");

@@ -108,17 +108,47 @@ bool gemv_silu_from_env() {
   if (v != "0" && v != "1") throw InputError("KVQ_GEMV_SILU=" + v + " is not one of: 1, 0");
   return v == "1";
 }
-// KVQ_GEMV_NORM=1 (default) | 0: the RMSNorm before q|k|v and before gate|up inside the skinny
-// GEMM that reads it, where that kernel runs the product (0: the separate kernel, A/B).
-bool gemv_norm_from_env() {
+// KVQ_GEMV_NORM=n: the RMSNorm before q|k|v and before gate|up inside the skinny GEMM that reads
+// it, where that kernel runs the product, for steps of at most n rows (0: the separate kernel,
+// A/B). Default 1: every block of the product normalizes its own copy of the rows, which pays at
+// one row and costs more than the separate kernel from two (8B step, H200: batch 1 -1.7%; batch 2
+// +4%, batch 4 +15%, verification of 2-4 queries at batch 1 +4 to +14%; docs/notes/
+// decode-tuning.md version 18).
+int gemv_norm_from_env() {
   const char* e = std::getenv("KVQ_GEMV_NORM");
-  const std::string v = e == nullptr ? "1" : e;
-  if (v != "0" && v != "1") throw InputError("KVQ_GEMV_NORM=" + v + " is not one of: 1, 0");
-  return v == "1";
+  const std::string v = e == nullptr || *e == '\0' ? "1" : e;
+  if (v.size() != 1 || v[0] < '0' || v[0] > '0' + cuda_model::kGemvNormMaxRows)
+    throw InputError("KVQ_GEMV_NORM=" + v + " is not a row count 0 .. " +
+                     std::to_string(cuda_model::kGemvNormMaxRows));
+  return v[0] - '0';
 }
 // Verification steps of speculative decoding with up to this many queries per sequence (k + 1)
 // are graph-replayed like decode steps.
 constexpr int kMaxVerifyQueries = 17;
+// Their Q buckets (queries per sequence a graph step is padded to): 2^j and 2^j + 1, so k =
+// 2^j - 1 and k = 2^j drafts run unpadded. A padded query costs more than its rows: Q x the GQA
+// group fills whole 16-row warps of the decode kernel (Llama-3-8B, group 4: 8 queries are 2 warps
+// of rows, 9 are 3), and fewer rows leave more warps of a cluster for splits of the context
+// (8B verification of 1 + 7 tokens at batch 1 x 1k, H200: 5.63 ms padded to 9, 5.09 at 8;
+// docs/notes/decode-tuning.md version 18). KVQ_VERIFY_Q_BUCKETS=coarse: 2, 3, 5, 9, 17 only
+// (the old buckets, fewer graphs; A/B).
+constexpr int kVerifyQBuckets[] = {2, 3, 4, 5, 8, 9, 16, 17};
+
+bool verify_coarse_q_from_env() {
+  const char* e = std::getenv("KVQ_VERIFY_Q_BUCKETS");
+  const std::string v = e == nullptr ? "" : e;
+  if (!v.empty() && v != "fine" && v != "coarse")
+    throw InputError("KVQ_VERIFY_Q_BUCKETS=" + v + " is not one of: fine, coarse");
+  return v == "coarse";
+}
+
+// The Q bucket of a verification step whose longest sequence has max_q queries (2..17).
+int verify_q_bucket(int max_q, bool coarse) {
+  for (int q : kVerifyQBuckets)
+    if (q >= max_q && (!coarse || (q & (q - 1)) != 0 || q == 2)) return q;
+  KVQ_CHECK(false, "verify_q_bucket: " + std::to_string(max_q) + " queries exceed the buckets");
+  return 0;
+}
 
 // Device allocations released together (weights, buffers); never throws on release.
 class DeviceArena {
@@ -793,6 +823,7 @@ class CudaDecoderModel final : public CudaModel {
   bool prefill_small_q_ = true;
   // KVQ_VERIFY_CONTEXT_BUCKETS=1: verification graphs per context bucket (A/B switch).
   bool verify_context_buckets_ = false;
+  bool verify_coarse_q_ = false;  // KVQ_VERIFY_Q_BUCKETS=coarse (kVerifyQBuckets)
   // Verification attention (and a DFlash block's): on the decode kernel (the queries as rows
   // of its warps, planned per context bucket) or the prefill kernel's small-q block.
   // KVQ_VERIFY_KERNEL=auto (default) picks by shape (verify_on_decode_kernel); decode / prefill
@@ -840,7 +871,7 @@ class CudaDecoderModel final : public CudaModel {
   // gate|up's SiLU-mul in the skinny kernel's epilogue where it runs gate|up (KVQ_GEMV_SILU=0:
   // never, for A/B runs).
   bool gemv_silu_ = true;
-  bool gemv_norm_ = true;  // KVQ_GEMV_NORM
+  int gemv_norm_ = 1;  // KVQ_GEMV_NORM: the most rows whose RMSNorms ride in the skinny GEMM
   // KVQ_STEP_LAB (timing experiments only: the outputs are wrong), bits: 1 no input RMSNorm,
   // 2 no q|k|v post, 4 no cache write, 8 no attention, 16 no attention-output conversion,
   // 32 no post-attention RMSNorm, 64 no GEMMs. The step's time without a kernel is its cost.
@@ -1013,6 +1044,7 @@ CudaDecoderModel::CudaDecoderModel(const KvPlan& plan, const CudaModelOptions& o
   if (const char* e = std::getenv("KVQ_VERIFY_CONTEXT_BUCKETS");
       e != nullptr && std::string(e) == "1")
     verify_context_buckets_ = true;
+  verify_coarse_q_ = verify_coarse_q_from_env();
   if (const char* e = std::getenv("KVQ_VERIFY_KERNEL"); e != nullptr) {
     const std::string v(e);
     if (v != "auto" && v != "decode" && v != "prefill")
@@ -1136,12 +1168,13 @@ void CudaDecoderModel::allocate_buffers() {
         attn_ws_bytes_ =
             std::max(attn_ws_bytes_, decode_plan(static_cast<int>(g), n, ctx).workspace_bytes);
   // And for verification steps on the decode kernel: a batch bucket of Q-query sequences
-  // (Q buckets 2, 3, 5, 9, 17) whose rows fit a graph step.
+  // (every Q bucket) whose rows fit a graph step.
   for (size_t g = 0; g < group_spec_.size(); ++g)
     for (int ctx = kMinContextBucket; ctx <= max_context_bucket_; ctx = next_context_bucket(ctx))
       for (int n : batch_buckets_)
-        for (int q = 2; q <= std::min(kMaxVerifyQueries, cuda::kDecodeMaxQueries); q = 2 * q - 1)
-          if (static_cast<int64_t>(n) * q <= std::min(T_cap_, R_cap_))
+        for (int q : kVerifyQBuckets)
+          if (q <= cuda::kDecodeMaxQueries &&
+              static_cast<int64_t>(n) * q <= std::min(T_cap_, R_cap_))
             attn_ws_bytes_ = std::max(attn_ws_bytes_,
                                       decode_plan(static_cast<int>(g), n, ctx, q).workspace_bytes);
 #if KVQ_MODEL_CUDA_PREFILL
@@ -1486,9 +1519,7 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
     if (options_.cuda_graphs && S > 0 && max_q >= 2 && max_q <= kMaxVerifyQueries &&
         !any_generic_) {
       const int sb = *std::lower_bound(batch_buckets_.begin(), batch_buckets_.end(), S);
-      // Q buckets 2, 3, 5, 9, 17 (k = 1, 2, 4, 8, 16 drafts): few graphs however drafts vary.
-      int qb = 2;
-      while (qb < max_q) qb = 2 * qb - 1;
+      const int qb = verify_q_bucket(max_q, verify_coarse_q_);
       st.Q = qb;
       st.T = sb * qb;
       if (static_cast<int64_t>(sb) * qb <= std::min(T_cap_, R_cap_)) {
@@ -1734,7 +1765,7 @@ void CudaDecoderModel::logits_rows(int first, int n) const {
 
 int CudaDecoderModel::norm_in_gemv_warps(const cuda_model::Linear& L, int T,
                                          const float* norm_w) const {
-  if (!gemv_norm_ || !bf16_ || !tuner_ || tp_.active() ||
+  if (T > gemv_norm_ || !bf16_ || !tuner_ || tp_.active() ||
       L.dtype != cuda_model::Linear::Dtype::kBF16 || L.k != H_)
     return 0;
   const int warps = tuner_->gemv_warps(T, L.n, L.k, L.k, L.n);
@@ -1765,7 +1796,8 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     }
   }
   const int T = st.T;
-  const int lab = st.decode ? step_lab_ : 0;  // timing experiments only (step_lab_)
+  // Timing experiments only (step_lab_): one-query and verification steps.
+  const int lab = st.decode || st.verify ? step_lab_ : 0;
   lab_no_gemm_ = (lab & 64) != 0;
   const int32_t* tokens = d_at<int32_t>(off_.tokens);
   cuda_model::embed_gather(w_->embed, bf16_, w_->mask, tokens, T, H_, x_, stream_);
@@ -1854,8 +1886,8 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
             ? tuner_->gemv_warps(T, 2 * I_, H_, H_, 2 * I_)
             : 0;
     // The post-attention RMSNorm inside that kernel, where it fits (as for q|k|v above).
-    const bool post_norm_in_gemv = silu_warps > 0 && gemv_norm_ && !tp && !normed && !dox.add &&
-                                   !(lab & 32) && !fuse_fp8(w.gate_up) &&
+    const bool post_norm_in_gemv = silu_warps > 0 && T <= gemv_norm_ && !tp && !normed &&
+                                   !dox.add && !(lab & 32) && !fuse_fp8(w.gate_up) &&
                                    cuda_model::gemv_norm_fits(T, H_, {x_, H_, w.post_norm, eps_});
     if (normed || (lab & 32) || post_norm_in_gemv) {
       // h_ is the post-attention RMSNorm of the all-reduced residual (or the GEMM normalizes)
@@ -2498,6 +2530,7 @@ void check_cuda_model_env() {
   (void)cuda_model::gemv_use_from_env();
   (void)gemv_silu_from_env();
   (void)gemv_norm_from_env();
+  (void)verify_coarse_q_from_env();
   // Read where they apply (cache/cuda/pdl.h, attention/cuda/cuda_decode.cu); checked here.
   auto check_int = [](const char* name, int lo, int hi, const char* accepted) {
     const char* e = std::getenv(name);
