@@ -8,7 +8,7 @@
 #             'bash scripts/gpu-decode-cluster.sh PART...'
 # PARTs (run in order):
 #   tests     kvq_cuda_tests' decode and cache-write tests (the cluster test among them)
-#   sanitize  compute-sanitizer memcheck and racecheck on the cluster test (fp8 and int4 pairs)
+#   sanitize  compute-sanitizer memcheck and racecheck on the cluster test (bf16, fp8, int4)
 #   model     the whole CUDA model test binary, then the skinny-GEMM tests
 #   ab        `kvq bench` steps with KVQ_DECODE_CLUSTER=0 against the default rule (or AB=...):
 #             Llama-3-8B shape at BATCHES x CTXS x VERIFY (verification steps of 1 + k tokens,
@@ -38,7 +38,7 @@ for part in "$@"; do
     for tool in memcheck racecheck; do
       step "compute-sanitizer $tool"
       timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 $B/tests/kvq_cuda_tests \
-        --gtest_filter='CudaDecodeCluster.MatchesCpuReference/fp8_e4m3:CudaDecodeCluster.MatchesCpuReference/int4_per_token_head' \
+        --gtest_filter='*CudaDecodeCluster.MatchesCpuReference/bfloat16:*CudaDecodeCluster.MatchesCpuReference/fp8_e4m3:*CudaDecodeCluster.MatchesCpuReference/int4_per_token_head' \
         > "$OUT/sanitize-$tool.log" 2>&1
       echo "rc=$?"
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (FAILED|PASSED) " "$OUT/sanitize-$tool.log" | tail -4

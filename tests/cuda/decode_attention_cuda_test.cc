@@ -405,8 +405,8 @@ TEST(CudaDecode, RefusesMoreQueriesThanItTakes) {
   EXPECT_EQ(cuda::plan_decode(spec_for(c), lens, opt).rows_per_warp, 8);
 }
 
-// The cluster merge (DecodePlan::cluster: a cluster of 8 blocks per (sequence, kv head), the
-// splits merged through distributed shared memory), forced for every pair of kv_pairs.h: one
+// The cluster merge (DecodePlan::cluster: a cluster of 8 or 16 blocks per (sequence, kv head),
+// the splits merged through distributed shared memory), forced for every pair of kv_pairs.h: one
 // query and several per sequence (rows of a query across two head chunks at GQA 12), head_dim
 // 64 / 128 / 256, ragged contexts up to 2500 tokens (up to 5 tiles per warp with one query,
 // more with several: fewer splits per head chunk), every mask,
@@ -443,6 +443,8 @@ TEST_P(CudaDecodeCluster, MatchesCpuReference) {
         c.q_lens.push_back(multi ? std::uniform_int_distribution<int>(0, std::min(len, q_max))(rng)
                                  : 1);
       if (multi) c.q_lens[static_cast<size_t>(index) % c.q_lens.size()] = 1;
+      // Both cluster sizes, each with one query and with several.
+      const int blocks = index % 4 < 2 ? cuda::kDecodeClusterBlocks : cuda::kDecodeClusterBlocksMax;
       ++index;
       const unsigned case_seed = seed + static_cast<unsigned>(index);
       const CudaAttnProblem problem(c, case_seed);
@@ -451,8 +453,9 @@ TEST_P(CudaDecodeCluster, MatchesCpuReference) {
       cuda::DecodeOptions opt;
       opt.q_per_seq = q_max;
       opt.cluster = 1;
+      opt.cluster_blocks = blocks;
       const cuda::DecodePlan plan = cuda::plan_decode(problem.spec(), problem.seq_lens(), opt);
-      ASSERT_EQ(plan.cluster, cuda::kDecodeClusterBlocks) << c.describe();
+      ASSERT_EQ(plan.cluster, blocks) << c.describe();
       ASSERT_LE(plan.max_splits * plan.head_chunks, 4 * plan.cluster) << c.describe();
       const DeviceRun r = run_device(problem, dev, c.soft_cap, opt);
       EXPECT_TRUE(problem.check(r.out, want, decode_tolerance(c)))
@@ -487,7 +490,8 @@ INSTANTIATE_TEST_SUITE_P(EveryPair, CudaDecodeCluster, ::testing::ValuesIn(test:
 // option forces it on or off; the workspace holds no partial rows then.
 TEST(CudaDecode, ClusterPlanRule) {
   KVQ_REQUIRE_GPU();  // the plan reads the kernel's occupancy
-  for (const char* v : {"KVQ_DECODE_CLUSTER", "KVQ_DECODE_CLUSTER_MAX_TILES"})
+  for (const char* v :
+       {"KVQ_DECODE_CLUSTER", "KVQ_DECODE_CLUSTER_MAX_TILES", "KVQ_DECODE_CLUSTER_BLOCKS"})
     if (const char* e = std::getenv(v); e != nullptr && *e != '\0')
       GTEST_SKIP() << v << " is set: the rule under test is the default one";
   CudaAttnCase c = decode_case(KvDtype::kFp8E4M3, {1024});
@@ -512,18 +516,36 @@ TEST(CudaDecode, ClusterPlanRule) {
   EXPECT_GT(off.workspace_bytes, small.workspace_bytes);  // partial rows in global memory
   opt.cluster = 1;
   EXPECT_EQ(cuda::plan_decode(spec, long_one, opt).cluster, cuda::kDecodeClusterBlocks);
+  opt.cluster_blocks = cuda::kDecodeClusterBlocks;
   opt.q_per_seq = 9;  // 9 x 4 rows: 3 head chunks of 16, 10 splits
   const cuda::DecodePlan mq = cuda::plan_decode(spec, one, opt);
   EXPECT_EQ(mq.head_chunks, 3);
   EXPECT_EQ(mq.max_splits, 10);
+  opt.cluster_blocks = cuda::kDecodeClusterBlocksMax;  // 64 warps: 21 splits of 3 chunks
+  const cuda::DecodePlan mq16 = cuda::plan_decode(spec, one, opt);
+  EXPECT_EQ(mq16.cluster, cuda::kDecodeClusterBlocksMax);
+  EXPECT_EQ(mq16.max_splits, 21);
+  opt.q_per_seq = 8;  // 2 chunks: 32 splits, the most the merge takes
+  EXPECT_EQ(cuda::plan_decode(spec, one, opt).max_splits, cuda::kDecodeClusterMaxSplits);
   // Several queries by the rule: up to 16 tiles a warp (one query: 8).
   opt.cluster = -1;
+  opt.cluster_blocks = cuda::kDecodeClusterBlocks;
   opt.q_per_seq = 16;  // 4 head chunks, 8 splits
   const std::vector<int32_t> ctx2k{2048}, ctx2k1{2064};
   const cuda::DecodePlan mq2k = cuda::plan_decode(spec, ctx2k, opt);  // 128 tiles: 16 a warp
   EXPECT_EQ(mq2k.cluster, cuda::kDecodeClusterBlocks);
   EXPECT_EQ(mq2k.max_splits, 8);
   EXPECT_EQ(cuda::plan_decode(spec, ctx2k1, opt).cluster, 0);  // 129 tiles: 17 a warp
+  // The size by the rule: 16 blocks (16 splits of 4 chunks) where the device holds 8 such
+  // clusters at once (an H100 / H200 does), else 8.
+  opt.cluster_blocks = 0;
+  const cuda::DecodePlan mq_rule = cuda::plan_decode(spec, ctx2k1, opt);
+  if (mq_rule.cluster == cuda::kDecodeClusterBlocksMax) {
+    EXPECT_EQ(mq_rule.max_splits, 16);  // 9 tiles a warp
+  } else {
+    EXPECT_EQ(mq_rule.cluster, 0);
+  }
+  // One query: one head chunk takes 32 splits in 8 blocks; 16 would add none.
   opt.q_per_seq = 1;
   EXPECT_EQ(cuda::plan_decode(spec, std::vector<int32_t>{4096}, opt).cluster,
             cuda::kDecodeClusterBlocks);                                           // 8 tiles a warp

@@ -152,6 +152,7 @@ TEST(CliBadInput, CpuKernelEnvironmentSwitches) {
   cases.push_back(Case{"KVQ_DECODE_TINY_MAX_TILES", "lots", "64", "from 1"});
   cases.push_back(Case{"KVQ_DECODE_CLUSTER", "on", "force", "auto, 0, force"});
   cases.push_back(Case{"KVQ_DECODE_CLUSTER_MAX_TILES", "0", "8", "from 1"});
+  cases.push_back(Case{"KVQ_DECODE_CLUSTER_BLOCKS", "32", "16", "8, 16"});
 #endif
   for (const Case& c : cases) {
     // Restored afterwards, whatever it was (CI may set it for the whole run).

@@ -6,7 +6,10 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "attention/cuda/cache_side.h"
@@ -96,6 +99,51 @@ int cluster_max_tiles(bool multi_query) {
     return e == nullptr || *e == '\0' ? 0 : std::max(1, std::atoi(e));
   }();
   return n > 0 ? n : multi_query ? kClusterMaxTilesMulti : kClusterMaxTiles;
+}
+
+// KVQ_DECODE_CLUSTER_BLOCKS=8|16 (A/B; unset or empty: the rule).
+int cluster_blocks_from_env() {
+  static const int n = [] {
+    const char* e = std::getenv("KVQ_DECODE_CLUSTER_BLOCKS");
+    const int v = e == nullptr || *e == '\0' ? 0 : std::atoi(e);
+    return v == kDecodeClusterBlocks || v == kDecodeClusterBlocksMax ? v : 0;
+  }();
+  return n;
+}
+
+// Clusters of `blocks` blocks of `kernel` (kDecodeWarps warps, `smem` bytes of dynamic shared
+// memory each) that can be resident at once; 0 where such a cluster cannot launch (e.g. a
+// partitioned device). Asked once per (kernel, size, bytes): the answer does not change, and the
+// model plans inside graph capture too. Sizes past the portable 8 need the kernel's opt-in
+// attribute, set here before the first query or launch.
+int max_active_clusters(DecodeMainKernel kernel, int blocks, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t>, int> known;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), blocks, smem);
+  if (const auto it = known.find(key); it != known.end()) return it->second;
+  if (blocks > kDecodeClusterBlocks)
+    KVQ_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                        cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kDecodeWarps * 32);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(blocks);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(kernel), &cfg) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();  // not launchable here: the plan keeps the merge kernel
+    n = 0;
+  }
+  known.emplace(key, n);
+  return n;
 }
 
 constexpr size_t kAlign = 256;
@@ -552,25 +600,45 @@ DecodePlan plan_decode(const LayerKvSpec& spec, std::span<const int32_t> seq_len
                                decode_num_splits(tiles, plan.chunk_tiles, kDecodeMaxSplits, chunk));
   }
   // The cluster merge: every warp of a cluster is an item (4 x 8 = 32 per (sequence, kv
-  // head), as many splits as the head chunks leave), each taking ceil(tiles / splits) tiles.
-  // The rule applies where the plan chooses the work split; a caller's own chunk_tiles keeps
-  // the merge kernel unless the cluster merge is forced.
-  const int cl_splits = kDecodeWarps * kDecodeClusterBlocks / plan.head_chunks;
+  // head) in a cluster of 8 blocks, 64 in one of 16), as many splits as the head chunks leave (at
+  // most 32), each taking ceil(tiles / splits) tiles. The rule applies where the plan chooses
+  // the work split; a caller's own chunk_tiles keeps the merge kernel unless the cluster merge
+  // is forced. The cluster size: 16 where it gives more splits (two head chunks or more) and the
+  // device holds every (sequence, kv head)'s cluster at once, else 8.
   ClusterUse use = options.cluster == 0   ? ClusterUse::kOff
                    : options.cluster == 1 ? ClusterUse::kForce
                                           : cluster_use_from_env();
   if (use == ClusterUse::kAuto && options.chunk_tiles > 0) use = ClusterUse::kOff;
-  if (use != ClusterUse::kOff && cl_splits >= 1 && !tiles.empty()) {
-    bool take = use == ClusterUse::kForce;
-    if (!take) {
-      const int max_tiles = *std::max_element(tiles.begin(), tiles.end());
-      const int64_t blocks =
-          static_cast<int64_t>(tiles.size()) * spec.num_kv_heads * kDecodeClusterBlocks;
-      take = blocks <= num_sms &&
+  if (use != ClusterUse::kOff && !tiles.empty()) {
+    const DecodeMainKernel kernel =
+        main_kernel(spec.k_dtype, spec.v_dtype, spec.head_dim_k, plan.q_per_seq > 1);
+    const size_t smem = decode_cluster_smem_bytes(spec.head_dim_k, plan.rows_per_warp);
+    const int64_t groups = static_cast<int64_t>(tiles.size()) * spec.num_kv_heads;
+    const int max_tiles = *std::max_element(tiles.begin(), tiles.end());
+    auto splits_of = [&](int size) {
+      return std::min(kDecodeClusterMaxSplits, kDecodeWarps * size / plan.head_chunks);
+    };
+    // Every cluster resident at once, on SMs of its own, and the device takes the size.
+    auto fits = [&](int size) {
+      return groups * size <= num_sms && max_active_clusters(kernel, size, smem) >= groups;
+    };
+    const int want =
+        options.cluster_blocks != 0 ? options.cluster_blocks : cluster_blocks_from_env();
+    KVQ_CHECK(want == 0 || want == kDecodeClusterBlocks || want == kDecodeClusterBlocksMax,
+              "plan_decode: cluster_blocks " + std::to_string(want) + " is not 0, 8 or 16");
+    int size = want;
+    if (size == 0)
+      size = splits_of(kDecodeClusterBlocksMax) > splits_of(kDecodeClusterBlocks) &&
+                     fits(kDecodeClusterBlocksMax)
+                 ? kDecodeClusterBlocksMax
+                 : kDecodeClusterBlocks;
+    const int cl_splits = splits_of(size);
+    bool take = cl_splits >= 1 && use == ClusterUse::kForce;
+    if (!take && cl_splits >= 1)
+      take = fits(size) &&
              (max_tiles + cl_splits - 1) / cl_splits <= cluster_max_tiles(plan.q_per_seq > 1);
-    }
     if (take) {
-      plan.cluster = kDecodeClusterBlocks;
+      plan.cluster = size;
       plan.max_splits = cl_splits;
       plan.chunk_tiles = 1;
     }
@@ -670,12 +738,18 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   kp.soft_cap = args.logit_soft_cap;
   kp.early = pdl_early(2);
   kp.cluster = plan.cluster;
+  const DecodeMainKernel kernel = main_kernel(spec.k_dtype, spec.v_dtype, hd, plan.q_per_seq > 1);
   kp.unrotate = mp.unrotate;
   kp.signs = signs;
   if (plan.cluster > 0) {
-    KVQ_CHECK(plan.cluster <= kDecodeClusterBlocks,
-              "run_decode: a cluster plan of " + std::to_string(plan.cluster) +
-                  " blocks (at most " + std::to_string(kDecodeClusterBlocks) + ")");
+    KVQ_CHECK(plan.cluster <= kDecodeClusterBlocksMax && plan.max_splits <= kDecodeClusterMaxSplits,
+              "run_decode: a cluster plan of " + std::to_string(plan.cluster) + " blocks and " +
+                  std::to_string(plan.max_splits) + " splits (at most " +
+                  std::to_string(kDecodeClusterBlocksMax) + " and " +
+                  std::to_string(kDecodeClusterMaxSplits) + ")");
+    if (plan.cluster > kDecodeClusterBlocks)  // the opt-in attribute, for a plan made elsewhere
+      (void)max_active_clusters(kernel, plan.cluster,
+                                decode_cluster_smem_bytes(hd, plan.rows_per_warp));
     KVQ_CHECK(static_cast<int64_t>(plan.max_splits) * plan.head_chunks <=
                   static_cast<int64_t>(kDecodeWarps) * plan.cluster,
               "run_decode: a cluster plan with more items than the cluster's warps");
@@ -695,7 +769,6 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
         dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * plan.rows_per_warp),
              seqs),
         stream);
-  const DecodeMainKernel kernel = main_kernel(spec.k_dtype, spec.v_dtype, hd, plan.q_per_seq > 1);
   if (plan.cluster > 0) {
     // One cluster per (sequence, kv head); the splits merge inside it.
     const int64_t blocks = static_cast<int64_t>(plan.num_seqs) * spec.num_kv_heads * plan.cluster;

@@ -69,10 +69,19 @@ struct DecodeOptions {
   // 8 tiles of 16 tokens per warp: one query up to 4k tokens; KVQ_DECODE_CLUSTER=0 turns it
   // off, =force takes it wherever it can run), 0 never, 1 wherever it can run.
   int cluster = -1;
+  // Blocks per cluster: 0 by the rule (kDecodeClusterBlocksMax where it gives a warp fewer tiles
+  // and that many clusters can be resident at once, else kDecodeClusterBlocks;
+  // KVQ_DECODE_CLUSTER_BLOCKS=8|16 sets it), or 8 / 16.
+  int cluster_blocks = 0;
 };
 
-// Blocks per cluster of the cluster merge (the portable cluster size).
+// Blocks per cluster of the cluster merge: the portable cluster size, and the largest (a
+// non-portable size on Hopper: 16 blocks of a GPC), taken for several head chunks, whose
+// warps then walk half the tiles.
 inline constexpr int kDecodeClusterBlocks = 8;
+inline constexpr int kDecodeClusterBlocksMax = 16;
+// Splits of one (sequence, kv head, head chunk) the cluster merge takes at most (one per lane).
+inline constexpr int kDecodeClusterMaxSplits = 32;
 
 struct DecodePlan {
   int32_t num_seqs = 0;
@@ -82,7 +91,8 @@ struct DecodePlan {
   int32_t q_per_seq = 1;      // query tokens per sequence, at most
   int32_t rows_per_warp = 8;  // decode_rows_per_warp: 16 (all MMA rows live) for q_per_seq > 1
   // Blocks per cluster where the splits are merged inside the split-KV kernel (one cluster per
-  // (sequence, kv head), max_splits x head_chunks <= 4 warps x cluster), 0: the merge kernel.
+  // (sequence, kv head), max_splits x head_chunks <= 4 warps x cluster, max_splits <= 32; 8 or
+  // 16 blocks), 0: the merge kernel.
   int32_t cluster = 0;
   size_t workspace_bytes = 0;
 };

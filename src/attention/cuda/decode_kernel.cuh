@@ -382,7 +382,7 @@ __device__ __noinline__ void cluster_merge(const ClusterMergeArgs p, int seq, in
   for (int r = rank * kDecodeWarps + warp; r < rows; r += p.cluster * kDecodeWarps) {
     const int hc = r / kR, rloc = r - hc * kR;
     // Lane s holds split s's (max, sum), then its weight l * 2^(m - M); max_splits <= 32
-    // (4 warps x 8 blocks over at least one head chunk). Then every split's slice of the row,
+    // (kDecodeClusterMaxSplits, the plan's cap). Then every split's slice of the row,
     // eight loads in flight at a time (no branch between them: an empty split's o is zeros).
     float2 v = make_float2(-__uint_as_float(kF32Inf), 0.0f);
     if (lane < p.max_splits) {

@@ -2544,6 +2544,11 @@ void check_cuda_model_env() {
   check_int("KVQ_PDL_EARLY", 0, 7, "one of: 0 .. 7 (bits)");
   check_int("KVQ_DECODE_TINY_MAX_TILES", 1, 1 << 20, "a tile count from 1");
   check_int("KVQ_DECODE_CLUSTER_MAX_TILES", 1, 1 << 20, "a tile count from 1");
+  if (const char* e = std::getenv("KVQ_DECODE_CLUSTER_BLOCKS"); e != nullptr) {
+    const std::string v = e;
+    if (!v.empty() && v != "8" && v != "16")
+      throw InputError("KVQ_DECODE_CLUSTER_BLOCKS=" + v + " is not one of: 8, 16");
+  }
   if (const char* e = std::getenv("KVQ_DECODE_CLUSTER"); e != nullptr) {
     const std::string v = e;
     if (!v.empty() && v != "auto" && v != "0" && v != "force")
