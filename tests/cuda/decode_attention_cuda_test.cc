@@ -316,6 +316,25 @@ TEST(CudaDecodeBackend, RegisteredWithHonestWhitelists) {
   EXPECT_FALSE(b->reasons_unsupported(small_blocks).empty());
 }
 
+// A case of the K/V pair (kd, vd) at head_dim hd and GQA ratio `ratio` (1 kv head at 12, else
+// 2) whose mask, window and soft-cap vary with `index` (causal / sliding window / non-causal in
+// turn, soft-cap 5 on every fourth); contexts and queries are the caller's.
+CudaAttnCase varied_case(KvDtype kd, KvDtype vd, int hd, int ratio, int block_tokens, int index,
+                         std::mt19937& rng) {
+  CudaAttnCase c = decode_case(kd, {});
+  c.v_dtype = vd;
+  c.set_head_dim(hd);
+  c.block_tokens = block_tokens;
+  c.ratio = ratio;
+  c.num_kv_heads = ratio == 12 ? 1 : 2;
+  const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                 AttentionKind::kNonCausal};
+  c.kind = kinds[index % 3];
+  c.window = std::uniform_int_distribution<int>(20, 300)(rng);
+  c.soft_cap = index % 4 == 1 ? 5.0f : 0.0f;
+  return c;
+}
+
 // Several queries per sequence through the decode kernel (speculative verification, a DFlash
 // block): ragged q_len 0 .. kDecodeMaxQueries at the end of ragged contexts, causal / sliding
 // window / non-causal, GQA 1 / 2 / 4 / 12 (rows of several query tokens in one warp, and a
@@ -332,17 +351,7 @@ TEST_P(CudaDecodeMultiQuery, MatchesCpuReference) {
   int index = 0;
   for (int hd : {64, 128, 256}) {
     for (int ratio : {1, 2, 4, 12}) {
-      CudaAttnCase c = decode_case(kd, {});
-      c.v_dtype = vd;
-      c.set_head_dim(hd);
-      c.block_tokens = index % 2 == 0 ? 16 : 32;
-      c.ratio = ratio;
-      c.num_kv_heads = ratio == 12 ? 1 : 2;
-      const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
-                                     AttentionKind::kNonCausal};
-      c.kind = kinds[index % 3];
-      c.window = std::uniform_int_distribution<int>(20, 300)(rng);
-      c.soft_cap = index % 4 == 1 ? 5.0f : 0.0f;
+      CudaAttnCase c = varied_case(kd, vd, hd, ratio, index % 2 == 0 ? 16 : 32, index, rng);
       const int q_max = index % 2 == 0 ? cuda::kDecodeMaxQueries : 9;
       c.kv_lens = {1,
                    q_max,
@@ -423,17 +432,7 @@ TEST_P(CudaDecodeCluster, MatchesCpuReference) {
   for (int hd : {64, 128, 256}) {
     for (int ratio : {1, 4, 12}) {
       const bool multi = index % 2 == 1;
-      CudaAttnCase c = decode_case(kd, {});
-      c.v_dtype = vd;
-      c.set_head_dim(hd);
-      c.block_tokens = index % 3 == 0 ? 32 : 16;
-      c.ratio = ratio;
-      c.num_kv_heads = ratio == 12 ? 1 : 2;
-      const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
-                                     AttentionKind::kNonCausal};
-      c.kind = kinds[index % 3];
-      c.window = std::uniform_int_distribution<int>(20, 300)(rng);
-      c.soft_cap = index % 4 == 1 ? 5.0f : 0.0f;
+      CudaAttnCase c = varied_case(kd, vd, hd, ratio, index % 3 == 0 ? 32 : 16, index, rng);
       const int q_max = multi ? (index % 4 == 1 ? cuda::kDecodeMaxQueries : 9) : 1;
       c.kv_lens = {1, 17, c.block_tokens + 1, std::uniform_int_distribution<int>(600, 2500)(rng),
                    3 * c.block_tokens};
