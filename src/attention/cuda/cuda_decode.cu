@@ -112,15 +112,18 @@ int cluster_blocks_from_env() {
 }
 
 // Clusters of `blocks` blocks of `kernel` (kDecodeWarps warps, `smem` bytes of dynamic shared
-// memory each) that can be resident at once; 0 where such a cluster cannot launch (e.g. a
-// partitioned device). Asked once per (kernel, size, bytes): the answer does not change, and the
-// model plans inside graph capture too. Sizes past the portable 8 need the kernel's opt-in
-// attribute, set here before the first query or launch.
+// memory each) that can be resident at once on the current device; 0 where such a cluster
+// cannot launch (e.g. a partitioned device). Asked once per (device, kernel, size, bytes): the
+// answer does not change, and the model plans inside graph capture too. Sizes past the portable
+// 8 need the kernel's opt-in attribute, which is per device (tensor-parallel ranks plan on
+// theirs), set here before the first query or launch there.
 int max_active_clusters(DecodeMainKernel kernel, int blocks, size_t smem) {
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int, size_t>, int> known;
+  static std::map<std::tuple<int, const void*, int, size_t>, int> known;
+  int dev = 0;
+  KVQ_CUDA_CHECK(cudaGetDevice(&dev));
   const std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), blocks, smem);
+  const auto key = std::make_tuple(dev, reinterpret_cast<const void*>(kernel), blocks, smem);
   if (const auto it = known.find(key); it != known.end()) return it->second;
   if (blocks > kDecodeClusterBlocks)
     KVQ_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
