@@ -150,6 +150,7 @@ Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, 
     if (p.candidates == 1) {
       // Every variant (warps per block); the best is reported, its warps as tile_id.
       for (const int warps : kvq::cuda_model::kGemvWarps) {
+        if (!kvq::cuda_model::gemv_variant_fits(warps, m, k, fp8)) continue;
         auto sweep = [&](float b) {
           for (void* wp : w) {
             if (fp8)

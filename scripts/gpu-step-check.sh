@@ -11,6 +11,11 @@
 #          commas, "A=1,B=2"; default one plain run; KVS, BATCHES, CTXS, DTYPES,
 #          REPS narrow it; VERIFY=k times verification steps of 1 + k tokens), then the default
 #          model (models/kvq-code-tiny) at batch 1 / 8 (TINY=0: not).
+#   trace  a kernel timeline of graph-replayed 8B steps through CUPTI (bench/trace/cupti_trace.cc,
+#          the bundle holds build/bench/libkvq_cupti_trace.so) summarised by bench/trace_summary.py:
+#          the step's period against its GPU span, every kernel class's time and launch gaps, the
+#          host calls (KVS, BATCHES, CTXS, DTYPES, VERIFY, AB as for ab; TINY=1 adds the default
+#          model).
 #   ncu    per-kernel times of 8B decode steps at batch 1 (Nsight Compute, in place; VERIFY=k:
 #          of verification steps).
 #   tests  the cache-write and decode tests of kvq_cuda_tests, then the whole CUDA model tests.
@@ -62,6 +67,42 @@ for part in "${@:-lab ab tests}"; do
       done
     done
     ;;
+  trace)
+    for w in ${DTYPES:-bfloat16}; do
+      for kv in ${KVS:-bfloat16}; do
+        for ctx in ${CTXS:-1024}; do
+          for b in ${BATCHES:-1}; do
+            for ab in ${AB:-KVQ_AB=plain}; do
+              tag="$w-$kv-b$b-c$ctx-v${VERIFY:-0}-${ab//[^A-Za-z0-9_]/_}"
+              step "trace $tag"
+              env ${ab//,/ } CUDA_INJECTION64_PATH=$PWD/$B/bench/libkvq_cupti_trace.so \
+                KVQ_TRACE_OUT="$OUT/trace-$tag.csv" timeout 120 $B/kvq bench --synthetic llama3-8b \
+                --device cuda --dtype $w --kv-cache-dtype $kv --batch $b --input-len $ctx \
+                --output-len ${OUTLEN:-32} --prefill-sequences 1 --verify-tokens ${VERIFY:-0} \
+                --json > "$OUT/trace-$tag.json" 2>>"$OUT/trace.err"
+              python3 bench/trace_summary.py "$OUT/trace-$tag.csv" --label "$tag" \
+                --json "$OUT/trace.jsonl" | tee "$OUT/trace-$tag.txt"
+              gzip -f "$OUT/trace-$tag.csv"
+            done
+          done
+        done
+      done
+    done
+    if [ "${TINY:-0}" = 1 ]; then
+      for kv in ${KVS:-bfloat16}; do
+        for b in 1 8; do
+          tag="tiny-$kv-b$b"
+          step "trace $tag"
+          CUDA_INJECTION64_PATH=$PWD/$B/bench/libkvq_cupti_trace.so KVQ_TRACE_OUT="$OUT/trace-$tag.csv" \
+            timeout 120 $B/kvq bench --model models/kvq-code-tiny --device cuda --kv-cache-dtype $kv \
+            --batch $b --input-len 256 --output-len 64 --json > "$OUT/trace-$tag.json" 2>>"$OUT/trace.err"
+          python3 bench/trace_summary.py "$OUT/trace-$tag.csv" --label "$tag" \
+            --json "$OUT/trace.jsonl" | tee "$OUT/trace-$tag.txt"
+          gzip -f "$OUT/trace-$tag.csv"
+        done
+      done
+    fi
+    ;;
   ncu)
     for kv in ${KVS:-bfloat16}; do
       step "ncu 8B batch 1 kv $kv"
@@ -89,9 +130,9 @@ for part in "${@:-lab ab tests}"; do
       > "$OUT/gemv-tests.log" 2>&1; echo "rc=$?"
     grep -E "^\[  (FAILED|PASSED|SKIPPED|     OK) |^\[==========\]" "$OUT/gemv-tests.log" | tail -8
     for tool in memcheck racecheck; do
-      step "compute-sanitizer $tool Gemv*.Match* and the SiLU epilogue"
+      step "compute-sanitizer $tool Gemv*.Match*, the SiLU epilogue and the norm prologue"
       timeout 240 compute-sanitizer --tool $tool $B/tests/kvq_cuda_model_tests \
-        --gtest_filter='Gemv*.Match*:GemvBf16.SiluMul*' > "$OUT/gemv-$tool.log" 2>&1
+        --gtest_filter='Gemv*.Match*:GemvBf16.SiluMul*:GemvBf16.NormPrologue*' > "$OUT/gemv-$tool.log" 2>&1
       echo "rc=$?"; tail -3 "$OUT/gemv-$tool.log"
     done
     for set in llama3-8b llama3-8b-tp2; do

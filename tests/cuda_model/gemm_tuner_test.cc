@@ -123,9 +123,17 @@ TEST(GemvBf16, MatchesTheProductForEveryShapeItTakes) {
   struct Shape {
     int m, n, k, lda;
   };
-  std::vector<Shape> shapes = {{1, 1, 8, 8},          {1, 17, 40, 48},     {3, 100, 264, 264},
-                               {8, 1040, 520, 528},   {9, 33, 4104, 4104}, {16, 256, 2048, 2056},
-                               {5, 4096, 1024, 1024}, {13, 70, 136, 144}};
+  std::vector<Shape> shapes = {{1, 1, 8, 8},
+                               {1, 17, 40, 48},
+                               {3, 100, 264, 264},
+                               {8, 1040, 520, 528},
+                               {9, 33, 4104, 4104},
+                               {16, 256, 2048, 2056},
+                               {5, 4096, 1024, 1024},
+                               {13, 70, 136, 144},
+                               // Several tiles a block and several trips round the ring
+                               // variant's stages, with a row tail of 16 bytes.
+                               {2, 6000, 3592, 3592}};
   for (int extra = 0; extra < 4; ++extra)  // fresh random shapes as well
     shapes.push_back({1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 300),
                       8 * (1 + static_cast<int>(rng() % 300)), 0});
@@ -145,6 +153,7 @@ TEST(GemvBf16, MatchesTheProductForEveryShapeItTakes) {
     for (const int warps : cuda_model::kGemvWarps)
       for (const float beta : {0.0f, 1.0f}) {
         SCOPED_TRACE("warps " + std::to_string(warps));
+        if (!cuda_model::gemv_variant_fits(warps, s.m, s.k, false)) continue;
         if (beta == 0.0f) {
           dout.upload(std::vector<float>(base.size(), std::numeric_limits<float>::quiet_NaN()));
         } else {
@@ -205,7 +214,8 @@ TEST(GemvFp8, MatchesTheScaledProduct) {
     int m, n, k, lda;
   };
   std::vector<Shape> shapes = {{1, 1, 16, 16},       {1, 40, 64, 80},     {5, 100, 1040, 1040},
-                               {8, 520, 2048, 2064}, {9, 33, 4112, 4112}, {16, 129, 336, 352}};
+                               {8, 520, 2048, 2064}, {9, 33, 4112, 4112}, {16, 129, 336, 352},
+                               {3, 3000, 4112, 4112}};  // the ring variant's trips and tiles
   shapes.push_back({1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 300),
                     16 * (1 + static_cast<int>(rng() % 200)), 0});
   for (Shape s : shapes) {
@@ -227,6 +237,7 @@ TEST(GemvFp8, MatchesTheScaledProduct) {
     for (const int warps : cuda_model::kGemvWarps)
       for (const float beta : {0.0f, 1.0f}) {
         SCOPED_TRACE("warps " + std::to_string(warps) + " beta " + std::to_string(beta));
+        if (!cuda_model::gemv_variant_fits(warps, s.m, s.k, true)) continue;
         dout.upload(beta == 0.0f
                         ? std::vector<float>(base.size(), std::numeric_limits<float>::quiet_NaN())
                         : base);
@@ -306,6 +317,7 @@ TEST(GemvBf16, NormPrologueIsTheUnfusedBits) {
                                 kEps, normed.get() + static_cast<size_t>(i) * s.k, true, stream);
     for (const int warps : cuda_model::kGemvWarps) {
       SCOPED_TRACE("warps " + std::to_string(warps));
+      if (!cuda_model::gemv_variant_fits(warps, s.m, s.k, false)) continue;
       for (const float beta : {0.0f, 1.0f}) {
         std::vector<float> base(static_cast<size_t>(s.m) * s.n);
         for (auto& v : base) v = beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : nd(rng);
@@ -375,7 +387,7 @@ TEST(GemvBf16, SiluMulEpilogueIsTheUnfusedBits) {
     int m, I, k;
   };
   for (const Shape s : {Shape{1, 8, 64}, Shape{3, 37, 264}, Shape{8, 700, 1024},
-                        Shape{11, 129, 520}, Shape{16, 64, 2056},
+                        Shape{11, 129, 520}, Shape{16, 64, 2056}, Shape{2, 3000, 3000},
                         Shape{1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 500),
                               8 * (1 + static_cast<int>(rng() % 200))}}) {
     SCOPED_TRACE("m " + std::to_string(s.m) + " I " + std::to_string(s.I) + " k " +
@@ -389,6 +401,7 @@ TEST(GemvBf16, SiluMulEpilogueIsTheUnfusedBits) {
     for (const int warps : cuda_model::kGemvWarps)
       for (const bool bf16 : {true, false}) {
         SCOPED_TRACE("warps " + std::to_string(warps) + (bf16 ? " bf16" : " fp32"));
+        if (!cuda_model::gemv_variant_fits(warps, s.m, s.k, false)) continue;
         DeviceBuffer<float> ref(static_cast<size_t>(s.m) * ldo),
             got(static_cast<size_t>(s.m) * ldo);
         const std::vector<float> zeros(static_cast<size_t>(s.m) * ldo, 0.0f);
@@ -447,6 +460,30 @@ TEST(GemvBf16, SiluMulEpilogueIsTheUnfusedBits) {
 // The tuner's use of the skinny kernel: forced, tuned shapes run it (and compute the GEMM through
 // run(), beta 1 included); never, they do not; auto keeps whichever it timed faster, and shapes
 // above kGemvMaxRows rows never run it.
+// The ring variant keeps its input rows in shared memory beside a ring of two or three 66 KB
+// stages (227 KiB a block): one bf16 row of the 8B and 70B widths fits, 4 rows of 8192 but not of
+// the 8B MLP's 14336, 8 rows of 4096 but not 16 (e4m3 rows are half as long); the register
+// variants take any shape.
+TEST(GemvRing, VariantFitsRule) {
+  using cuda_model::gemv_variant_fits;
+  using cuda_model::kGemvRing;
+  for (const int k : {8, 4096, 8192, 14336, 28672, 45000})
+    EXPECT_TRUE(gemv_variant_fits(kGemvRing, 1, k, false)) << k;
+  EXPECT_FALSE(gemv_variant_fits(kGemvRing, 1, 46000, false));
+  EXPECT_TRUE(gemv_variant_fits(kGemvRing, 1, 90000, true));  // e4m3: one byte a value
+  EXPECT_TRUE(gemv_variant_fits(kGemvRing, 4, 8192, false));
+  EXPECT_FALSE(gemv_variant_fits(kGemvRing, 4, 14336, false));
+  EXPECT_TRUE(gemv_variant_fits(kGemvRing, 8, 4096, false));
+  EXPECT_FALSE(gemv_variant_fits(kGemvRing, 8, 8192, false));
+  EXPECT_TRUE(gemv_variant_fits(kGemvRing, 8, 8192, true));
+  EXPECT_FALSE(gemv_variant_fits(kGemvRing, 16, 4096, false));
+  EXPECT_TRUE(gemv_variant_fits(kGemvRing, 16, 4096, true));
+  EXPECT_TRUE(gemv_variant_fits(kGemvRing, 16, 2048, false));
+  EXPECT_FALSE(gemv_variant_fits(kGemvRing, 0, 4096, false));
+  for (const int warps : {4, 8}) EXPECT_TRUE(gemv_variant_fits(warps, 16, 1 << 20, false));
+  EXPECT_FALSE(gemv_variant_fits(5, 1, 4096, false));
+}
+
 TEST(GemvBf16, TunerForcedNeverAndAuto) {
   KVQ_REQUIRE_GPU();
   const unsigned seed = fresh_seed();

@@ -110,6 +110,7 @@ GemmTuner::GemmTuner(cudaStream_t stream, void* workspace, size_t workspace_byte
   if (const char* e = std::getenv("KVQ_GEMM_LOG"); e != nullptr && std::strcmp(e, "1") == 0)
     log_ = true;
   gemv_ = gemv_use_from_env();
+  gemv_ring_ = gemv_ring_from_env();
   KVQ_CUBLAS_CHECK(cublasLtCreate(&lt_));
 }
 
@@ -120,6 +121,14 @@ GemvUse gemv_use_from_env() {
   if (v == "0") return GemvUse::kNever;
   if (v == "force") return GemvUse::kForce;
   throw InputError("KVQ_GEMV=" + v + " is not one of: auto, 0, force");
+}
+
+bool gemv_ring_from_env() {
+  const char* e = std::getenv("KVQ_GEMV_RING");
+  const std::string v = e == nullptr ? "0" : e;
+  if (v == "1") return true;
+  if (v == "0") return false;
+  throw InputError("KVQ_GEMV_RING=" + v + " is not one of: 1, 0");
 }
 
 GemmTuner::~GemmTuner() {
@@ -302,6 +311,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
     bool gemv_forced = false;  // with kForce the fastest variant wins over cuBLASLt's
     for (const int warps : kGemvWarps) {
       if (!gemv_fits) break;
+      if ((warps == kGemvRing && !gemv_ring_) || !gemv_variant_fits(warps, m, k, fp8)) continue;
       const double us = time_sweeps([&]() {
         for (const GemmWeight& w : weights) {
           if (fp8) {

@@ -50,6 +50,10 @@ enum class Fp8Scaling : uint8_t { kAuto, kOuterVector, kEpilogue };
 enum class GemvUse : uint8_t { kAuto, kNever, kForce };
 // KVQ_GEMV's setting (auto when unset); InputError naming the variable for another value.
 GemvUse gemv_use_from_env();
+// KVQ_GEMV_RING=1|0 (0 when unset): whether the tuner times the skinny kernel's ring variant
+// (gemv.h, kGemvRing) beside the others. Off by default: faster alone, but not in a step's graph
+// yet (docs/notes/decode-tuning.md version 19). InputError for another value.
+bool gemv_ring_from_env();
 
 // One layer's weight: [n][k] values and, for FP8, its n dequantization scales (device).
 struct GemmWeight {
@@ -145,6 +149,7 @@ class GemmTuner {
   Fp8Scaling fp8_scaling_ = Fp8Scaling::kAuto;
   bool fp8_scales_deferred_ = false;
   GemvUse gemv_ = GemvUse::kAuto;
+  bool gemv_ring_ = false;
   bool log_ = false;  // KVQ_GEMM_LOG=1: one stderr line per tuned shape
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };

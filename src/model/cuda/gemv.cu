@@ -3,9 +3,13 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <set>
 #include <type_traits>
 
 #include "cache/cuda/cuda_check.h"
+#include "cache/cuda/mbarrier.cuh"
 #include "cache/cuda/pdl.h"
 #include "kvq/core/error.h"
 #include "model/cuda/row_ops.cuh"
@@ -52,8 +56,17 @@ constexpr int kNormPad = 32;
 // The RMSNorm of rows 0..m-1 of nm.x (k floats each) into xs, with rms_norm_rows' arithmetic
 // (a double sum of squares, rows::rms_inverse, x * inv * w rounded once each, then bf16): the
 // bits that kernel writes, but each block makes its own copy. Ends with a barrier.
-template <int kThreads>
+// kBarrier 0: the whole block takes part (__syncthreads); otherwise threads 0..kThreads-1 do, on
+// that named barrier (the ring variant's consumers).
+template <int kThreads, int kBarrier = 0>
 __device__ __forceinline__ void normalize_rows(const GemvNorm& nm, int m, int k, uint16_t* xs) {
+  auto sync = [] {
+    if constexpr (kBarrier == 0) {
+      __syncthreads();
+    } else {
+      cuda::sm90::named_barrier_sync(kBarrier, kThreads);
+    }
+  };
   __shared__ double part[kThreads / 32][kGemvNormMaxRows];
   __shared__ float inv[kGemvNormMaxRows];
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
@@ -69,13 +82,13 @@ __device__ __forceinline__ void normalize_rows(const GemvNorm& nm, int m, int k,
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) part[warp][i] = ss;
   }
-  __syncthreads();
+  sync();
   if (tid < m) {
     double ss = 0.0;
     for (int w = 0; w < kThreads / 32; ++w) ss += part[w][tid];
     inv[tid] = rows::rms_inverse(ss, k, nm.eps);
   }
-  __syncthreads();
+  sync();
   for (int i = 0; i < m; ++i) {
     const float* row = nm.x + static_cast<int64_t>(i) * nm.ldx;
     const float s = inv[i];
@@ -93,12 +106,64 @@ __device__ __forceinline__ void normalize_rows(const GemvNorm& nm, int m, int k,
       *reinterpret_cast<uint2*>(dst + c) = packed;
     }
   }
-  __syncthreads();
+  sync();
 }
 
 // fp8_scale_product's arithmetic (model_kernels.cu): raw x row scale x column scale.
 __device__ __forceinline__ float scaled(float raw, float row_scale, float col_scale) {
   return __fmul_rn(__fmul_rn(raw, row_scale), col_scale);
+}
+
+// The epilogue of a block's tile: the kWarps warps' partial sums (part[warp][j * 4 + e][lane] =
+// accumulator e of n-tile j) added in warp order by threads tid = 0..nthreads-1, then written:
+// the product (scaled for e4m3; + beta * out), or silu(gate) * up for kSilu.
+template <int NT, int kWarps, bool kSilu, bool kFp8>
+__device__ __forceinline__ void store_tile(const float (*part)[NT * 4][32], int tid, int nthreads,
+                                           int tile, void* __restrict__ out_v,
+                                           const float* __restrict__ in_scale,
+                                           const float* __restrict__ w_scale, int m, int n, int ldc,
+                                           float beta, bool out_bf16) {
+  auto sum = [&](int q, int l) {
+    float s = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) s += part[v][q][l];
+    return s;
+  };
+  if constexpr (kSilu) {
+    // Elements 0 / 1 of n-tile j on lane l are the gate sums of feature 8 b + l / 4 for inputs
+    // 8 j + 2 (l % 4) + {0, 1}; elements 2 / 3 the up sums of the same outputs.
+    for (int idx = tid; idx < NT * 2 * 32; idx += nthreads) {
+      const int q = idx / 32, l = idx % 32;
+      const int j = q / 2, e = q % 2;
+      const int f = tile * 8 + (l >> 2);
+      const int i = 8 * j + 2 * (l & 3) + e;
+      if (f < n && i < m) {
+        const float gate = sum(j * 4 + e, l), up = sum(j * 4 + 2 + e, l);
+        const float y = gate / (1.0f + expf(-gate)) * up;  // silu_mul_at's arithmetic
+        const int64_t o = static_cast<int64_t>(i) * ldc + f;
+        if (out_bf16) {
+          static_cast<__nv_bfloat16*>(out_v)[o] = __float2bfloat16_rn(y);
+        } else {
+          static_cast<float*>(out_v)[o] = y;
+        }
+      }
+    }
+  } else {
+    float* out = static_cast<float*>(out_v);
+    for (int idx = tid; idx < NT * 4 * 32; idx += nthreads) {
+      const int q = idx / 32, l = idx % 32;
+      // Element e of n-tile j on lane l: feature g + 8 (e / 2), input 8 j + 2 t + e % 2.
+      const int j = q / 4, e = q % 4;
+      const int row = tile * kRows + (l >> 2) + 8 * (e >> 1);
+      const int i = 8 * j + 2 * (l & 3) + (e & 1);
+      if (row < n && i < m) {
+        float s = sum(q, l);
+        if constexpr (kFp8) s = scaled(s, in_scale[i], w_scale[row]);
+        float* o = out + static_cast<int64_t>(i) * ldc + row;
+        *o = beta != 0.0f ? s + beta * *o : s;
+      }
+    }
+  }
 }
 
 // Block b: output features [16 b, 16 b + 16); warp w of kWarps: k steps w, w + kWarps, ... of
@@ -214,51 +279,262 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
 #pragma unroll
     for (int e = 0; e < 4; ++e) part[warp][j * 4 + e][lane] = acc[j][e];
   __syncthreads();
-  auto sum = [&](int q, int l) {
-    float s = 0.0f;
-#pragma unroll
-    for (int v = 0; v < kWarps; ++v) s += part[v][q][l];
-    return s;
-  };
-  if constexpr (kSilu) {
-    // Elements 0 / 1 of n-tile j on lane l are the gate sums of feature 8 b + l / 4 for inputs
-    // 8 j + 2 (l % 4) + {0, 1}; elements 2 / 3 the up sums of the same outputs.
-    for (int idx = static_cast<int>(threadIdx.x); idx < NT * 2 * 32; idx += kWarps * 32) {
-      const int q = idx / 32, l = idx % 32;
-      const int j = q / 2, e = q % 2;
-      const int f = static_cast<int>(blockIdx.x) * 8 + (l >> 2);
-      const int i = 8 * j + 2 * (l & 3) + e;
-      if (f < n && i < m) {
-        const float gate = sum(j * 4 + e, l), up = sum(j * 4 + 2 + e, l);
-        const float y = gate / (1.0f + expf(-gate)) * up;  // silu_mul_at's arithmetic
-        const int64_t o = static_cast<int64_t>(i) * ldc + f;
-        if (out_bf16) {
-          static_cast<__nv_bfloat16*>(out_v)[o] = __float2bfloat16_rn(y);
-        } else {
-          static_cast<float*>(out_v)[o] = y;
-        }
-      }
+  store_tile<NT, kWarps, kSilu, kFp8>(part, static_cast<int>(threadIdx.x), kWarps * 32,
+                                      static_cast<int>(blockIdx.x), out_v, in_scale, w_scale, m, n,
+                                      ldc, beta, out_bf16);
+}
+
+// ---- the ring variant (kGemvRing warps: 8 consumers and a producer) ----------------------------
+//
+// The same tile, fragments, sums and epilogue as gemv_kernel, fed differently: a block per SM
+// (persistent: tiles b, b + gridDim.x, ...) whose producer warp streams each tile's 16 weight
+// rows, kRingChunk bytes of each at a time, into a ring of `stages` shared-memory stages by 1-d
+// bulk copies (TMA) that complete on the stage's "full" mbarrier; the 8 consumer warps copy the
+// input rows into shared memory once (or RMSNorm them there, kNorm), then take their 64-byte
+// steps of each stage (warp w: steps w, w + 8, ...) and free the stage on its "empty" mbarrier
+// (every consumer thread arrives).
+// The stream does not drain between tiles (no wave tail: a 6144-row product is 384 tiles on 132
+// SMs, where the register variants run 1.45 waves of blocks), no registers hold the bytes in
+// flight, and the producer starts before the programmatic-dependent-launch wait (weights never
+// depend on the previous kernel); only the consumers wait. Bulk copies are issued per row, and
+// their rate bounds the stream: 1 KB copies reached 3.0 TB/s on an H200, 4 KB ones 4.0
+// (docs/notes/decode-tuning.md version 19), hence 4 KB chunks. Rows are kRingChunk + 64 bytes
+// apart, so the 16-byte reads of a quarter warp (rows g, g + 1; t = 0..3) fall in distinct banks.
+constexpr int kRingConsumers = 8;
+constexpr int kRingChunk = 4096;  // bytes of a weight row per stage: 64 steps of 64 bytes
+constexpr int kRingMaxStages = 3;
+constexpr int kRingRowStride = kRingChunk + 64;
+constexpr int kRingStageBytes = kRows * kRingRowStride;
+constexpr int kRingBarrier = 1;  // the consumers' named barrier
+
+template <int NT>
+__host__ __device__ constexpr size_t ring_part_bytes() {
+  return 2u * kRingConsumers * NT * 4 * 32 * sizeof(float);  // double-buffered by tile
+}
+// Dynamic shared memory: the ring, 2 x kRingMaxStages mbarriers, the partial sums, then the
+// input rows (m x (k + kNormPad) values).
+__host__ __device__ constexpr size_t ring_head_bytes(int stages) {
+  return static_cast<size_t>(stages) * kRingStageBytes + 16u * kRingMaxStages;
+}
+
+template <int NT, bool kSilu, bool kFp8, bool kNorm>
+__global__ void __launch_bounds__((kRingConsumers + 1) * 32, 1)
+    gemv_ring_kernel(const void* __restrict__ in_v, int lda, const float* __restrict__ in_scale,
+                     const void* __restrict__ w_v, const float* __restrict__ w_scale,
+                     void* __restrict__ out_v, int m, int n, int k, int ldc, float beta,
+                     bool out_bf16, bool early, GemvNorm norm, int tiles, int stages) {
+  static_assert(!kNorm || (!kFp8 && NT == 1));
+  namespace sm90 = cuda::sm90;
+  using E = std::conditional_t<kFp8, uint8_t, uint16_t>;
+  constexpr int kPer = 16 / sizeof(E);                // values per 16-byte load
+  constexpr int kCols = 4 * kPer;                     // columns per 64-byte step
+  constexpr int kChunkCols = kRingChunk / sizeof(E);  // columns per stage
+  constexpr int kSteps = kRingChunk / 64;             // steps per stage
+  constexpr int kPerWarp = kSteps / kRingConsumers;   // steps per consumer warp per stage
+  constexpr int kBatch = 2;                           // steps read before their MMAs
+  static_assert(kPerWarp % kBatch == 0);
+  extern __shared__ __align__(128) unsigned char ring_smem[];
+  const uint32_t ring = sm90::smem_addr(ring_smem);
+  const uint32_t full0 = ring + stages * kRingStageBytes;
+  const uint32_t empty0 = full0 + 8 * kRingMaxStages;
+  auto* part =
+      reinterpret_cast<float(*)[kRingConsumers][NT * 4][32]>(ring_smem + ring_head_bytes(stages));
+  // The input rows (copied, or RMSNorm'd for kNorm), k + kNormPad values apart.
+  auto* xs = reinterpret_cast<E*>(ring_smem + ring_head_bytes(stages) + ring_part_bytes<NT>());
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < stages; ++st) {
+      sm90::mbar_init(full0 + 8 * st, 1);
+      sm90::mbar_init(empty0 + 8 * st, kRingConsumers * 32);
     }
-  } else {
-    float* out = static_cast<float*>(out_v);
-    for (int idx = static_cast<int>(threadIdx.x); idx < NT * 4 * 32; idx += kWarps * 32) {
-      const int q = idx / 32, l = idx % 32;
-      // Element e of n-tile j on lane l: feature g + 8 (e / 2), input 8 j + 2 t + e % 2.
-      const int j = q / 4, e = q % 4;
-      const int row = static_cast<int>(blockIdx.x) * kRows + (l >> 2) + 8 * (e >> 1);
-      const int i = 8 * j + 2 * (l & 3) + (e & 1);
-      if (row < n && i < m) {
-        float s = sum(q, l);
-        if constexpr (kFp8) s = scaled(s, in_scale[i], w_scale[row]);
-        float* o = out + static_cast<int64_t>(i) * ldc + row;
-        *o = beta != 0.0f ? s + beta * *o : s;
-      }
-    }
+    sm90::mbar_init_fence();
   }
+  __syncthreads();
+  if (early) cuda::allow_next_kernel();
+  const int64_t row_bytes = static_cast<int64_t>(k) * sizeof(E);
+  const int chunks = static_cast<int>((row_bytes + kRingChunk - 1) / kRingChunk);
+
+  if (warp == kRingConsumers) {  // the producer
+    const uint64_t policy = sm90::l2_evict_first();
+    const auto* w = static_cast<const unsigned char*>(w_v);
+    int slot = 0, issued = 0;
+    uint32_t phase = 0;
+    for (int tile = static_cast<int>(blockIdx.x); tile < tiles;
+         tile += static_cast<int>(gridDim.x)) {
+      // Lane r < 16 copies tile row r (gemv_kernel's rows: g and g + 8, or gate and up of
+      // feature 8 tile + g); rows past n copy row 0 (their sums are never written).
+      int row = 0;
+      if (lane < kRows) {
+        const int g = lane & 7;
+        row = kSilu ? tile * 8 + g : tile * kRows + lane;
+        if (kSilu && row < n && lane >= 8) row += n;
+        if (kSilu ? tile * 8 + g >= n : row >= n) row = 0;
+      }
+      const unsigned char* src = w + static_cast<int64_t>(row) * row_bytes;
+      for (int c = 0; c < chunks; ++c) {
+        const int64_t left = row_bytes - static_cast<int64_t>(c) * kRingChunk;
+        const uint32_t bytes = static_cast<uint32_t>(left < kRingChunk ? left : kRingChunk);
+        if (lane == 0) {
+          if (issued >= stages) sm90::mbar_wait(empty0 + 8 * slot, phase ^ 1u);
+          sm90::mbar_arrive_expect_tx(full0 + 8 * slot, kRows * bytes);
+        }
+        __syncwarp();
+        if (lane < kRows)
+          sm90::bulk_copy_g2s(ring + slot * kRingStageBytes + lane * kRingRowStride,
+                              src + static_cast<int64_t>(c) * kRingChunk, bytes, full0 + 8 * slot,
+                              policy);
+        ++issued;
+        if (++slot == stages) slot = 0, phase ^= 1u;
+      }
+    }
+    return;
+  }
+
+  // The consumers.
+  const int g = lane >> 2, t = lane & 3;
+  cuda::wait_for_previous_kernel();
+  if constexpr (kNorm) {
+    normalize_rows<kRingConsumers * 32, kRingBarrier>(norm, m, k, xs);
+  } else {
+    const E* in = static_cast<const E*>(in_v);
+    for (int i = 0; i < m; ++i)
+      for (int c = kPer * static_cast<int>(threadIdx.x); c < k; c += kPer * kRingConsumers * 32)
+        *reinterpret_cast<uint4*>(xs + static_cast<int64_t>(i) * (k + kNormPad) + c) =
+            __ldg(reinterpret_cast<const uint4*>(in + static_cast<int64_t>(i) * lda + c));
+    sm90::named_barrier_sync(kRingBarrier, kRingConsumers * 32);
+  }
+  int slot = 0, buf = 0;
+  uint32_t phase = 0;
+  for (int tile = static_cast<int>(blockIdx.x); tile < tiles; tile += static_cast<int>(gridDim.x)) {
+    float acc[NT][4] = {};
+    for (int c = 0; c < chunks; ++c) {
+      const unsigned char* stage = ring_smem + slot * kRingStageBytes;
+      sm90::mbar_wait(full0 + 8 * slot, phase);
+#pragma unroll
+      for (int j0 = 0; j0 < kPerWarp; j0 += kBatch) {
+        uint4 wa[kBatch], wb[kBatch], xv[kBatch][NT];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const int step = warp + kRingConsumers * (j0 + j);
+          const int col = c * kChunkCols + step * kCols + kPer * t;
+          const int off = step * 64 + 16 * t;
+          const bool ok = col < k;  // the ring holds stale bytes past the row's end
+          wa[j] = ok ? *reinterpret_cast<const uint4*>(stage + g * kRingRowStride + off)
+                     : make_uint4(0, 0, 0, 0);
+          wb[j] = ok ? *reinterpret_cast<const uint4*>(stage + (g + 8) * kRingRowStride + off)
+                     : make_uint4(0, 0, 0, 0);
+#pragma unroll
+          for (int jt = 0; jt < NT; ++jt) {
+            const int i = 8 * jt + g;
+            xv[j][jt] = ok && i < m ? *reinterpret_cast<const uint4*>(
+                                          xs + static_cast<int64_t>(i) * (k + kNormPad) + col)
+                                    : make_uint4(0, 0, 0, 0);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j)
+#pragma unroll
+          for (int jt = 0; jt < NT; ++jt) {
+            if constexpr (kFp8) {
+              mma_e4m3(acc[jt], wa[j].x, wb[j].x, wa[j].y, wb[j].y, xv[j][jt].x, xv[j][jt].y);
+              mma_e4m3(acc[jt], wa[j].z, wb[j].z, wa[j].w, wb[j].w, xv[j][jt].z, xv[j][jt].w);
+            } else {
+              mma_bf16(acc[jt], wa[j].x, wb[j].x, wa[j].y, wb[j].y, xv[j][jt].x, xv[j][jt].y);
+              mma_bf16(acc[jt], wa[j].z, wb[j].z, wa[j].w, wb[j].w, xv[j][jt].z, xv[j][jt].w);
+            }
+          }
+      }
+      // Every consumer thread releases its own reads of the stage (racecheck does not follow a
+      // __syncwarp to one lane's arrive).
+      sm90::mbar_arrive(empty0 + 8 * slot);
+      if (++slot == stages) slot = 0, phase ^= 1u;
+    }
+#pragma unroll
+    for (int jt = 0; jt < NT; ++jt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[buf][warp][jt * 4 + e][lane] = acc[jt][e];
+    // One barrier a tile: part is double-buffered, and a warp writing part[buf] again (two tiles
+    // on) has passed the next tile's barrier, which every reader of this tile reached after
+    // its epilogue.
+    sm90::named_barrier_sync(kRingBarrier, kRingConsumers * 32);
+    store_tile<NT, kRingConsumers, kSilu, kFp8>(part[buf], static_cast<int>(threadIdx.x),
+                                                kRingConsumers * 32, tile, out_v, in_scale, w_scale,
+                                                m, n, ldc, beta, out_bf16);
+    buf ^= 1;
+  }
+  if (!early) cuda::allow_next_kernel();
 }
 
 size_t norm_smem_bytes(int m, int k) {
   return static_cast<size_t>(m) * static_cast<size_t>(k + kNormPad) * 2;
+}
+
+// The dynamic shared memory the ring kernels may ask for: sm_90's opt-in 227 KiB per block less
+// 1 KiB for their static arrays (normalize_rows' 384 bytes).
+constexpr size_t kRingMaxSmem = 232448 - 1024;
+
+// The ring's stages for m rows of k values (esize bytes each): as many as fit, at most
+// kRingMaxStages; 0 where fewer than two fit.
+int ring_stages(int m, int k, size_t esize) {
+  const size_t rest = (m <= 8 ? ring_part_bytes<1>() : ring_part_bytes<2>()) +
+                      static_cast<size_t>(m) * static_cast<size_t>(k + kNormPad) * esize;
+  for (int s = kRingMaxStages; s >= 2; --s)
+    if (ring_head_bytes(s) + rest <= kRingMaxSmem) return s;
+  return 0;
+}
+
+size_t ring_smem_bytes(int m, int k, size_t esize, int stages) {
+  return ring_head_bytes(stages) + (m <= 8 ? ring_part_bytes<1>() : ring_part_bytes<2>()) +
+         static_cast<size_t>(m) * static_cast<size_t>(k + kNormPad) * esize;
+}
+
+// The SMs of device `dev`; at a kernel's first launch on it, its dynamic shared memory limit
+// raised to kRingMaxSmem (the tuner's launches come first, never captured).
+int ring_prepare(int dev, const void* kernel) {
+  static std::mutex mu;
+  static std::map<int, int> sms;
+  static std::set<std::pair<int, const void*>> raised;
+  std::lock_guard<std::mutex> lock(mu);
+  int& n = sms[dev];
+  if (n == 0) KVQ_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  if (raised.insert({dev, kernel}).second)
+    KVQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kRingMaxSmem)));
+  return n;
+}
+
+template <bool kSilu, bool kFp8>
+void launch_ring(int m, int n, int k, const void* in, int lda, const float* in_scale, const void* w,
+                 const float* w_scale, void* out, int ldc, float beta, bool out_bf16,
+                 cudaStream_t stream, const GemvNorm& nm, int tiles, bool normed) {
+  int dev = 0;
+  KVQ_CUDA_CHECK(cudaGetDevice(&dev));
+  const int stages = ring_stages(m, k, kFp8 ? 1 : 2);
+  KVQ_CHECK(stages >= 2, "gemv ring variant: the input rows do not fit shared memory");
+  const size_t smem = ring_smem_bytes(m, k, kFp8 ? 1 : 2, stages);
+  auto launch = [&](auto kernel) {
+    const int sms = ring_prepare(dev, reinterpret_cast<const void*>(kernel));
+    const dim3 grid(static_cast<unsigned>(tiles < sms ? tiles : sms));
+    // Not overlapped with its neighbours (no programmatic dependent launch either way): a ring
+    // block launched early takes an SM's shared memory and streams while the previous kernel
+    // still runs, and in a graph that cost the register variant before it more than the ring
+    // gained (8B batch 1: down 30 -> 52 us, q|k|v 16.5 -> 10.3; version 19).
+    cuda::launch_kernel_smem(kernel, grid, dim3((kRingConsumers + 1) * 32), smem, stream, false, in,
+                             lda, in_scale, w, w_scale, out, m, n, k, ldc, beta, out_bf16, false,
+                             nm, tiles, stages);
+  };
+  if constexpr (!kFp8) {
+    if (normed) {
+      launch(gemv_ring_kernel<1, kSilu, false, true>);
+      return;
+    }
+  }
+  if (m <= 8) {
+    launch(gemv_ring_kernel<1, kSilu, kFp8, false>);
+  } else {
+    launch(gemv_ring_kernel<2, kSilu, kFp8, false>);
+  }
 }
 
 template <bool kSilu, bool kFp8>
@@ -276,6 +552,11 @@ void launch_gemv(int m, int n, int k, const void* in, int lda, const float* in_s
                              cuda::pdl_enabled() && stream != nullptr, in, lda, in_scale, w,
                              w_scale, out, m, n, k, ldc, beta, out_bf16, cuda::pdl_early(1), nm);
   };
+  if (warps == kGemvRing) {
+    launch_ring<kSilu, kFp8>(m, n, k, in, lda, in_scale, w, w_scale, out, ldc, beta, out_bf16,
+                             stream, nm, (n + per_block - 1) / per_block, norm != nullptr);
+    return;
+  }
   if constexpr (!kFp8) {
     if (norm != nullptr) {
       if (warps == 4)
@@ -297,6 +578,15 @@ void launch_gemv(int m, int n, int k, const void* in, int lda, const float* in_s
       launch(gemv_kernel<2, 8, kSilu, kFp8, false>);
   }
 }
+
+}  // namespace
+
+bool gemv_variant_fits(int warps, int m, int k, bool fp8) {
+  if (warps == kGemvRing) return m >= 1 && k >= 1 && ring_stages(m, k, fp8 ? 1 : 2) >= 2;
+  return warps == 4 || warps == 8;
+}
+
+namespace {
 
 bool aligned(const void* p, uintptr_t a) {
   return reinterpret_cast<uintptr_t>(p) % a == 0;
@@ -337,7 +627,8 @@ void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, floa
                float beta, cudaStream_t stream, int warps) {
   KVQ_CHECK(gemv_bf16_fits(m, n, k, in, lda, w, out, ldc),
             "gemv_bf16: operands it does not take (m, alignment or strides)");
-  KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16: 4 or 8 warps per block");
+  KVQ_CHECK(gemv_variant_fits(warps, m, k, false),
+            "gemv_bf16: not a variant (4, 8 or kGemvRing warps) that takes these rows");
   launch_gemv<false, false>(m, n, k, in, lda, nullptr, w, nullptr, out, ldc, beta, false, stream,
                             warps);
 }
@@ -346,7 +637,8 @@ void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void
                         void* out, int ldo, bool out_bf16, cudaStream_t stream, int warps) {
   KVQ_CHECK(gemv_bf16_silu_mul_fits(m, n, k, in, lda, w_gate_up, out, ldo, out_bf16),
             "gemv_bf16_silu_mul: operands it does not take (m, alignment or strides)");
-  KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16_silu_mul: 4 or 8 warps per block");
+  KVQ_CHECK(gemv_variant_fits(warps, m, k, false),
+            "gemv_bf16_silu_mul: not a variant (4, 8 or kGemvRing warps) that takes these rows");
   launch_gemv<true, false>(m, n, k, in, lda, nullptr, w_gate_up, nullptr, out, ldo, 0.0f, out_bf16,
                            stream, warps);
 }
@@ -355,7 +647,8 @@ void gemv_bf16_norm(int m, int n, int k, const GemvNorm& norm, const void* w, fl
                     float beta, cudaStream_t stream, int warps) {
   KVQ_CHECK(gemv_norm_fits(m, k, norm) && gemv_bf16_fits(m, n, k, norm.x, k, w, out, ldc),
             "gemv_bf16_norm: operands it does not take (m, alignment or strides)");
-  KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16_norm: 4 or 8 warps per block");
+  KVQ_CHECK(gemv_variant_fits(warps, m, k, false),
+            "gemv_bf16_norm: not a variant (4, 8 or kGemvRing warps) that takes these rows");
   launch_gemv<false, false>(m, n, k, nullptr, k, nullptr, w, nullptr, out, ldc, beta, false, stream,
                             warps, &norm);
 }
@@ -365,7 +658,9 @@ void gemv_bf16_silu_mul_norm(int m, int n, int k, const GemvNorm& norm, const vo
   KVQ_CHECK(gemv_norm_fits(m, k, norm) &&
                 gemv_bf16_silu_mul_fits(m, n, k, norm.x, k, w_gate_up, out, ldo, out_bf16),
             "gemv_bf16_silu_mul_norm: operands it does not take (m, alignment or strides)");
-  KVQ_CHECK(warps == 4 || warps == 8, "gemv_bf16_silu_mul_norm: 4 or 8 warps per block");
+  KVQ_CHECK(
+      gemv_variant_fits(warps, m, k, false),
+      "gemv_bf16_silu_mul_norm: not a variant (4, 8 or kGemvRing warps) that takes these rows");
   launch_gemv<true, false>(m, n, k, nullptr, k, nullptr, w_gate_up, nullptr, out, ldo, 0.0f,
                            out_bf16, stream, warps, &norm);
 }
@@ -376,7 +671,8 @@ void gemv_fp8(int m, int n, int k, const void* in, const float* in_scale, int ld
   KVQ_CHECK(
       gemv_fp8_fits(m, n, k, in, lda, w, out, ldc) && in_scale != nullptr && w_scale != nullptr,
       "gemv_fp8: operands it does not take (m, alignment, strides or scales)");
-  KVQ_CHECK(warps == 4 || warps == 8, "gemv_fp8: 4 or 8 warps per block");
+  KVQ_CHECK(gemv_variant_fits(warps, m, k, true),
+            "gemv_fp8: not a variant (4, 8 or kGemvRing warps) that takes these rows");
   launch_gemv<false, true>(m, n, k, in, lda, in_scale, w, w_scale, out, ldc, beta, false, stream,
                            warps);
 }

@@ -31,8 +31,18 @@ inline constexpr int kGemvMaxRows = 16;
 bool gemv_bf16_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
                     int ldc);
 
-// The warps per block (splitting k) it is built for; GemmTuner times each.
-inline constexpr int kGemvWarps[] = {4, 8};
+// The variants, named by their warps per block; GemmTuner times each. 4 and 8: the warps split k
+// and load their weight fragments into registers (a block per 16 output features). kGemvRing
+// (9): 8 such warps fed by a producer warp that streams the weight rows into a shared-memory
+// ring by bulk copies (TMA), a block per SM looping over the tiles (docs/notes/
+// decode-tuning.md version 19; the tuner times it only with KVQ_GEMV_RING=1).
+inline constexpr int kGemvRing = 9;
+inline constexpr int kGemvWarps[] = {4, 8, kGemvRing};
+// Whether variant `warps` takes m rows of k values (bf16, or e4m3 for fp8): 4 and 8 take every
+// shape the *_fits checks accept; kGemvRing keeps the m input rows in shared memory beside a
+// ring of at least two 66 KB stages (bf16 rows of k up to 45k for 1 row, 11k for 4, 5.6k for 8,
+// 2.5k for 16; e4m3 rows twice as long).
+bool gemv_variant_fits(int warps, int m, int k, bool fp8);
 
 // The product above on `stream` (operands as gemv_bf16_fits requires, `warps` one of
 // kGemvWarps; checked). With beta 0, `out` is written without being read (it may hold anything).
