@@ -79,14 +79,18 @@ std::vector<double> reference_distribution(const std::vector<float>& logits,
   return q;
 }
 
+// With the workspace, greedy rows are reduced over many blocks first; without it (nullptr), one
+// block reads each row.
 std::vector<int32_t> sample(const std::vector<float>& logits, int rows, int vocab,
-                            const std::vector<DeviceSampling>& params) {
+                            const std::vector<DeviceSampling>& params, bool workspace = true) {
   DeviceBuffer<float> d_logits(logits);
   DeviceBuffer<DeviceSampling> d_params(params);
   DeviceBuffer<int32_t> d_out(static_cast<size_t>(rows));
   d_out.poison();
   DeviceBuffer<unsigned char> ws(cuda::sampling_workspace_bytes(rows, vocab));
-  cuda::sample_tokens(d_logits.get(), rows, vocab, d_params.get(), d_out.get(), ws.get(), nullptr);
+  ws.poison();
+  cuda::sample_tokens(d_logits.get(), rows, vocab, d_params.get(), d_out.get(),
+                      workspace ? ws.get() : nullptr, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return d_out.download();
 }
@@ -131,9 +135,21 @@ TEST(DeviceSampling, GreedyIsTheArgmaxWithTiesAndNaNs) {
       params[static_cast<size_t>(r)].top_k = r % 2 ? 0 : 1;
       params[static_cast<size_t>(r)].seed = static_cast<uint64_t>(r);
     }
+    // Every other row samples instead (the slices pass skips it; its token is checked
+    // elsewhere) in a second batch, so greedy rows share a launch with sampling ones.
+    std::vector<DeviceSampling> mixed = params;
+    for (int r = 0; r < rows; r += 2) mixed[static_cast<size_t>(r)] = {0.7f, 0, 1.0f, 0.0f, 7, 1};
     const auto out = sample(logits, rows, vocab, params);
+    const auto one_block = sample(logits, rows, vocab, params, false);
+    const auto out_mixed = sample(logits, rows, vocab, mixed);
     for (int r = 0; r < rows; ++r) {
       const float* l = &logits[static_cast<size_t>(r) * vocab];
+      ASSERT_EQ(one_block[static_cast<size_t>(r)], out[static_cast<size_t>(r)])
+          << "vocab " << vocab << " row " << r << " seed " << seed;
+      if (r % 2 == 1) {
+        ASSERT_EQ(out_mixed[static_cast<size_t>(r)], out[static_cast<size_t>(r)])
+            << "vocab " << vocab << " row " << r << " seed " << seed;
+      }
       ASSERT_EQ(out[static_cast<size_t>(r)], reference_greedy(l, vocab))
           << "vocab " << vocab << " row " << r << " seed " << seed;
       // The CPU loop agrees except when logit 0 is NaN (it then returns 0: NaN compares false).

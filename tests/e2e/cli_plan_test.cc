@@ -146,7 +146,8 @@ TEST(CliBadInput, CpuKernelEnvironmentSwitches) {
   cases.push_back(Case{"KVQ_PREFILL_KERNEL", "fast", "mma", "auto, mma, wgmma"});
   cases.push_back(Case{"KVQ_GEMV", "on", "0", "auto, 0, force"});
   cases.push_back(Case{"KVQ_GEMV_SILU", "yes", "0", "1, 0"});
-  cases.push_back(Case{"KVQ_GEMV_RING", "yes", "1", "1, 0"});
+  cases.push_back(Case{"KVQ_GEMV_RING", "17", "16", "0 .. 16"});
+  cases.push_back(Case{"KVQ_GEMV_RING_PDL", "early", "wait", "serial, wait, prefetch"});
   cases.push_back(Case{"KVQ_GEMV_NORM", "on", "0", "0 .. 4"});
   cases.push_back(Case{"KVQ_VERIFY_Q_BUCKETS", "all", "coarse", "fine, coarse"});
   cases.push_back(Case{"KVQ_PDL_EARLY", "8", "0", "0 .. 7"});

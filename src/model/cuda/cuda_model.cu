@@ -2529,6 +2529,7 @@ size_t init_device(size_t& total) {
 void check_cuda_model_env() {
   (void)cuda_model::gemv_use_from_env();
   (void)cuda_model::gemv_ring_from_env();
+  (void)cuda_model::gemv_ring_pdl_from_env();
   (void)gemv_silu_from_env();
   (void)gemv_norm_from_env();
   (void)verify_coarse_q_from_env();

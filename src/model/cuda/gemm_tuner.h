@@ -50,10 +50,14 @@ enum class Fp8Scaling : uint8_t { kAuto, kOuterVector, kEpilogue };
 enum class GemvUse : uint8_t { kAuto, kNever, kForce };
 // KVQ_GEMV's setting (auto when unset); InputError naming the variable for another value.
 GemvUse gemv_use_from_env();
-// KVQ_GEMV_RING=1|0 (0 when unset): whether the tuner times the skinny kernel's ring variant
-// (gemv.h, kGemvRing) beside the others. Off by default: faster alone, but not in a step's graph
-// yet (docs/notes/decode-tuning.md version 19). InputError for another value.
-bool gemv_ring_from_env();
+// KVQ_GEMV_RING=n (1 when unset): the most rows for which the tuner times the skinny kernel's
+// ring variant (gemv.h, kGemvRing) beside the others, 0 .. 16; 0 never. One row by default: in
+// a step's graph it paid at one row and cost at two, though faster alone there too
+// (docs/notes/decode-tuning.md version 19). InputError for another value.
+int gemv_ring_from_env();
+// The smallest weight (bytes) the ring variant is timed for: the 8B model's o (32 MiB) and one
+// tensor-parallel rank's (16 MiB) are in, the default model's products (< 2 MB) out.
+inline constexpr size_t kGemvRingMinBytes = size_t{16} << 20;
 
 // One layer's weight: [n][k] values and, for FP8, its n dequantization scales (device).
 struct GemmWeight {
@@ -149,8 +153,8 @@ class GemmTuner {
   Fp8Scaling fp8_scaling_ = Fp8Scaling::kAuto;
   bool fp8_scales_deferred_ = false;
   GemvUse gemv_ = GemvUse::kAuto;
-  bool gemv_ring_ = false;
-  bool log_ = false;  // KVQ_GEMM_LOG=1: one stderr line per tuned shape
+  int gemv_ring_ = 1;  // KVQ_GEMV_RING: the most rows the ring variant is timed for
+  bool log_ = false;   // KVQ_GEMM_LOG=1: one stderr line per tuned shape
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

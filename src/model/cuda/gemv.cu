@@ -3,9 +3,11 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
+#include <string>
 #include <type_traits>
 
 #include "cache/cuda/cuda_check.h"
@@ -322,7 +324,8 @@ __global__ void __launch_bounds__((kRingConsumers + 1) * 32, 1)
     gemv_ring_kernel(const void* __restrict__ in_v, int lda, const float* __restrict__ in_scale,
                      const void* __restrict__ w_v, const float* __restrict__ w_scale,
                      void* __restrict__ out_v, int m, int n, int k, int ldc, float beta,
-                     bool out_bf16, bool early, GemvNorm norm, int tiles, int stages) {
+                     bool out_bf16, bool early, GemvNorm norm, int tiles, int stages,
+                     bool producer_waits) {
   static_assert(!kNorm || (!kFp8 && NT == 1));
   namespace sm90 = cuda::sm90;
   using E = std::conditional_t<kFp8, uint8_t, uint16_t>;
@@ -356,6 +359,7 @@ __global__ void __launch_bounds__((kRingConsumers + 1) * 32, 1)
   const int chunks = static_cast<int>((row_bytes + kRingChunk - 1) / kRingChunk);
 
   if (warp == kRingConsumers) {  // the producer
+    if (producer_waits) cuda::wait_for_previous_kernel();
     const uint64_t policy = sm90::l2_evict_first();
     const auto* w = static_cast<const unsigned char*>(w_v);
     int slot = 0, issued = 0;
@@ -516,13 +520,15 @@ void launch_ring(int m, int n, int k, const void* in, int lda, const float* in_s
   auto launch = [&](auto kernel) {
     const int sms = ring_prepare(dev, reinterpret_cast<const void*>(kernel));
     const dim3 grid(static_cast<unsigned>(tiles < sms ? tiles : sms));
-    // Not overlapped with its neighbours (no programmatic dependent launch either way): a ring
-    // block launched early takes an SM's shared memory and streams while the previous kernel
-    // still runs, and in a graph that cost the register variant before it more than the ring
-    // gained (8B batch 1: down 30 -> 52 us, q|k|v 16.5 -> 10.3; version 19).
-    cuda::launch_kernel_smem(kernel, grid, dim3((kRingConsumers + 1) * 32), smem, stream, false, in,
-                             lda, in_scale, w, w_scale, out, m, n, k, ldc, beta, out_bf16, false,
-                             nm, tiles, stages);
+    // How it overlaps the kernel before it (gemv_ring_pdl_from_env): by default it may be
+    // scheduled early, but its producer waits for that kernel before streaming. Streaming at
+    // once took the bandwidth and SM slots of the kernel still running (8B batch 1: down 30 ->
+    // 52 us, q|k|v 16.5 -> 10.3; version 19). It never lets the next kernel launch early.
+    const int pdl = gemv_ring_pdl_from_env();
+    cuda::launch_kernel_smem(kernel, grid, dim3((kRingConsumers + 1) * 32), smem, stream,
+                             pdl > 0 && cuda::pdl_enabled() && stream != nullptr, in, lda, in_scale,
+                             w, w_scale, out, m, n, k, ldc, beta, out_bf16, false, nm, tiles,
+                             stages, pdl == 1);
   };
   if constexpr (!kFp8) {
     if (normed) {
@@ -580,6 +586,18 @@ void launch_gemv(int m, int n, int k, const void* in, int lda, const float* in_s
 }
 
 }  // namespace
+
+int gemv_ring_pdl_from_env() {
+  static const int mode = [] {
+    const char* e = std::getenv("KVQ_GEMV_RING_PDL");
+    const std::string v = e == nullptr ? "wait" : e;
+    if (v == "serial") return 0;
+    if (v == "wait") return 1;
+    if (v == "prefetch") return 2;
+    throw InputError("KVQ_GEMV_RING_PDL=" + v + " is not one of: serial, wait, prefetch");
+  }();
+  return mode;
+}
 
 bool gemv_variant_fits(int warps, int m, int k, bool fp8) {
   if (warps == kGemvRing) return m >= 1 && k >= 1 && ring_stages(m, k, fp8 ? 1 : 2) >= 2;

@@ -35,7 +35,7 @@ bool gemv_bf16_fits(int m, int n, int k, const void* in, int lda, const void* w,
 // and load their weight fragments into registers (a block per 16 output features). kGemvRing
 // (9): 8 such warps fed by a producer warp that streams the weight rows into a shared-memory
 // ring by bulk copies (TMA), a block per SM looping over the tiles (docs/notes/
-// decode-tuning.md version 19; the tuner times it only with KVQ_GEMV_RING=1).
+// decode-tuning.md version 19; the tuner times it for steps of up to KVQ_GEMV_RING rows).
 inline constexpr int kGemvRing = 9;
 inline constexpr int kGemvWarps[] = {4, 8, kGemvRing};
 // Whether variant `warps` takes m rows of k values (bf16, or e4m3 for fp8): 4 and 8 take every
@@ -43,6 +43,11 @@ inline constexpr int kGemvWarps[] = {4, 8, kGemvRing};
 // ring of at least two 66 KB stages (bf16 rows of k up to 45k for 1 row, 11k for 4, 5.6k for 8,
 // 2.5k for 16; e4m3 rows twice as long).
 bool gemv_variant_fits(int warps, int m, int k, bool fp8);
+// KVQ_GEMV_RING_PDL: how a ring launch overlaps the kernel before it: serial (0: no
+// programmatic dependent launch), wait (1, default: launched early, its producer waits for that
+// kernel before streaming), prefetch (2: launched early, streaming at once). InputError for
+// another value (A/B; docs/notes/decode-tuning.md version 19).
+int gemv_ring_pdl_from_env();
 
 // The product above on `stream` (operands as gemv_bf16_fits requires, `warps` one of
 // kGemvWarps; checked). With beta 0, `out` is written without being read (it may hold anything).

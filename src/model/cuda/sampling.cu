@@ -227,20 +227,81 @@ __device__ __forceinline__ u64 to_fixed(float w) {
   return w > 0.0f ? __float2ull_rz(fminf(w, 1.0f) * kFixedOne) : 0ull;
 }
 
+__device__ __forceinline__ bool is_greedy(const DeviceSampling& p) {
+  return !(p.temperature > 0.0f) || p.top_k == 1;
+}
+
+// Greedy rows over many blocks: one block per (slice of kSliceElems logits, row) writes the
+// slice's best (largest non-NaN value, lowest id on ties; {-inf, INT_MAX} for a slice of NaNs)
+// to part[row * slices + slice]; sample_kernel then takes the best of a row's slices by the same
+// rule, which is the row's greedy token. One 512-thread block reading a 128k-logit row alone
+// took 34 us on an H200 (docs/notes/decode-tuning.md version 19). Rows that sample exit at once.
+constexpr int kSliceThreads = 256;
+constexpr int kSliceElems = 2048;
+__global__ void __launch_bounds__(kSliceThreads)
+    greedy_slices_kernel(const float* __restrict__ logits, int n, const DeviceSampling* params,
+                         Best* __restrict__ part, int slices) {
+  const int r = static_cast<int>(blockIdx.y), sl = static_cast<int>(blockIdx.x);
+  if (!is_greedy(params[r])) return;
+  const float* row = logits + static_cast<size_t>(r) * static_cast<size_t>(n);
+  const int lo = sl * kSliceElems, hi = min(n, lo + kSliceElems);
+  constexpr int kPerThread = kSliceElems / kSliceThreads;
+  float x[kPerThread];
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int i = lo + u * kSliceThreads + static_cast<int>(threadIdx.x);
+    x[u] = i < hi ? __ldg(row + i) : NAN;
+  }
+  float bv = -INFINITY;
+  int bid = INT_MAX;
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int i = lo + u * kSliceThreads + static_cast<int>(threadIdx.x);
+    if (!isnan(x[u]) && better(x[u], i, bv, bid)) bv = x[u], bid = i;
+  }
+  __shared__ Best red[kSliceThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xFFFFFFFFu, bv, o);
+    const int oid = __shfl_xor_sync(0xFFFFFFFFu, bid, o);
+    if (better(ov, oid, bv, bid)) bv = ov, bid = oid;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = {bv, bid};
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Best b = red[0];
+    for (int w = 1; w < kSliceThreads / 32; ++w)
+      if (better(red[w].v, red[w].id, b.v, b.id)) b = red[w];
+    part[static_cast<size_t>(r) * slices + sl] = b;
+  }
+}
+
+int greedy_slices(int vocab) {
+  return (vocab + kSliceElems - 1) / kSliceElems;
+}
+
+// `part` (nullable): greedy rows' slice results from greedy_slices_kernel, `slices` a row.
 __global__ void __launch_bounds__(kThreads, 2)
     sample_kernel(const float* __restrict__ logits, int n, const DeviceSampling* params,
-                  int32_t* out) {
+                  int32_t* out, const Best* __restrict__ part, int slices) {
   __shared__ Smem sm;
   const int t = threadIdx.x;
   const float* row = logits + static_cast<size_t>(blockIdx.x) * static_cast<size_t>(n);
   const DeviceSampling p = params[blockIdx.x];
 
-  if (!(p.temperature > 0.0f) || p.top_k == 1) {  // greedy: one pass
+  if (is_greedy(p)) {  // greedy: one pass, or the best of the row's slices
     float bv = -INFINITY;
     int bid = INT_MAX;
-    for_each_element(row, n, [&](int i, float x, bool live) {
-      if (live && !isnan(x) && better(x, i, bv, bid)) bv = x, bid = i;
-    });
+    if (part != nullptr) {
+      for (int s = t; s < slices; s += kThreads) {
+        const Best b = part[static_cast<size_t>(blockIdx.x) * slices + s];
+        if (better(b.v, b.id, bv, bid)) bv = b.v, bid = b.id;
+      }
+    } else {
+      for_each_element(row, n, [&](int i, float x, bool live) {
+        if (live && !isnan(x) && better(x, i, bv, bid)) bv = x, bid = i;
+      });
+    }
     const Best b = block_argmax(sm, bv, bid);
     if (t == 0) out[blockIdx.x] = b.id == INT_MAX ? 0 : b.id;
     return;
@@ -516,17 +577,26 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 }  // namespace
 
-size_t sampling_workspace_bytes(int /*rows*/, int /*vocab*/) {
-  return 0;
+size_t sampling_workspace_bytes(int rows, int vocab) {
+  return rows > 0 && vocab > 0
+             ? static_cast<size_t>(rows) * static_cast<size_t>(greedy_slices(vocab)) * sizeof(Best)
+             : 0;
 }
 
 void sample_tokens(const float* logits, int rows, int vocab, const DeviceSampling* params,
-                   int32_t* out, void* /*workspace*/, cudaStream_t stream) {
+                   int32_t* out, void* workspace, cudaStream_t stream) {
   KVQ_CHECK(rows >= 0, "sample_tokens: rows " + std::to_string(rows) + " < 0");
   KVQ_CHECK(vocab >= 1 && vocab <= kMaxVocab,
             "sample_tokens: vocab " + std::to_string(vocab) + " outside [1, 2^21]");
   if (rows == 0) return;
-  sample_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, params, out);
+  Best* part = static_cast<Best*>(workspace);
+  const int slices = greedy_slices(vocab);
+  if (part != nullptr) {
+    greedy_slices_kernel<<<dim3(static_cast<unsigned>(slices), static_cast<unsigned>(rows)),
+                           kSliceThreads, 0, stream>>>(logits, vocab, params, part, slices);
+    KVQ_CUDA_CHECK_LAUNCH();
+  }
+  sample_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, params, out, part, slices);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

@@ -37,12 +37,15 @@
 
 namespace kvq::cuda {
 
-// Workspace sample_tokens needs (bytes; 0 today: everything lives in shared memory). Callers
-// allocate it once for the largest batch and pass it on every call.
+// Workspace sample_tokens uses (bytes: 8 per 2048 logits of each row), where greedy rows are
+// reduced over many blocks (one 2048-logit slice each) before the row's block takes the best of
+// its slices; without it (nullptr) one block reads the whole row. Callers allocate it once for
+// the largest batch and pass it on every call.
 size_t sampling_workspace_bytes(int rows, int vocab);
 
 // out[r] = the token drawn from logits[r * vocab, (r + 1) * vocab) under params[r]. logits,
-// params (one per row) and out are device memory; nothing is allocated, nothing synchronizes.
+// params (one per row) and out are device memory; workspace (nullable) holds at least
+// sampling_workspace_bytes(rows, vocab); nothing is allocated, nothing synchronizes.
 // vocab must be in [1, 2^22]; parameters are assumed valid (sampling_param_errors).
 void sample_tokens(const float* logits, int rows, int vocab, const DeviceSampling* params,
                    int32_t* out, void* workspace, cudaStream_t stream);
