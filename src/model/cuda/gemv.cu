@@ -45,6 +45,21 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One 64-byte step of a lane's fragments: a = 16 bytes of weight row g, b of row g + 8, x of
+// input row g of the n-tile, fed as two MMAs (the k positions permuted alike for W and x; see
+// gemv_kernel).
+template <bool kFp8>
+__device__ __forceinline__ void mma_step(float (&acc)[4], const uint4& a, const uint4& b,
+                                         const uint4& x) {
+  if constexpr (kFp8) {
+    mma_e4m3(acc, a.x, b.x, a.y, b.y, x.x, x.y);
+    mma_e4m3(acc, a.z, b.z, a.w, b.w, x.z, x.w);
+  } else {
+    mma_bf16(acc, a.x, b.x, a.y, b.y, x.x, x.y);
+    mma_bf16(acc, a.z, b.z, a.w, b.w, x.z, x.w);
+  }
+}
+
 // Streamed once per step: do not keep weight lines in L1 (evict-first).
 __device__ __forceinline__ uint4 load_weight(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
@@ -262,15 +277,7 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        if constexpr (kFp8) {
-          mma_e4m3(acc[j], ca[u].x, cb[u].x, ca[u].y, cb[u].y, xv[u][j].x, xv[u][j].y);
-          mma_e4m3(acc[j], ca[u].z, cb[u].z, ca[u].w, cb[u].w, xv[u][j].z, xv[u][j].w);
-        } else {
-          mma_bf16(acc[j], ca[u].x, cb[u].x, ca[u].y, cb[u].y, xv[u][j].x, xv[u][j].y);
-          mma_bf16(acc[j], ca[u].z, cb[u].z, ca[u].w, cb[u].w, xv[u][j].z, xv[u][j].w);
-        }
-      }
+      for (int j = 0; j < NT; ++j) mma_step<kFp8>(acc[j], ca[u], cb[u], xv[u][j]);
   }
   if (!early) cuda::allow_next_kernel();
 
@@ -439,15 +446,7 @@ __global__ void __launch_bounds__((kRingConsumers + 1) * 32, 1)
 #pragma unroll
         for (int j = 0; j < kBatch; ++j)
 #pragma unroll
-          for (int jt = 0; jt < NT; ++jt) {
-            if constexpr (kFp8) {
-              mma_e4m3(acc[jt], wa[j].x, wb[j].x, wa[j].y, wb[j].y, xv[j][jt].x, xv[j][jt].y);
-              mma_e4m3(acc[jt], wa[j].z, wb[j].z, wa[j].w, wb[j].w, xv[j][jt].z, xv[j][jt].w);
-            } else {
-              mma_bf16(acc[jt], wa[j].x, wb[j].x, wa[j].y, wb[j].y, xv[j][jt].x, xv[j][jt].y);
-              mma_bf16(acc[jt], wa[j].z, wb[j].z, wa[j].w, wb[j].w, xv[j][jt].z, xv[j][jt].w);
-            }
-          }
+          for (int jt = 0; jt < NT; ++jt) mma_step<kFp8>(acc[jt], wa[j], wb[j], xv[j][jt]);
       }
       // Every consumer thread releases its own reads of the stage (racecheck does not follow a
       // __syncwarp to one lane's arrive).
