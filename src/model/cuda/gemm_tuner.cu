@@ -125,10 +125,11 @@ GemvUse gemv_use_from_env() {
 
 int gemv_ring_from_env() {
   const char* e = std::getenv("KVQ_GEMV_RING");
-  const std::string v = e == nullptr ? "1" : e;
-  if (v.size() == 1 && v[0] >= '0' && v[0] <= '9') return v[0] - '0';
-  if (v.size() == 2 && v[0] == '1' && v[1] >= '0' && v[1] <= '6') return 10 + (v[1] - '0');
-  throw InputError("KVQ_GEMV_RING=" + v + " is not a row count 0 .. 16");
+  const std::string v = e == nullptr || *e == '\0' ? "1" : e;
+  for (int rows = 0; rows <= kGemvMaxRows; ++rows)
+    if (v == std::to_string(rows)) return rows;
+  throw InputError("KVQ_GEMV_RING=" + v + " is not a row count 0 .. " +
+                   std::to_string(kGemvMaxRows));
 }
 
 GemmTuner::~GemmTuner() {
