@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -438,6 +439,40 @@ TEST(CudaModel, GraphsOnAndOffGiveIdenticalResults) {
   EXPECT_EQ(sa, sb);
   std::printf("[ graphs ] seed %u: %d decode steps of 3 sequences (bucket 4) + 1, identical\n",
               seed, steps);
+}
+
+// The L2 prefetch of o's weight (a side stream forked and joined inside the step's graph) is a
+// hint: with it at every layer of every one-row step, the steps give the same bits as without.
+TEST(CudaModel, L2PrefetchLeavesOneRowStepsIdentical) {
+  SKIP_WITHOUT_GPU();
+  if (!std::filesystem::exists(kTiny + "/model.safetensors")) GTEST_SKIP() << kTiny << " absent";
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const KvPlan plan = plan_with(kTiny, KvDtype::kBFloat16);
+  CudaModelOptions o = small_options(true);
+  o.weights = WeightPrecision::kBFloat16;
+  o.l2_prefetch_min_bytes = 0;
+  std::shared_ptr<const CudaModel> on = CudaModel::load(plan, o);
+  o.l2_prefetch_min_bytes = SIZE_MAX;
+  std::shared_ptr<const CudaModel> off = CudaModel::load(plan, o);
+  Driver a(on, 64), b(off, 64);
+  const int V = on->vocab_size();
+  std::vector<std::vector<int32_t>> p{random_tokens(25, V, rng)};
+  ASSERT_EQ(a.step({1}, p, false), b.step({1}, p, false));
+  std::vector<std::vector<int32_t>> na{{static_cast<int32_t>(rng() % V)}}, nb = na;
+  // Eager first steps, then captured graphs and their replays; logits bit for bit every 4th.
+  for (int s = 0; s < 16; ++s) {
+    if (s % 4 == 3) {
+      const auto xa = a.step({1}, na, false), xb = b.step({1}, nb, false);
+      ASSERT_EQ(xa, xb) << "step " << s;
+      na = nb = {{static_cast<int32_t>(argmax(xa.data(), V))}};
+      continue;
+    }
+    const auto ia = a.sample({1}, na), ib = b.sample({1}, nb);
+    ASSERT_EQ(ia, ib) << "step " << s;
+    na = {{ia[0]}}, nb = {{ib[0]}};
+  }
 }
 
 TEST(CudaModel, ForwardSampleIsTheArgmaxOfForward) {

@@ -47,7 +47,10 @@ struct CudaModelOptions {
   int max_num_seqs = 256;             // largest batch of one step
   int max_num_batched_tokens = 8192;  // most new tokens in one step
   bool cuda_graphs = true;            // decode steps replayed from graphs per batch bucket
-  std::string forced_backend;         // --attention-backend (empty: choose)
+  // One-row steps prefetch o's weight into L2 beside the attention chain where it has at least
+  // this many bytes (KVQ_L2_PREFETCH=0: never; docs/notes/decode-tuning.md version 20).
+  size_t l2_prefetch_min_bytes = size_t{16} << 20;
+  std::string forced_backend;  // --attention-backend (empty: choose)
   // --tensor-parallel-size: the model split over GPUs 0..N-1 of this process, one rank per GPU
   // (src/model/cuda/tensor_parallel.h); memory options apply to each GPU.
   int tensor_parallel_size = 1;

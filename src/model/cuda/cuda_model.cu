@@ -108,6 +108,20 @@ bool gemv_silu_from_env() {
   if (v != "0" && v != "1") throw InputError("KVQ_GEMV_SILU=" + v + " is not one of: 1, 0");
   return v == "1";
 }
+// KVQ_L2_PREFETCH=1|0: at one-row steps, o's weight (if at least
+// CudaModelOptions::l2_prefetch_min_bytes, 16 MiB) is
+// prefetched into L2 on a side stream while the attention chain runs after q|k|v's product
+// (cp.async.bulk.prefetch.L2 by kL2PrefetchWarps warps). 8B batch 1 x 1k, H200: -1 to -2% a step;
+// batch 4-32 and verification steps within +-1.5% either way, hence one row only; prefetching
+// gate|up's first 8-16 MiB too cost 4-7%, and 64 blocks of loads (3.3 TB/s) delayed the
+// attention's cluster launch (docs/notes/decode-tuning.md version 20).
+bool l2_prefetch_from_env() {
+  const char* e = std::getenv("KVQ_L2_PREFETCH");
+  const std::string v = e == nullptr || *e == '\0' ? "1" : e;
+  if (v != "0" && v != "1") throw InputError("KVQ_L2_PREFETCH=" + v + " is not one of: 1, 0");
+  return v == "1";
+}
+constexpr int kL2PrefetchWarps = 8;
 // KVQ_GEMV_NORM=n: the RMSNorm before q|k|v and before gate|up inside the skinny GEMM that reads
 // it, where that kernel runs the product, for steps of at most n rows (0: the separate kernel,
 // A/B). Default 1: every block of the product normalizes its own copy of the rows, which pays at
@@ -845,6 +859,22 @@ class CudaDecoderModel final : public CudaModel {
   size_t device_total_ = 0, free_at_load_ = 0;
   cuda_model::TpRank tp_;  // one rank of a tensor-parallel group (size 1: none)
   cudaStream_t stream_ = nullptr;
+  // o's weight prefetched into L2 beside a one-row step's attention chain (l2_prefetch_from_env):
+  // a side stream forked from stream_ after q|k|v's product and joined at the end of the step.
+  struct SidePrefetch {
+    cudaStream_t s = nullptr;  // null: off
+    cudaEvent_t fork = nullptr, join = nullptr;
+    SidePrefetch() = default;
+    SidePrefetch(const SidePrefetch&) = delete;
+    SidePrefetch& operator=(const SidePrefetch&) = delete;
+    ~SidePrefetch() {
+      if (s) (void)cudaStreamSynchronize(s);
+      if (fork) (void)cudaEventDestroy(fork);
+      if (join) (void)cudaEventDestroy(join);
+      if (s) (void)cudaStreamDestroy(s);
+    }
+  };
+  SidePrefetch pf_;
   cublasHandle_t cublas_ = nullptr;
   std::unique_ptr<cuda_model::GemmTuner> tuner_;
   mutable std::set<int> tuned_rows_;
@@ -902,7 +932,13 @@ class CudaDecoderModel final : public CudaModel {
   struct Offsets {
     size_t tokens, positions, slots, q_indptr, bt_indptr, seq_lens, exp_indptr, exp_seq_lens,
         logit_rows, params, indices, features, gather, total;
-  } off_{};
+  };
+  // The staging layout of the step being staged or run (stage() picks off_small_ for steps of at
+  // most small_rows_ rows, else off_big_; they share indices, features and gather).
+  mutable Offsets off_{};
+  Offsets off_big_{}, off_small_{};
+  int small_rows_ = 0;
+  static constexpr int kSmallStageRows = 128;
   std::byte* h_step_ = nullptr;
   std::byte* d_step_ = nullptr;
   int32_t* h_ids_ = nullptr;
@@ -1123,6 +1159,11 @@ cuda::DecodePlan CudaDecoderModel::decode_plan(int group, int num_seqs, int cont
 
 void CudaDecoderModel::allocate_buffers() {
   KVQ_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (l2_prefetch_from_env()) {
+    KVQ_CUDA_CHECK(cudaStreamCreateWithFlags(&pf_.s, cudaStreamNonBlocking));
+    KVQ_CUDA_CHECK(cudaEventCreateWithFlags(&pf_.fork, cudaEventDisableTiming));
+    KVQ_CUDA_CHECK(cudaEventCreateWithFlags(&pf_.join, cudaEventDisableTiming));
+  }
   if (const char* e = std::getenv("KVQ_GPU_TIMING"); e != nullptr && std::string(e) == "1") {
     KVQ_CUDA_CHECK(cudaEventCreate(&timing_.begin));
     KVQ_CUDA_CHECK(cudaEventCreate(&timing_.end));
@@ -1247,22 +1288,41 @@ void CudaDecoderModel::allocate_buffers() {
     return at;
   };
   const size_t S1 = static_cast<size_t>(S_cap_) + 1;
-  off_.tokens = region(T * 4);
-  off_.positions = region(T * 4);
-  off_.slots = region(T * 8);
-  off_.q_indptr = region(S1 * 4);
-  off_.bt_indptr = region(S1 * 4);
-  off_.seq_lens = region(S1 * 4);
-  off_.exp_indptr = region(T * 4);
-  off_.exp_seq_lens = region(T * 4);
-  off_.logit_rows = region(T * 4);
-  off_.params = region(T * sizeof(DeviceSampling));
-  off_.indices = region(idx_cap_ * 4);
-  off_.features = region(arch_.dflash ? T * 16 : 0);
+  // The per-row arrays (tokens .. params) for `rows` rows. A step's main copy runs from the first
+  // of them to the end of its block-table indices, so steps of at most small_rows_ rows (decode,
+  // most verification steps) stage into a second, compact set: a few KB per copy instead of
+  // ~0.5 MB sized for max_num_batched_tokens (11.5 us of the H200's copy engine before every 8B
+  // batch-1 step; docs/notes/decode-tuning.md version 20).
+  auto per_row = [&](Offsets& f, size_t rows) {
+    f.tokens = region(rows * 4);
+    f.positions = region(rows * 4);
+    f.slots = region(rows * 8);
+    f.q_indptr = region(std::min(S1, rows + 1) * 4);
+    f.bt_indptr = region(std::min(S1, rows + 1) * 4);
+    f.seq_lens = region(std::min(S1, rows + 1) * 4);
+    f.exp_indptr = region(rows * 4);
+    f.exp_seq_lens = region(rows * 4);
+    f.logit_rows = region(rows * 4);
+    f.params = region(rows * sizeof(DeviceSampling));
+  };
+  per_row(off_big_, T);
+  small_rows_ = std::min(T_cap_, kSmallStageRows);
+  if (small_rows_ < T_cap_) per_row(off_small_, static_cast<size_t>(small_rows_));
+  off_big_.indices = region(idx_cap_ * 4);
+  off_big_.features = region(arch_.dflash ? T * 16 : 0);
   // ForwardBatch::token_rows [n], then token_dst [n]: after the step's main copy, copied only
   // by steps that have them.
-  off_.gather = region(T * 8);
-  off_.total = o;
+  off_big_.gather = region(T * 8);
+  off_big_.total = o;
+  if (small_rows_ < T_cap_) {
+    off_small_.indices = off_big_.indices;
+    off_small_.features = off_big_.features;
+    off_small_.gather = off_big_.gather;
+    off_small_.total = off_big_.total;
+  } else {
+    off_small_ = off_big_;
+  }
+  off_ = off_big_;
   d_step_ = static_cast<std::byte*>(buf_.alloc(off_.total));
   void* hp = nullptr;
   KVQ_CUDA_CHECK(cudaHostAlloc(&hp, off_.total, cudaHostAllocDefault));
@@ -1533,7 +1593,9 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
 #endif
   }
 
-  // Fill the staging buffer; padding rows are inert (slot -1, seq_len 0, no blocks).
+  // Fill the staging buffer; padding rows are inert (slot -1, seq_len 0, no blocks). A graph
+  // captures the layout's addresses: its key fixes st.T, hence the layout.
+  off_ = st.T <= small_rows_ ? off_small_ : off_big_;
   int32_t* tok = h_at<int32_t>(off_.tokens);
   int32_t* pos = h_at<int32_t>(off_.positions);
   int64_t* slot = h_at<int64_t>(off_.slots);
@@ -1620,7 +1682,8 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
     std::copy(b.token_rows.begin(), b.token_rows.end(), h_at<int32_t>(off_.gather));
     std::copy(b.token_dst.begin(), b.token_dst.end(), h_at<int32_t>(off_.gather) + n_gather);
   }
-  KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_, h_stage_, off_.indices + num_indices * 4,
+  KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_ + off_.tokens, h_stage_ + off_.tokens,
+                                 off_.indices + num_indices * 4 - off_.tokens,
                                  cudaMemcpyHostToDevice, stream_));
   if (n_gather > 0)
     KVQ_CUDA_CHECK(cudaMemcpyAsync(d_step_ + off_.gather, h_stage_ + off_.gather, n_gather * 8,
@@ -1802,7 +1865,8 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
   const int32_t* tokens = d_at<int32_t>(off_.tokens);
   cuda_model::embed_gather(w_->embed, bf16_, w_->mask, tokens, T, H_, x_, stream_);
   cuda_model::rope_table(d_at<int32_t>(off_.positions), T, inv_freq_, d_ / 2, cs_, stream_);
-  Deferred pending;  // the previous layer's down product, when its residual add was deferred
+  Deferred pending;     // the previous layer's down product, when its residual add was deferred
+  bool forked = false;  // pf_.s has work to join
   // Tensor parallelism: an all-reduce whose RMSNorm ran in the same kernel (h_ is ready).
   bool normed = false;
   const bool tp = tp_.active();
@@ -1848,6 +1912,15 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     else
       dq = linear(w.qkv, ctx + T, ctx_h, H_, qkv_ - ctx * qkv_dim_, qkv_dim_, 0.0f,
                   {fuse_fp8(w.qkv), fuse_fp8(w.qkv)});
+    if (pf_.s != nullptr && T == 1 && ctx == 0 &&
+        w.o.weight_bytes() >= options_.l2_prefetch_min_bytes) {
+      // While q|k|v post, the cache write, Q prep and attention run (latency-bound, on a few
+      // SMs, the memory all but idle), o's weight comes into L2 on the side stream.
+      KVQ_CUDA_CHECK(cudaEventRecord(pf_.fork, stream_));
+      KVQ_CUDA_CHECK(cudaStreamWaitEvent(pf_.s, pf_.fork));
+      cuda_model::l2_prefetch(w.o.w, w.o.weight_bytes(), kL2PrefetchWarps, pf_.s);
+      forked = true;
+    }
     if (!(lab & 2))
       cuda_model::qkv_post(qkv_ - ctx * qkv_dim_, w.qkv_bias, w.q_norm, w.k_norm, cs_ - ctx * d_,
                            ctx + T, nq_, nkv_, d_, eps_, q_ - ctx * q_dim_, k_ - ctx * kv_dim_,
@@ -1940,6 +2013,10 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
               cap_ + c * H_, cap.size() * H_ * sizeof(float), x_, H_ * sizeof(float),
               H_ * sizeof(float), static_cast<size_t>(T), cudaMemcpyDeviceToDevice, stream_));
     }
+  }
+  if (forked) {
+    KVQ_CUDA_CHECK(cudaEventRecord(pf_.join, pf_.s));
+    KVQ_CUDA_CHECK(cudaStreamWaitEvent(stream_, pf_.join));
   }
   KVQ_CHECK(pending.add == nullptr, "run_body: the last layer's residual add was deferred");
   lab_no_gemm_ = false;
@@ -2532,6 +2609,7 @@ void check_cuda_model_env() {
   (void)cuda_model::gemv_ring_pdl_from_env();
   (void)gemv_silu_from_env();
   (void)gemv_norm_from_env();
+  (void)l2_prefetch_from_env();
   (void)verify_coarse_q_from_env();
   // Read where they apply (cache/cuda/pdl.h, attention/cuda/cuda_decode.cu); checked here.
   auto check_int = [](const char* name, int lo, int hi, const char* accepted) {

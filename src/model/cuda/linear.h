@@ -38,10 +38,14 @@ struct Linear {
   const float* in_scale = nullptr;  // kFP8, static activations: one scale (device); else null
 
   bool empty() const { return w == nullptr; }
+  // Device bytes of the weight alone.
+  size_t weight_bytes() const {
+    const size_t e = dtype == Dtype::kF32 ? 4 : dtype == Dtype::kBF16 ? 2 : 1;
+    return static_cast<size_t>(n) * static_cast<size_t>(k) * e;
+  }
   // Device bytes of the weight and its scales.
   size_t bytes() const {
-    const size_t e = dtype == Dtype::kF32 ? 4 : dtype == Dtype::kBF16 ? 2 : 1;
-    return static_cast<size_t>(n) * static_cast<size_t>(k) * e +
+    return weight_bytes() +
            (dtype == Dtype::kFP8 ? static_cast<size_t>(n) * 4 + (in_scale ? 4 : 0) : 0);
   }
 };

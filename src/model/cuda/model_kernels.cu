@@ -1,10 +1,12 @@
 #include <cuda_bf16.h>
 
 #include <cfloat>
+#include <cstddef>
 
 #include "cache/cuda/cuda_check.h"
 #include "cache/cuda/kv_codec_device.cuh"
 #include "cache/cuda/pdl.h"
+#include "kvq/core/error.h"
 #include "model/cuda/model_kernels.h"
 #include "model/cuda/row_ops.cuh"
 
@@ -503,6 +505,29 @@ void quantize_rows_fp8_rounded(const float* x, int rows, int cols, int64_t ldx, 
   if (rows == 0 || cols == 0) return;
   launch_pdl(quantize_fp8_rounded_kernel, rows, cols >= 2048 ? 1024 : kThreads, stream, x, cols,
              ldx, mode, scale_in, codes, scale);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+// One cp.async.bulk.prefetch.L2 of up to 16 KB per thread and step: the lines come into L2
+// while the thread goes on; nothing is written. 16 KB requests from 8 warps brought 32 MiB in
+// ~20 us (1.6 TB/s) beside the attention chain; 4 KB and 64 KB requests, 16 warps, or
+// prefetch.global.L2 per line were no faster in the step (docs/notes/decode-tuning.md version 20).
+__global__ void l2_prefetch_kernel(const std::byte* p, size_t bytes) {
+  constexpr size_t kChunk = 16384;
+  const size_t threads = size_t{gridDim.x} * blockDim.x;
+  for (size_t off = (size_t{blockIdx.x} * blockDim.x + threadIdx.x) * kChunk; off < bytes;
+       off += threads * kChunk) {
+    const auto n = static_cast<unsigned>(bytes - off < kChunk ? bytes - off : kChunk);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
+  }
+}
+
+void l2_prefetch(const void* p, size_t bytes, int warps, cudaStream_t stream) {
+  KVQ_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "l2_prefetch: address not 16-byte aligned");
+  bytes &= ~size_t{15};
+  if (bytes == 0 || warps <= 0) return;
+  l2_prefetch_kernel<<<static_cast<unsigned>(warps), 32, 0, stream>>>(
+      static_cast<const std::byte*>(p), bytes);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 

@@ -57,6 +57,10 @@ void silu_mul(const float* gu, const float* bias, int T, int I, void* out, bool 
 void gather_rows(const float* src, const int32_t* rows, int n, int F, float* out,
                  cudaStream_t stream);
 
+// Brings [p, p + bytes) into L2 (cp.async.bulk.prefetch.L2 from `warps` one-warp blocks); a
+// hint: it writes nothing. p must be 16-byte aligned; bytes is rounded down to 16.
+void l2_prefetch(const void* p, size_t bytes, int warps, cudaStream_t stream);
+
 // out = bf16(in), n elements.
 void to_bf16(const float* in, int64_t n, void* out, cudaStream_t stream);
 
