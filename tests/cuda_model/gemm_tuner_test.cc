@@ -769,5 +769,102 @@ TEST(GemmTuner, Fp8RowsAndOuterVectorScales) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// The FP8 row quantizers that hold a thread's share of the row in registers (one memory round trip
+// a row) give the bits of the kernels that re-read it per pass: every value-per-thread count
+// (1-8) and the fallback past it, dynamic and static scales, RMSNorm with and without a residual
+// add whose row scale is the output's scale buffer (as act_scale_ in the model).
+TEST(Fp8RowQuantizers, HeldRowsAreTheRereadBits) {
+  KVQ_REQUIRE_GPU();
+  using cuda_model::Fp8Scale;
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> mag(-3.0f, 3.0f);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const int rows = 3;
+  auto random_rows = [&](size_t n) {
+    std::vector<float> x(n);
+    for (auto& v : x) v = std::exp(mag(rng)) * nd(rng);
+    return x;
+  };
+  const std::vector<float> one{0.03f};
+  DeviceBuffer<float> dstatic(one);
+  for (const Fp8Scale mode : {Fp8Scale::kDynamic, Fp8Scale::kStatic}) {
+    const float* sin = mode == Fp8Scale::kStatic ? dstatic.get() : nullptr;
+    // RMSNorm + quantize (1024 threads from 2048 columns: up to 8 a thread, 9000 falls back).
+    for (const int H : {64, 200, 300, 4096, 5000, 8192, 9000}) {
+      for (const bool residual : {false, true}) {
+        SCOPED_TRACE("rms_norm_rows_fp8 H " + std::to_string(H) + (residual ? " residual" : ""));
+        const std::vector<float> x = random_rows(static_cast<size_t>(rows) * H);
+        const std::vector<float> add = random_rows(x.size()), w = random_rows(H),
+                                 cs = random_rows(H);
+        std::vector<float> rs(static_cast<size_t>(rows));
+        for (auto& v : rs) v = std::exp(mag(rng));
+        std::vector<uint8_t> codes[2];
+        std::vector<float> scales[2], xs[2];
+        for (const int held : {0, 1}) {
+          DeviceBuffer<float> dx(x), dw(w), dadd(add), dcs(cs), dsc(rs);
+          DeviceBuffer<uint8_t> dc(x.size());
+          cuda_model::ResidualAdd ra;
+          if (residual) ra = {dadd.get(), dsc.get(), dcs.get()};
+          cuda_model::rms_norm_rows_fp8(dx.get(), rows, H, dw.get(), 1e-5f, mode, sin, dc.get(),
+                                        dsc.get(), stream, ra, held);
+          ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+          codes[held] = dc.download();
+          scales[held] = dsc.download();
+          xs[held] = dx.download();
+        }
+        EXPECT_EQ(codes[1], codes[0]);
+        EXPECT_EQ(scales[1], scales[0]);
+        EXPECT_EQ(xs[1], xs[0]) << "the residual stream after the add";
+      }
+    }
+    // fp32 rows rounded to bf16, then quantized.
+    for (const int cols : {100, 250, 4096, 8192, 9000}) {
+      SCOPED_TRACE("quantize_rows_fp8_rounded cols " + std::to_string(cols));
+      const int ld = cols + 4;
+      const std::vector<float> x = random_rows(static_cast<size_t>(rows) * ld);
+      std::vector<uint8_t> codes[2];
+      std::vector<float> scales[2];
+      for (const int held : {0, 1}) {
+        DeviceBuffer<float> dx(x), dsc(static_cast<size_t>(rows));
+        DeviceBuffer<uint8_t> dc(static_cast<size_t>(rows) * cols);
+        cuda_model::quantize_rows_fp8_rounded(dx.get(), rows, cols, ld, mode, sin, dc.get(),
+                                              dsc.get(), stream, held);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        codes[held] = dc.download();
+        scales[held] = dsc.download();
+      }
+      EXPECT_EQ(codes[1], codes[0]);
+      EXPECT_EQ(scales[1], scales[0]);
+    }
+    // bf16 rows in 16-byte chunks (512 threads from 2048 columns: 14336 is 3.5 chunks a thread,
+    // 40000 falls back).
+    for (const int cols : {96, 4096, 14336, 30000, 40000}) {
+      SCOPED_TRACE("quantize_rows_fp8 bf16 cols " + std::to_string(cols));
+      const int ld = cols + 8;
+      std::vector<uint16_t> xb(static_cast<size_t>(rows) * ld);
+      for (auto& b : xb) b = to_bf16(std::exp(mag(rng)) * nd(rng));
+      std::vector<uint8_t> codes[2];
+      std::vector<float> scales[2];
+      for (const int held : {0, 1}) {
+        DeviceBuffer<uint16_t> dx(xb);
+        DeviceBuffer<float> dsc(static_cast<size_t>(rows));
+        DeviceBuffer<uint8_t> dc(static_cast<size_t>(rows) * cols);
+        cuda_model::quantize_rows_fp8(dx.get(), true, rows, cols, ld, mode, sin, dc.get(),
+                                      dsc.get(), stream, held);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        codes[held] = dc.download();
+        scales[held] = dsc.download();
+      }
+      EXPECT_EQ(codes[1], codes[0]);
+      EXPECT_EQ(scales[1], scales[0]);
+    }
+  }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 }  // namespace
 }  // namespace kvq::test

@@ -2,6 +2,9 @@
 
 #include <cfloat>
 #include <cstddef>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
 
 #include "cache/cuda/cuda_check.h"
 #include "cache/cuda/kv_codec_device.cuh"
@@ -241,6 +244,65 @@ __device__ void quantize_row_fp8(const Val& val, int r, int cols, Fp8Scale mode,
     out[c] = dead ? uint8_t{0} : static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(val(c), s)));
 }
 
+// quantize_row_fp8 of values the thread already holds: v[k] is column threadIdx.x + k *
+// blockDim.x (those < cols). One memory round trip per row instead of one per pass (the one-row
+// kernels of a batch-1 FP8 step were 5-9 us each; docs/notes/decode-tuning.md version 20); the
+// same max, division and encoder per element, so the same codes and scale.
+template <int kPer>
+__device__ void quantize_held_row_fp8(const float (&v)[kPer], int r, int cols, Fp8Scale mode,
+                                      const float* scale_in, uint8_t* codes, float* scale) {
+  const int tid = static_cast<int>(threadIdx.x), step = static_cast<int>(blockDim.x);
+  float amax = 0.0f;
+  if (mode == Fp8Scale::kDynamic) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k)
+      if (tid + k * step < cols) amax = fmaxf(amax, fabsf(v[k]));
+  }
+  const float s = row_fp8_scale(amax, r, mode, scale_in, scale);
+  const bool dead = !(s > 0.0f);
+  uint8_t* out = codes + static_cast<int64_t>(r) * cols;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int c = tid + k * step;
+    if (c < cols)
+      out[c] = dead ? uint8_t{0} : static_cast<uint8_t>(kvq::cuda::enc_e4m3(__fdiv_rn(v[k], s)));
+  }
+}
+
+// KVQ_FP8_HELD=0 (A/B): the FP8 row quantizers re-read their row per pass, as before version 20.
+bool held_fp8_rows(int held) {
+  static const bool on = [] {
+    const char* e = std::getenv("KVQ_FP8_HELD");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return held < 0 ? on : held > 0;
+}
+
+// Values per thread for a held row of n columns over `threads` threads: 1, 2, 4 or 8, or 0 where
+// more are needed (the kernels that re-read the row run instead).
+int held_per_thread(int64_t n, int threads) {
+  const int64_t per = (n + threads - 1) / threads;
+  return per <= 1 ? 1 : per <= 2 ? 2 : per <= 4 ? 4 : per <= 8 ? 8 : 0;
+}
+
+template <class F>
+void with_held(int per, F&& f) {
+  switch (per) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      f(std::integral_constant<int, 8>{});
+      break;
+  }
+}
+
 __global__ void quantize_fp8_kernel(const void* x, bool bf16, int cols, int64_t ldx, Fp8Scale mode,
                                     const float* scale_in, uint8_t* codes, float* scale) {
   wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
@@ -331,6 +393,110 @@ __global__ void quantize_fp8_rounded_kernel(const float* x, int cols, int64_t ld
   const float* row = x + static_cast<int64_t>(r) * ldx;
   quantize_row_fp8([&](int c) { return round_bf16(row[c]); }, r, cols, mode, scale_in, codes,
                    scale);
+}
+
+// quantize_fp8_bf16x8_kernel with the thread's chunks held in registers (kPer chunks a thread).
+template <int kPer>
+__global__ void quantize_fp8_bf16x8_held_kernel(const __nv_bfloat16* x, int cols, int64_t ldx,
+                                                Fp8Scale mode, const float* scale_in,
+                                                uint8_t* codes, float* scale) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
+  const int r = static_cast<int>(blockIdx.x);
+  const int tid = static_cast<int>(threadIdx.x), step = static_cast<int>(blockDim.x);
+  const uint4* row = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(r) * ldx);
+  const int chunks = cols / 8;
+  uint4 v[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k)
+    v[k] = tid + k * step < chunks ? row[tid + k * step] : make_uint4(0, 0, 0, 0);
+  float amax = 0.0f;
+  if (mode == Fp8Scale::kDynamic) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = __bfloat1622float2(h[e]);
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+    }
+  }
+  const float s = row_fp8_scale(amax, r, mode, scale_in, scale);
+  const bool dead = !(s > 0.0f);
+  uint2* out = reinterpret_cast<uint2*>(codes + static_cast<int64_t>(r) * cols);
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    if (tid + k * step >= chunks) continue;
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
+    uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(h[e]);
+      const uint32_t lo = dead ? 0u : kvq::cuda::enc_e4m3(__fdiv_rn(f.x, s));
+      const uint32_t hi = dead ? 0u : kvq::cuda::enc_e4m3(__fdiv_rn(f.y, s));
+      packed[e >> 1] |= (lo | (hi << 8)) << (16 * (e & 1));
+    }
+    out[tid + k * step] = make_uint2(packed[0], packed[1]);
+  }
+}
+
+// rms_norm_fp8_kernel with the thread's columns held in registers (kPer a thread).
+template <int kPer>
+__global__ void rms_norm_fp8_held_kernel(float* x, int H, const float* w, float eps, Fp8Scale mode,
+                                         const float* scale_in, uint8_t* codes, float* scale,
+                                         ResidualAdd ra) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
+  __shared__ double scratch[32];
+  const int r = static_cast<int>(blockIdx.x);
+  const int tid = static_cast<int>(threadIdx.x), step = static_cast<int>(blockDim.x);
+  float* row = x + static_cast<int64_t>(r) * H;
+  // The residual's row scale is read here, before the quantizer writes this row's new scale
+  // (the same buffer: act_scale_); block_sum's barrier orders the two.
+  const float rs = ra.add != nullptr && ra.row_scale ? ra.row_scale[r] : 1.0f;
+  const float* a = ra.add != nullptr ? ra.add + static_cast<int64_t>(r) * H : nullptr;
+  float v[kPer];
+  double ss = 0.0;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int i = tid + k * step;
+    v[k] = 0.0f;
+    if (i >= H) continue;
+    float val = row[i];
+    if (a != nullptr) {  // add_residual_and_square's arithmetic
+      const float p = ra.col_scale ? __fmul_rn(__fmul_rn(a[i], rs), ra.col_scale[i]) : a[i];
+      val = __fadd_rn(p, val);
+      row[i] = val;
+    }
+    v[k] = val;
+    ss += static_cast<double>(val) * val;
+  }
+  ss = block_sum(ss, scratch);
+  const float inv = rows::rms_inverse(ss, H, eps);
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int i = tid + k * step;
+    if (i < H) v[k] = round_bf16(__fmul_rn(__fmul_rn(v[k], inv), w[i]));
+  }
+  quantize_held_row_fp8<kPer>(v, r, H, mode, scale_in, codes, scale);
+}
+
+// quantize_fp8_rounded_kernel with the thread's columns held in registers (kPer a thread).
+template <int kPer>
+__global__ void quantize_fp8_rounded_held_kernel(const float* x, int cols, int64_t ldx,
+                                                 Fp8Scale mode, const float* scale_in,
+                                                 uint8_t* codes, float* scale) {
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
+  const int r = static_cast<int>(blockIdx.x);
+  const int tid = static_cast<int>(threadIdx.x), step = static_cast<int>(blockDim.x);
+  const float* row = x + static_cast<int64_t>(r) * ldx;
+  float v[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k)
+    v[k] = tid + k * step < cols ? round_bf16(row[tid + k * step]) : 0.0f;
+  quantize_held_row_fp8<kPer>(v, r, cols, mode, scale_in, codes, scale);
 }
 
 __global__ void fp8_scale_product_kernel(const float* raw, int m, int n, int ld,
@@ -492,19 +658,35 @@ void add_rms_norm_rows(float* x, const ResidualAdd& ra, int n, int H, const floa
 
 void rms_norm_rows_fp8(float* x, int n, int H, const float* w, float eps, Fp8Scale mode,
                        const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream,
-                       const ResidualAdd& ra) {
+                       const ResidualAdd& ra, int held) {
   if (n == 0) return;
-  launch_pdl(rms_norm_fp8_kernel, n, H >= 2048 ? 1024 : kThreads, stream, x, H, w, eps, mode,
-             scale_in, codes, scale, ra);
+  const int threads = H >= 2048 ? 1024 : kThreads;
+  if (const int per = held_fp8_rows(held) ? held_per_thread(H, threads) : 0; per > 0) {
+    with_held(per, [&](auto k) {
+      launch_pdl(rms_norm_fp8_held_kernel<decltype(k)::value>, n, threads, stream, x, H, w, eps,
+                 mode, scale_in, codes, scale, ra);
+    });
+  } else {
+    launch_pdl(rms_norm_fp8_kernel, n, threads, stream, x, H, w, eps, mode, scale_in, codes, scale,
+               ra);
+  }
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
 void quantize_rows_fp8_rounded(const float* x, int rows, int cols, int64_t ldx, Fp8Scale mode,
                                const float* scale_in, uint8_t* codes, float* scale,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, int held) {
   if (rows == 0 || cols == 0) return;
-  launch_pdl(quantize_fp8_rounded_kernel, rows, cols >= 2048 ? 1024 : kThreads, stream, x, cols,
-             ldx, mode, scale_in, codes, scale);
+  const int threads = cols >= 2048 ? 1024 : kThreads;
+  if (const int per = held_fp8_rows(held) ? held_per_thread(cols, threads) : 0; per > 0) {
+    with_held(per, [&](auto k) {
+      launch_pdl(quantize_fp8_rounded_held_kernel<decltype(k)::value>, rows, threads, stream, x,
+                 cols, ldx, mode, scale_in, codes, scale);
+    });
+  } else {
+    launch_pdl(quantize_fp8_rounded_kernel, rows, threads, stream, x, cols, ldx, mode, scale_in,
+               codes, scale);
+  }
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
@@ -560,13 +742,21 @@ void fill_f32(float* w, int64_t n, float value, cudaStream_t stream) {
 }
 
 void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx, Fp8Scale mode,
-                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream) {
+                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream,
+                       int held) {
   if (rows == 0 || cols == 0) return;
   const int threads = cols >= 2048 ? 512 : 128;
   if (bf16 && cols % 8 == 0 && ldx % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(codes) % 8 == 0) {
-    launch_pdl(quantize_fp8_bf16x8_kernel, rows, threads, stream,
-               static_cast<const __nv_bfloat16*>(x), cols, ldx, mode, scale_in, codes, scale);
+    if (const int per = held_fp8_rows(held) ? held_per_thread(cols / 8, threads) : 0; per > 0) {
+      with_held(per, [&](auto k) {
+        launch_pdl(quantize_fp8_bf16x8_held_kernel<decltype(k)::value>, rows, threads, stream,
+                   static_cast<const __nv_bfloat16*>(x), cols, ldx, mode, scale_in, codes, scale);
+      });
+    } else {
+      launch_pdl(quantize_fp8_bf16x8_kernel, rows, threads, stream,
+                 static_cast<const __nv_bfloat16*>(x), cols, ldx, mode, scale_in, codes, scale);
+    }
   } else {
     launch_pdl(quantize_fp8_kernel, rows, threads, stream, x, bf16, cols, ldx, mode, scale_in,
                codes, scale);

@@ -76,8 +76,12 @@ void fill_f32(float* w, int64_t n, float value, cudaStream_t stream);
 //   kGiven:   scale[r] as it is (read, not written).
 // A row whose given or static scale is not positive gets codes 0.
 enum class Fp8Scale : uint8_t { kDynamic, kStatic, kGiven };
+// `held`: 1 each thread holds its share of the row in registers (one memory round trip; up to 8
+// values or 16-byte chunks a thread), 0 the kernels that re-read the row per pass, -1 the default
+// (KVQ_FP8_HELD=0: 0, else 1). The same codes and scales either way.
 void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx, Fp8Scale mode,
-                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream);
+                       const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream,
+                       int held = -1);
 
 // The producers of an FP8 projection's input with the quantization fused in: each is the same
 // codes and scales, bit for bit, as its bf16-output kernel followed by quantize_rows_fp8 (one
@@ -87,10 +91,10 @@ void quantize_rows_fp8(const void* x, bool bf16, int rows, int cols, int64_t ldx
 //   quantize_rows_fp8_rounded: to_bf16 of fp32 rows (ldx apart)
 void rms_norm_rows_fp8(float* x, int n, int H, const float* w, float eps, Fp8Scale mode,
                        const float* scale_in, uint8_t* codes, float* scale, cudaStream_t stream,
-                       const ResidualAdd& ra = {});
+                       const ResidualAdd& ra = {}, int held = -1);
 void quantize_rows_fp8_rounded(const float* x, int rows, int cols, int64_t ldx, Fp8Scale mode,
                                const float* scale_in, uint8_t* codes, float* scale,
-                               cudaStream_t stream);
+                               cudaStream_t stream, int held = -1);
 
 // The scales of an FP8 GEMM run with unit scales (gemm_tuner.h, Fp8Scaling::kEpilogue):
 // out[i][j] = raw[i][j] * row_scale[i] * col_scale[j] (+ beta * out[i][j]), row stride ld for
