@@ -4,7 +4,9 @@
 # line per run (with "ab" and "case") in $OUT/ab-bundles.jsonl and a summary on stdout.
 #   device: run(command="bash scripts/gpu-ab-bundles.sh .carry/bundle-old.tar.xz .carry/bundle-new.tar.xz",
 #               carry=[".carry/bundle-old.tar.xz", ".carry/bundle-new.tar.xz"])
-# CASES (default below) are `kvq bench` argument strings, one per line.
+# CASES (default below) are `kvq bench` argument strings, one per line. A_BIN / B_BIN name each
+# side's binary inside its bundle (default build/kvq): one bundle holding both builds (e.g.
+# build-old/kvq and build/kvq) may serve as A and B, which halves what is carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out-ab}
@@ -27,7 +29,8 @@ for rep in $(seq 1 "${REPS:-2}"); do
     for side in A B; do
       for kv in ${KVS:-bfloat16}; do
         # shellcheck disable=SC2086
-        timeout 120 "ab-$side/build/kvq" bench --device cuda --kv-cache-dtype "$kv" $c --json 2>/dev/null |
+        bin_var=${side}_BIN
+        timeout 120 "ab-$side/${!bin_var:-build/kvq}" bench --device cuda --kv-cache-dtype "$kv" $c --json 2>/dev/null |
           SIDE=$side CASE="$c" python3 -c "
 import json, os, sys
 j = json.load(sys.stdin); j['ab'] = os.environ['SIDE']; j['case'] = os.environ['CASE']

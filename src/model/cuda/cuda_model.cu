@@ -2629,6 +2629,11 @@ void check_cuda_model_env() {
     if (!v.empty() && v != "8" && v != "16")
       throw InputError("KVQ_DECODE_CLUSTER_BLOCKS=" + v + " is not one of: 8, 16");
   }
+  if (const char* e = std::getenv("KVQ_FP8_HELD"); e != nullptr) {  // model_kernels.cu
+    const std::string v = e;
+    if (!v.empty() && v != "0" && v != "1")
+      throw InputError("KVQ_FP8_HELD=" + v + " is not one of: 1, 0");
+  }
   if (const char* e = std::getenv("KVQ_DECODE_CLUSTER"); e != nullptr) {
     const std::string v = e;
     if (!v.empty() && v != "auto" && v != "0" && v != "force")

@@ -273,7 +273,7 @@ __device__ void quantize_held_row_fp8(const float (&v)[kPer], int r, int cols, F
 bool held_fp8_rows(int held) {
   static const bool on = [] {
     const char* e = std::getenv("KVQ_FP8_HELD");
-    return e == nullptr || std::string(e) != "0";
+    return e == nullptr || std::string(e) != "0";  // other values fail in check_cuda_model_env
   }();
   return held < 0 ? on : held > 0;
 }
@@ -446,11 +446,20 @@ template <int kPer>
 __global__ void rms_norm_fp8_held_kernel(float* x, int H, const float* w, float eps, Fp8Scale mode,
                                          const float* scale_in, uint8_t* codes, float* scale,
                                          ResidualAdd ra) {
-  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
-  allow_next_kernel();
   __shared__ double scratch[32];
   const int r = static_cast<int>(blockIdx.x);
   const int tid = static_cast<int>(threadIdx.x), step = static_cast<int>(blockDim.x);
+  // The norm's weights and the residual's column scales (a projection's weight scales) do not
+  // depend on the kernel before: loaded while it finishes.
+  float wv[kPer], cv[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int i = tid + k * step;
+    wv[k] = i < H ? w[i] : 0.0f;
+    cv[k] = i < H && ra.col_scale ? ra.col_scale[i] : 0.0f;
+  }
+  wait_for_previous_kernel();  // PDL (cache/cuda/pdl.h)
+  allow_next_kernel();
   float* row = x + static_cast<int64_t>(r) * H;
   // The residual's row scale is read here, before the quantizer writes this row's new scale
   // (the same buffer: act_scale_); block_sum's barrier orders the two.
@@ -465,7 +474,7 @@ __global__ void rms_norm_fp8_held_kernel(float* x, int H, const float* w, float 
     if (i >= H) continue;
     float val = row[i];
     if (a != nullptr) {  // add_residual_and_square's arithmetic
-      const float p = ra.col_scale ? __fmul_rn(__fmul_rn(a[i], rs), ra.col_scale[i]) : a[i];
+      const float p = ra.col_scale ? __fmul_rn(__fmul_rn(a[i], rs), cv[k]) : a[i];
       val = __fadd_rn(p, val);
       row[i] = val;
     }
@@ -477,7 +486,7 @@ __global__ void rms_norm_fp8_held_kernel(float* x, int H, const float* w, float 
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
     const int i = tid + k * step;
-    if (i < H) v[k] = round_bf16(__fmul_rn(__fmul_rn(v[k], inv), w[i]));
+    if (i < H) v[k] = round_bf16(__fmul_rn(__fmul_rn(v[k], inv), wv[k]));
   }
   quantize_held_row_fp8<kPer>(v, r, H, mode, scale_in, codes, scale);
 }
