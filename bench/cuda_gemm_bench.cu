@@ -3,7 +3,7 @@
 // bf16 and FP8 e4m3 operands, and which FP8 scaling mode gives it the better kernels.
 //
 //   cuda_gemm_bench [--shapes llama3-8b] [--m 1,8,16,64] [--layers 8] [--beta 0|1]
-//                   [--modes bf16,fp8-vector,fp8-scalar,gemv,gemv-fp8]
+//                   [--modes bf16,fp8-vector,fp8-scalar,gemv,gemv-fp8,gemv-w8a16]
 //
 // For every (m, n, k) and mode it asks cuBLASLt's heuristic for up to 32 candidates, times each
 // over `layers` distinct weight matrices in turn (so the weights stream from HBM as in a step,
@@ -17,6 +17,8 @@
 //   gemv        bf16 x bf16 -> fp32 by kvq's skinny kernel (src/model/cuda/gemv.h; m <= 16),
 //               the candidate GemmTuner times beside cuBLASLt's
 //   gemv-fp8    e4m3 x e4m3 -> fp32 with both scale vectors, the same kernel's FP8 form
+//   gemv-w8a16  bf16 inputs x e4m3 weights -> fp32 with the weights' row scales (gemv_w8a16:
+//               the FP8 model's decode steps, no input quantization)
 // Each line also gives the device's copy bandwidth (read + write, measured once at start) and
 // the weight bytes / time as a share of it.
 // --beta 1 times out = product + out (the residual add the model's o and down projections
@@ -55,13 +57,16 @@
 
 namespace {
 
-enum class Mode { kBf16, kFp8Vector, kFp8Scalar, kGemv, kGemvFp8 };
+enum class Mode { kBf16, kFp8Vector, kFp8Scalar, kGemv, kGemvFp8, kGemvW8a16 };
+constexpr Mode kModes[] = {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar,
+                           Mode::kGemv, Mode::kGemvFp8,   Mode::kGemvW8a16};
 const char* name(Mode m) {
   return m == Mode::kBf16        ? "bf16"
          : m == Mode::kFp8Vector ? "fp8-vector"
          : m == Mode::kFp8Scalar ? "fp8-scalar"
          : m == Mode::kGemv      ? "gemv"
-                                 : "gemv-fp8";
+         : m == Mode::kGemvFp8   ? "gemv-fp8"
+                                 : "gemv-w8a16";
 }
 
 // Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written (the median
@@ -124,12 +129,14 @@ struct Point {
 Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, int layers,
           float beta, void* ws, size_t ws_bytes) {
   const bool fp8 = mode == Mode::kFp8Vector || mode == Mode::kFp8Scalar || mode == Mode::kGemvFp8;
+  const bool w8 = mode == Mode::kGemvW8a16;  // e4m3 weights, bf16 inputs
   const size_t el = fp8 ? 1 : 2;
+  const size_t wel = fp8 || w8 ? 1 : 2;
   std::vector<void*> w(static_cast<size_t>(layers));
   for (auto& p : w) {
-    CK(cudaMalloc(&p, static_cast<size_t>(n) * k * el));
-    fill<<<1024, 256, 0, st>>>(static_cast<uint8_t*>(p), static_cast<size_t>(n) * k * el,
-                               static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p)), fp8);
+    CK(cudaMalloc(&p, static_cast<size_t>(n) * k * wel));
+    fill<<<1024, 256, 0, st>>>(static_cast<uint8_t*>(p), static_cast<size_t>(n) * k * wel,
+                               static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p)), fp8 || w8);
     CK(cudaGetLastError());
   }
   void* in = nullptr;
@@ -144,7 +151,7 @@ Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, 
   ones<<<64, 256, 0, st>>>(sb, m);
   CK(cudaGetLastError());
 
-  if (mode == Mode::kGemv || mode == Mode::kGemvFp8) {
+  if (mode == Mode::kGemv || mode == Mode::kGemvFp8 || w8) {
     Point p;
     p.candidates = m <= kvq::cuda_model::kGemvMaxRows ? 1 : 0;
     if (p.candidates == 1) {
@@ -155,6 +162,8 @@ Point run(cublasLtHandle_t lt, cudaStream_t st, Mode mode, int m, int n, int k, 
           for (void* wp : w) {
             if (fp8)
               kvq::cuda_model::gemv_fp8(m, n, k, in, sb, k, wp, sa, out, n, b, st, warps);
+            else if (w8)
+              kvq::cuda_model::gemv_w8a16(m, n, k, in, k, wp, sa, out, n, b, st, warps);
             else
               kvq::cuda_model::gemv_bf16(m, n, k, in, k, wp, out, n, b, st, warps);
           }
@@ -318,13 +327,12 @@ int main(int argc, char** argv) {
         const size_t c = std::min(list.find(',', pos), list.size());
         const std::string tok = list.substr(pos, c - pos);
         bool found = false;
-        for (Mode md :
-             {Mode::kBf16, Mode::kFp8Vector, Mode::kFp8Scalar, Mode::kGemv, Mode::kGemvFp8})
+        for (Mode md : kModes)
           if (tok == name(md)) modes.push_back(md), found = true;
         if (!found) {
           std::fprintf(stderr,
                        "cuda_gemm_bench: --modes accepts bf16, fp8-vector, fp8-scalar, gemv, "
-                       "gemv-fp8; got %s\n",
+                       "gemv-fp8, gemv-w8a16; got %s\n",
                        tok.c_str());
           return 2;
         }
@@ -341,10 +349,10 @@ int main(int argc, char** argv) {
         return 2;
       }
     } else {
-      std::fprintf(
-          stderr,
-          "usage: cuda_gemm_bench [--shapes llama3-8b|llama3-8b-tp2] [--m 1,8,16,64] "
-          "[--layers 8] [--beta 0|1] [--modes bf16,fp8-vector,fp8-scalar,gemv,gemv-fp8]\n");
+      std::fprintf(stderr,
+                   "usage: cuda_gemm_bench [--shapes llama3-8b|llama3-8b-tp2] [--m 1,8,16,64] "
+                   "[--layers 8] [--beta 0|1] "
+                   "[--modes bf16,fp8-vector,fp8-scalar,gemv,gemv-fp8,gemv-w8a16]\n");
       return 2;
     }
   }
@@ -380,8 +388,8 @@ int main(int argc, char** argv) {
     for (int m : ms)
       for (Mode mode : modes) {
         const Point p = run(lt, st, mode, m, s.n, s.k, layers, beta, ws, ws_bytes);
-        const bool one_byte =
-            mode == Mode::kFp8Vector || mode == Mode::kFp8Scalar || mode == Mode::kGemvFp8;
+        const bool one_byte = mode == Mode::kFp8Vector || mode == Mode::kFp8Scalar ||
+                              mode == Mode::kGemvFp8 || mode == Mode::kGemvW8a16;
         const double bytes = static_cast<double>(s.n) * s.k * (one_byte ? 1 : 2);
         const double gbs = p.best_us > 0 && p.best_us < 1e30 ? bytes / (p.best_us * 1e3) : 0.0;
         std::printf(

@@ -664,21 +664,28 @@ TEST_P(CudaModelFp8Checkpoint, RunsInFp8NearTheDequantizedModel) {
   // The same pair with every FP8 GEMM scaled by kvq (KVQ_FP8_SCALING=epilogue; the tuner may
   // keep cuBLASLt's scaling for such small shapes otherwise, and untuned prefill shapes always
   // do), so the deferred scales (qkv_post, SiLU-mul) and the residual adds folded into RMSNorm
-  // run, in prefill and decode steps.
+  // run, in prefill and decode steps: decode steps with quantized inputs (W8A8,
+  // KVQ_FP8_W8A16=0), as larger steps run them.
   ASSERT_EQ(::setenv("KVQ_FP8_SCALING", "epilogue", 1), 0);
+  ASSERT_EQ(::setenv("KVQ_FP8_W8A16", "0", 1), 0);
   std::shared_ptr<const CudaModel> ep_fused = CudaModel::load(plan, small_options(false));
   ASSERT_EQ(::setenv("KVQ_FP8_FUSE", "0", 1), 0);
   std::shared_ptr<const CudaModel> ep_unfused = CudaModel::load(plan, small_options(false));
   ASSERT_EQ(::unsetenv("KVQ_FP8_FUSE"), 0);
   ASSERT_EQ(::unsetenv("KVQ_FP8_SCALING"), 0);
+  // And the default model's decode steps with quantized inputs (W8A8) instead of W8A16.
+  std::shared_ptr<const CudaModel> w8a8 = CudaModel::load(plan, small_options(false));
+  ASSERT_EQ(::unsetenv("KVQ_FP8_W8A16"), 0);
   Driver a(eager, 32), g(graphs, 32), r(exact, 32), u(unfused, 32), ef(ep_fused, 32),
-      eu(ep_unfused, 32);
+      eu(ep_unfused, 32), q(w8a8, 32);
   const int V = eager->vocab_size();
   const std::vector<SequenceId> ids{1, 2};
   std::vector<std::vector<int32_t>> p{random_tokens(37, V, rng), random_tokens(12, V, rng)};
-  Diff d;
+  Diff d, dq;
   const auto la = a.step(ids, p, true);
   ASSERT_EQ(la, g.step(ids, p, true));
+  // Prefill rows (49, over KVQ_FP8_W8A16's 8) quantize their inputs either way.
+  ASSERT_EQ(la, q.step(ids, p, true)) << "W8A16 at a 49-row step";
   ASSERT_EQ(la, u.step(ids, p, true)) << "fused FP8 producers / consumers, prefill";
   const auto le = ef.step(ids, p, true);
   ASSERT_EQ(le, eu.step(ids, p, true)) << "kvq-scaled FP8 GEMMs, fused vs unfused, prefill";
@@ -701,14 +708,22 @@ TEST_P(CudaModelFp8Checkpoint, RunsInFp8NearTheDequantizedModel) {
     const auto xe = ef.step(ids, next, false);
     ASSERT_EQ(xe, eu.step(ids, next, false))
         << "kvq-scaled FP8 GEMMs, fused vs unfused, step " << s;
+    // Two-row steps run W8A16 by default: not W8A8's arithmetic (the inputs are not rounded to
+    // e4m3), nearer the exact model (below).
+    const auto xq = q.step(ids, next, false);
+    ASSERT_NE(xa, xq) << "decode step " << s << " ran W8A8 by default";
     lr = r.step(ids, next, false);
     accumulate(d, lr, xa, V);
     accumulate(de, lr, xe, V);
+    accumulate(dq, lr, xq, V);
   }
-  std::printf("[ FP8 checkpoint %s %s %s%s ] seed %u: top-1 %d/%d, rel %.3g\n",
-              c.layout == Layout::kModelOpt ? "modelopt" : "compressed-tensors",
-              c.per_channel ? "channel" : "tensor", c.static_activations ? "static" : "dynamic",
-              c.ignore_lm_head ? " lm_head ignored" : "", seed, d.same_top1, d.rows, d.rel());
+  std::printf(
+      "[ FP8 checkpoint %s %s %s%s ] seed %u: top-1 %d/%d, rel %.3g (decode steps W8A8: top-1 "
+      "%d/%d, rel %.3g)\n",
+      c.layout == Layout::kModelOpt ? "modelopt" : "compressed-tensors",
+      c.per_channel ? "channel" : "tensor", c.static_activations ? "static" : "dynamic",
+      c.ignore_lm_head ? " lm_head ignored" : "", seed, d.same_top1, d.rows, d.rel(), dq.same_top1,
+      dq.rows, dq.rel());
   EXPECT_GE(d.same_top1, 0.75 * d.rows);
   EXPECT_LE(d.rel(), 0.3);
   EXPECT_GE(de.same_top1, 0.75 * de.rows) << "kvq-scaled FP8 GEMMs";

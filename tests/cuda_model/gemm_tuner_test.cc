@@ -276,6 +276,168 @@ TEST(GemvFp8, MatchesTheScaledProduct) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// W8A16 (gemv_w8a16: e4m3 weights with a scale per row, bf16 inputs, no input quantization):
+// against fp64 sums of the decoded codes times the bf16 inputs, for every row count, every
+// variant, ragged n and k, padded input rows, beta 0 over NaN and beta 1; its fused forms
+// (RMSNorm prologue, SiLU-mul epilogue) against rms_norm_rows / silu_mul around the plain
+// kernel, bit for bit; what it does not take is refused.
+TEST(GemvW8a16, MatchesTheScaledProductAndItsFusedForms) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> mag(-4.0f, 4.0f);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  auto code = [&]() {
+    uint8_t c = static_cast<uint8_t>(rng());
+    return (c & 0x7f) == 0x7f ? static_cast<uint8_t>(c ^ 0x01) : c;  // every code but NaN
+  };
+  struct Shape {
+    int m, n, k, lda;
+  };
+  std::vector<Shape> shapes = {{1, 1, 16, 16},        {1, 40, 64, 72},     {5, 100, 1040, 1040},
+                               {8, 520, 2048, 2056},  {9, 33, 4112, 4112}, {16, 129, 336, 344},
+                               {1, 4100, 4096, 4096},  // the ring variant (16 MiB and over)
+                               {3, 3000, 4112, 4112}};
+  shapes.push_back({1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 300),
+                    16 * (1 + static_cast<int>(rng() % 200)), 0});
+  for (Shape s : shapes) {
+    if (s.lda == 0) s.lda = s.k + 8 * static_cast<int>(rng() % 2);
+    SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
+                 std::to_string(s.k) + " lda " + std::to_string(s.lda));
+    std::vector<uint16_t> in(static_cast<size_t>(s.m) * s.lda);
+    for (auto& v : in) v = to_bf16(nd(rng));
+    std::vector<uint8_t> w(static_cast<size_t>(s.n) * s.k);
+    for (auto& v : w) v = code();
+    std::vector<float> w_scale(static_cast<size_t>(s.n));
+    for (auto& v : w_scale) v = std::exp(mag(rng)) / 448.0f;
+    DeviceBuffer<uint16_t> din(in);
+    DeviceBuffer<uint8_t> dw(w);
+    DeviceBuffer<float> dws(w_scale), dout(static_cast<size_t>(s.m) * s.n);
+    ASSERT_TRUE(
+        cuda_model::gemv_w8a16_fits(s.m, s.n, s.k, din.get(), s.lda, dw.get(), dout.get(), s.n));
+    std::vector<float> base(static_cast<size_t>(s.m) * s.n);
+    for (auto& v : base) v = nd(rng);
+    std::vector<double> sum(base.size()), abs_sum(base.size());
+    for (int i = 0; i < s.m; ++i)
+      for (int j = 0; j < s.n; ++j) {
+        double a = 0.0, b = 0.0;
+        for (int c = 0; c < s.k; ++c) {
+          const double p = from_bf16(in[static_cast<size_t>(i) * s.lda + c]) *
+                           quant::fp8_e4m3_decode(w[static_cast<size_t>(j) * s.k + c]);
+          a += p;
+          b += std::abs(p);
+        }
+        sum[static_cast<size_t>(i) * s.n + j] = a;
+        abs_sum[static_cast<size_t>(i) * s.n + j] = b;
+      }
+    for (const int warps : cuda_model::kGemvWarps)
+      for (const float beta : {0.0f, 1.0f}) {
+        SCOPED_TRACE("warps " + std::to_string(warps) + " beta " + std::to_string(beta));
+        if (!cuda_model::gemv_variant_fits(warps, s.m, s.k, false)) continue;
+        dout.upload(beta == 0.0f
+                        ? std::vector<float>(base.size(), std::numeric_limits<float>::quiet_NaN())
+                        : base);
+        cuda_model::gemv_w8a16(s.m, s.n, s.k, din.get(), s.lda, dw.get(), dws.get(), dout.get(),
+                               s.n, beta, stream, warps);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const std::vector<float> got = dout.download();
+        for (int i = 0; i < s.m; ++i)
+          for (int j = 0; j < s.n; ++j) {
+            const size_t o = static_cast<size_t>(i) * s.n + j;
+            const double sc = w_scale[static_cast<size_t>(j)];
+            const double want = sc * sum[o] + beta * base[o];
+            ASSERT_NEAR(got[o], want,
+                        2e-5 * sc * abs_sum[o] + 1e-6 * std::abs(beta * base[o]) + 1e-6)
+                << "row " << i << " feature " << j;
+          }
+      }
+  }
+
+  // The fused forms: gate|up rows of 2 I codes, the RMSNorm of fp32 rows.
+  struct Fused {
+    int m, I, k;
+  };
+  for (const Fused f :
+       {Fused{1, 8, 64}, Fused{3, 37, 272}, Fused{4, 700, 1024},
+        Fused{1, 2100, 4096},  // the ring variant
+        Fused{1 + static_cast<int>(rng() % cuda_model::kGemvNormMaxRows),
+              1 + static_cast<int>(rng() % 500), 16 * (1 + static_cast<int>(rng() % 200))}}) {
+    SCOPED_TRACE("fused m " + std::to_string(f.m) + " I " + std::to_string(f.I) + " k " +
+                 std::to_string(f.k));
+    const int ldx = f.k + 4 * static_cast<int>(rng() % 3);
+    std::vector<float> x(static_cast<size_t>(f.m) * ldx), g(static_cast<size_t>(f.k));
+    for (auto& v : x) v = 3.0f * nd(rng);
+    for (auto& v : g) v = 1.0f + 0.5f * nd(rng);
+    std::vector<uint8_t> w(static_cast<size_t>(2 * f.I) * f.k);
+    for (auto& v : w) v = code();
+    std::vector<float> w_scale(static_cast<size_t>(2 * f.I));
+    for (auto& v : w_scale) v = std::exp(mag(rng)) / 448.0f / 64.0f;
+    DeviceBuffer<float> dx(x), dg(g), dws(w_scale);
+    DeviceBuffer<uint8_t> dw(w);
+    DeviceBuffer<uint16_t> normed(static_cast<size_t>(f.m) * f.k);
+    constexpr float kEps = 1e-5f;
+    const cuda_model::GemvNorm nm{dx.get(), ldx, dg.get(), kEps};
+    ASSERT_TRUE(cuda_model::gemv_norm_fits(f.m, f.k, nm));
+    for (int i = 0; i < f.m; ++i)
+      cuda_model::rms_norm_rows(dx.get() + static_cast<size_t>(i) * ldx, nullptr, 1, f.k, dg.get(),
+                                kEps, normed.get() + static_cast<size_t>(i) * f.k, true, stream);
+    const int n = 2 * f.I;
+    for (const int warps : cuda_model::kGemvWarps) {
+      SCOPED_TRACE("warps " + std::to_string(warps));
+      if (!cuda_model::gemv_variant_fits(warps, f.m, f.k, false)) continue;
+      // RMSNorm prologue: the bits of rms_norm_rows + gemv_w8a16.
+      DeviceBuffer<float> ref(static_cast<size_t>(f.m) * n), got(static_cast<size_t>(f.m) * n);
+      cuda_model::gemv_w8a16(f.m, n, f.k, normed.get(), f.k, dw.get(), dws.get(), ref.get(), n,
+                             0.0f, stream, warps);
+      cuda_model::gemv_w8a16_norm(f.m, n, f.k, nm, dw.get(), dws.get(), got.get(), n, 0.0f, stream,
+                                  warps);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const std::vector<float> prod = ref.download(), b = got.download();
+      ASSERT_EQ(std::memcmp(prod.data(), b.data(), prod.size() * sizeof(float)), 0)
+          << "gemv_w8a16_norm and rms_norm_rows + gemv_w8a16 differ";
+      // SiLU-mul epilogue, with and without the prologue: the bits of gemv_w8a16 + silu_mul.
+      DeviceBuffer<uint16_t> sref(static_cast<size_t>(f.m) * f.I),
+          sgot(static_cast<size_t>(f.m) * f.I), sgot_norm(static_cast<size_t>(f.m) * f.I);
+      for (int i = 0; i < f.m; ++i)
+        cuda_model::silu_mul(ref.get() + static_cast<size_t>(i) * n, nullptr, 1, f.I,
+                             sref.get() + static_cast<size_t>(i) * f.I, true, stream);
+      ASSERT_TRUE(cuda_model::gemv_w8a16_silu_mul_fits(f.m, f.I, f.k, normed.get(), f.k, dw.get(),
+                                                       sgot.get(), f.I, true));
+      cuda_model::gemv_w8a16_silu_mul(f.m, f.I, f.k, normed.get(), f.k, dw.get(), dws.get(),
+                                      sgot.get(), f.I, true, stream, warps);
+      cuda_model::gemv_w8a16_silu_mul_norm(f.m, f.I, f.k, nm, dw.get(), dws.get(), sgot_norm.get(),
+                                           f.I, true, stream, warps);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const std::vector<uint16_t> sa = sref.download(), sb = sgot.download(),
+                                  sc = sgot_norm.download();
+      ASSERT_EQ(std::memcmp(sa.data(), sb.data(), sa.size() * 2), 0)
+          << "gemv_w8a16_silu_mul and gemv_w8a16 + silu_mul differ";
+      ASSERT_EQ(std::memcmp(sa.data(), sc.data(), sa.size() * 2), 0)
+          << "gemv_w8a16_silu_mul_norm and rms_norm_rows + gemv_w8a16 + silu_mul differ";
+      for (float v : b) ASSERT_TRUE(std::isfinite(v));
+    }
+  }
+
+  // Refusals: k not a multiple of 16, lda not a multiple of 8, too many rows, misaligned input,
+  // no scales.
+  DeviceBuffer<uint16_t> x(64 * 64);
+  DeviceBuffer<uint8_t> wt(64 * 64);
+  DeviceBuffer<float> y(64 * 64);
+  EXPECT_FALSE(cuda_model::gemv_w8a16_fits(1, 8, 24, x.get(), 24, wt.get(), y.get(), 8));
+  EXPECT_FALSE(cuda_model::gemv_w8a16_fits(1, 8, 32, x.get(), 36, wt.get(), y.get(), 8));
+  EXPECT_FALSE(cuda_model::gemv_w8a16_fits(17, 8, 32, x.get(), 32, wt.get(), y.get(), 8));
+  EXPECT_FALSE(cuda_model::gemv_w8a16_fits(1, 8, 32, x.get() + 4, 32, wt.get(), y.get(), 8));
+  EXPECT_FALSE(
+      cuda_model::gemv_w8a16_silu_mul_fits(1, 8, 40, x.get(), 40, wt.get(), y.get(), 8, true));
+  EXPECT_THROW(
+      cuda_model::gemv_w8a16(1, 8, 32, x.get(), 32, wt.get(), nullptr, y.get(), 8, 0.0f, stream),
+      InternalError);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 // The RMSNorm in the skinny GEMM's prologue (gemv_bf16_norm, gemv_bf16_silu_mul_norm) against
 // rms_norm_rows (bf16 rows) followed by the plain kernels: the same bits, for every row count it
 // takes, padded input rows, ragged n, both warp counts, beta 0 over NaN and beta 1; and what it
@@ -549,6 +711,82 @@ TEST(GemvBf16, TunerForcedNeverAndAuto) {
     never.set_gemv_use(cuda_model::GemvUse::kNever);
     EXPECT_GT(never.tune(m, n3, k, din.get(), k, wp3, dout.get(), n3, 1000.0), 0.0);
     EXPECT_FALSE(never.uses_gemv(m, n3, k, k, n3));
+  }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// The tuner's W8A16 shapes: only kvq's kernel runs them; tuned, run() computes the scaled
+// product (beta 1); never tuned or with the skinny kernel turned off (kNever), run() refuses
+// (the model then quantizes its input for the FP8 GEMM).
+TEST(GemmTuner, W8a16RunsOnTheSkinnyKernelOrNot) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  constexpr size_t kWs = 32u << 20;
+  DeviceBuffer<std::byte> ws(kWs);
+  const int m = 1 + static_cast<int>(rng() % 16), n = 544, k = 1040;
+  SCOPED_TRACE("m " + std::to_string(m));
+  std::vector<uint16_t> in(static_cast<size_t>(m) * k);
+  for (auto& v : in) v = to_bf16(nd(rng));
+  std::vector<uint8_t> w(static_cast<size_t>(n) * k);
+  for (auto& v : w) {
+    v = static_cast<uint8_t>(rng());
+    if ((v & 0x7f) == 0x7f) v ^= 1;  // no NaN
+  }
+  std::vector<float> w_scale(static_cast<size_t>(n));
+  for (auto& v : w_scale) v = (0.5f + static_cast<float>(rng() % 100) / 50.0f) / 448.0f;
+  DeviceBuffer<uint16_t> din(in);
+  DeviceBuffer<uint8_t> dw(w);
+  DeviceBuffer<float> dws(w_scale), dout(static_cast<size_t>(m) * n);
+  const std::vector<cuda_model::GemmWeight> wp = {{dw.get(), dws.get()}};
+  using cuda_model::GemmInput;
+  {
+    cuda_model::GemmTuner tuner(stream, ws.get(), kWs);
+    EXPECT_FALSE(
+        tuner.run(GemmInput::kW8A16, m, n, k, din.get(), nullptr, k, wp[0], dout.get(), n, 0.0f))
+        << "an untuned W8A16 shape ran";
+    EXPECT_GT(tuner.tune(GemmInput::kW8A16, m, n, k, din.get(), nullptr, k, wp, dout.get(), n),
+              0.0);
+    EXPECT_GT(tuner.gemv_warps(GemmInput::kW8A16, m, n, k, k, n), 0);
+    EXPECT_EQ(tuner.gemv_warps(m, n, k, k, n), 0) << "a W8A16 plan taken for a bf16 shape";
+    std::vector<float> base(static_cast<size_t>(m) * n);
+    for (auto& v : base) v = nd(rng);
+    dout.upload(base);
+    ASSERT_TRUE(
+        tuner.run(GemmInput::kW8A16, m, n, k, din.get(), nullptr, k, wp[0], dout.get(), n, 1.0f));
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<float> got = dout.download();
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) {
+        double sum = 0.0, mag = 0.0;
+        for (int c = 0; c < k; ++c) {
+          const double p = from_bf16(in[static_cast<size_t>(i) * k + c]) *
+                           quant::fp8_e4m3_decode(w[static_cast<size_t>(j) * k + c]);
+          sum += p;
+          mag += std::abs(p);
+        }
+        const double sc = w_scale[static_cast<size_t>(j)];
+        const double want = base[static_cast<size_t>(i) * n + j] + sc * sum;
+        ASSERT_NEAR(got[static_cast<size_t>(i) * n + j], want, 2e-5 * sc * mag + 1e-5)
+            << "row " << i << " feature " << j;
+      }
+  }
+  {
+    cuda_model::GemmTuner never(stream, ws.get(), kWs);
+    never.set_gemv_use(cuda_model::GemvUse::kNever);
+    const int n2 = n + 16;  // a shape no tuner of this process timed
+    DeviceBuffer<uint8_t> w2(static_cast<size_t>(n2) * k);
+    DeviceBuffer<float> s2(static_cast<size_t>(n2)), out2(static_cast<size_t>(m) * n2);
+    const std::vector<cuda_model::GemmWeight> wp2 = {{w2.get(), s2.get()}};
+    EXPECT_EQ(never.tune(GemmInput::kW8A16, m, n2, k, din.get(), nullptr, k, wp2, out2.get(), n2),
+              0.0);
+    EXPECT_EQ(never.gemv_warps(GemmInput::kW8A16, m, n2, k, k, n2), 0);
+    EXPECT_FALSE(never.run(GemmInput::kW8A16, m, n2, k, din.get(), nullptr, k, wp2[0], out2.get(),
+                           n2, 0.0f));
   }
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }

@@ -151,6 +151,7 @@ TEST(CliBadInput, CpuKernelEnvironmentSwitches) {
   cases.push_back(Case{"KVQ_GEMV_NORM", "on", "0", "0 .. 4"});
   cases.push_back(Case{"KVQ_L2_PREFETCH", "on", "0", "1, 0"});
   cases.push_back(Case{"KVQ_FP8_HELD", "yes", "1", "1, 0"});
+  cases.push_back(Case{"KVQ_FP8_W8A16", "on", "0", "0 .. 16"});
   cases.push_back(Case{"KVQ_VERIFY_Q_BUCKETS", "all", "coarse", "fine, coarse"});
   cases.push_back(Case{"KVQ_PDL_EARLY", "8", "0", "0 .. 7"});
   cases.push_back(Case{"KVQ_DECODE_TINY_MAX_TILES", "lots", "64", "from 1"});

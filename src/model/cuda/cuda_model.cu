@@ -122,6 +122,21 @@ bool l2_prefetch_from_env() {
   return v == "1";
 }
 constexpr int kL2PrefetchWarps = 8;
+// KVQ_FP8_W8A16=n: FP8 projections of steps of at most n rows (0 .. kGemvMaxRows; default 8)
+// multiply their bf16 input rows by the e4m3 weights on kvq's skinny GEMM (gemv.h gemv_w8a16:
+// no input quantization, no scaling kernel, and the bf16 path's RMSNorm prologue and SiLU-mul
+// epilogue apply); larger steps quantize their inputs to e4m3 (W8A8). FP8-weight 8B steps,
+// H200: batch 1 -7%, 4 -4%, 8 -5%, 16 +1% (the two-n-tile form reads its weights slower),
+// hence 8. 0: always W8A8 (A/B; docs/notes/decode-tuning.md version 21).
+constexpr int kFp8W8a16Rows = 8;
+int fp8_w8a16_rows_from_env() {
+  const char* e = std::getenv("KVQ_FP8_W8A16");
+  const std::string v = e == nullptr || *e == '\0' ? std::to_string(kFp8W8a16Rows) : e;
+  for (int rows = 0; rows <= cuda_model::kGemvMaxRows; ++rows)
+    if (v == std::to_string(rows)) return rows;
+  throw InputError("KVQ_FP8_W8A16=" + v + " is not a row count 0 .. " +
+                   std::to_string(cuda_model::kGemvMaxRows));
+}
 // KVQ_GEMV_NORM=n: the RMSNorm before q|k|v and before gate|up inside the skinny GEMM that reads
 // it, where that kernel runs the product, for steps of at most n rows (0: the separate kernel,
 // A/B). Default 1: every block of the product normalizes its own copy of the rows, which pays at
@@ -806,12 +821,23 @@ class CudaDecoderModel final : public CudaModel {
               float beta) const {
     (void)linear(L, m, in, lda, out, ldc, beta, LinearOpts{});
   }
-  // Whether the forward pass fuses an FP8 projection's input quantization into the kernel
-  // that produces the input (and its scales into the consumer): KVQ_FP8_FUSE=0 turns it off
-  // (A/B; the results are the same bits).
-  bool fuse_fp8(const cuda_model::Linear& L) const {
-    return fp8_fuse_ && L.dtype == cuda_model::Linear::Dtype::kFP8;
+  // Whether an FP8 projection of an m-row step runs as W8A16 (bf16 inputs on kvq's skinny
+  // GEMM; fp8_w8a16_rows_from_env): m within KVQ_FP8_W8A16 and the tuner timed a variant for it.
+  bool w8a16(const cuda_model::Linear& L, int m) const {
+    return L.dtype == cuda_model::Linear::Dtype::kFP8 && m <= w8a16_rows_ && bf16_ && tuner_ &&
+           tuner_->gemv_warps(cuda_model::GemmInput::kW8A16, m, L.n, L.k, L.k, L.n) > 0;
   }
+  // Whether the forward pass fuses an FP8 projection's input quantization into the kernel
+  // that produces the input (and its scales into the consumer) at an m-row step: not for
+  // W8A16 (bf16 inputs). KVQ_FP8_FUSE=0 turns it off (A/B; the results are the same bits).
+  bool fuse_fp8(const cuda_model::Linear& L, int m) const {
+    return fp8_fuse_ && L.dtype == cuda_model::Linear::Dtype::kFP8 && !w8a16(L, m);
+  }
+  // The skinny GEMM's fused forms for bf16 weights or W8A16 FP8 ones (L's dtype says which).
+  void gemv_norm_product(const cuda_model::Linear& L, int T, const cuda_model::GemvNorm& norm,
+                         float* out, int ldc, int warps) const;
+  void gemv_silu_mul_product(const cuda_model::Linear& gate_up, int T, const void* in,
+                             const cuda_model::GemvNorm* norm, void* out, int ldo, int warps) const;
   static cuda_model::Fp8Scale fp8_mode(const cuda_model::Linear& L) {
     return L.in_scale ? cuda_model::Fp8Scale::kStatic : cuda_model::Fp8Scale::kDynamic;
   }
@@ -895,6 +921,7 @@ class CudaDecoderModel final : public CudaModel {
   float* lm_gather_ = nullptr;
   size_t fp8_raw_floats_ = 0;
   bool fp8_fuse_ = true;
+  int w8a16_rows_ = 0;  // KVQ_FP8_W8A16
   // A DFlash drafter's context rows ride in the layers' q|k|v products (run_body);
   // KVQ_DFLASH_RIDE=0: they are written on their own first (A/B switch).
   bool context_rows_ride_ = false;
@@ -1182,6 +1209,7 @@ void CudaDecoderModel::allocate_buffers() {
   if (const char* e = std::getenv("KVQ_FP8_FUSE"); e != nullptr && std::string(e) == "0")
     fp8_fuse_ = false;
   if (tuner_) tuner_->set_fp8_scales_deferred(fp8_fuse_);
+  w8a16_rows_ = fp8_w8a16_rows_from_env();
 
   S_cap_ = options_.max_num_seqs;
   T_cap_ = std::max(options_.max_num_batched_tokens, options_.max_num_seqs);
@@ -1449,6 +1477,11 @@ CudaDecoderModel::Deferred CudaDecoderModel::linear(const cuda_model::Linear& L,
   if (L.dtype == Dtype::kFP8) {
     KVQ_CHECK(act8_ != nullptr && tuner_ != nullptr && bf16_,
               "an FP8 projection in a model without FP8 buffers");
+    // W8A16 (no input quantization, the scales applied by the kernel) where it applies.
+    if (!opts.quantized && w8a16(L, m) &&
+        tuner_->run(cuda_model::GemmInput::kW8A16, m, L.n, L.k, in, nullptr, lda,
+                    cuda_model::GemmWeight{L.w, L.scale}, out, ldc, beta))
+      return {};
     if (!opts.quantized)
       cuda_model::quantize_rows_fp8(in, true, m, L.k, lda, fp8_mode(L), L.in_scale, act8_,
                                     act_scale_, stream_);
@@ -1828,11 +1861,42 @@ void CudaDecoderModel::logits_rows(int first, int n) const {
 
 int CudaDecoderModel::norm_in_gemv_warps(const cuda_model::Linear& L, int T,
                                          const float* norm_w) const {
+  const bool w8 = w8a16(L, T);
   if (T > gemv_norm_ || !bf16_ || !tuner_ || tp_.active() ||
-      L.dtype != cuda_model::Linear::Dtype::kBF16 || L.k != H_)
+      (L.dtype != cuda_model::Linear::Dtype::kBF16 && !w8) || L.k != H_)
     return 0;
-  const int warps = tuner_->gemv_warps(T, L.n, L.k, L.k, L.n);
+  const int warps = tuner_->gemv_warps(
+      w8 ? cuda_model::GemmInput::kW8A16 : cuda_model::GemmInput::kBF16, T, L.n, L.k, L.k, L.n);
   return warps > 0 && cuda_model::gemv_norm_fits(T, L.k, {x_, H_, norm_w, eps_}) ? warps : 0;
+}
+
+void CudaDecoderModel::gemv_norm_product(const cuda_model::Linear& L, int T,
+                                         const cuda_model::GemvNorm& norm, float* out, int ldc,
+                                         int warps) const {
+  if (L.dtype == cuda_model::Linear::Dtype::kFP8)
+    cuda_model::gemv_w8a16_norm(T, L.n, L.k, norm, L.w, L.scale, out, ldc, 0.0f, stream_, warps);
+  else
+    cuda_model::gemv_bf16_norm(T, L.n, L.k, norm, L.w, out, ldc, 0.0f, stream_, warps);
+}
+
+void CudaDecoderModel::gemv_silu_mul_product(const cuda_model::Linear& gate_up, int T,
+                                             const void* in, const cuda_model::GemvNorm* norm,
+                                             void* out, int ldo, int warps) const {
+  const int n = gate_up.n / 2;
+  if (gate_up.dtype == cuda_model::Linear::Dtype::kFP8) {
+    if (norm != nullptr)
+      cuda_model::gemv_w8a16_silu_mul_norm(T, n, gate_up.k, *norm, gate_up.w, gate_up.scale, out,
+                                           ldo, true, stream_, warps);
+    else
+      cuda_model::gemv_w8a16_silu_mul(T, n, gate_up.k, in, gate_up.k, gate_up.w, gate_up.scale, out,
+                                      ldo, true, stream_, warps);
+  } else if (norm != nullptr) {
+    cuda_model::gemv_bf16_silu_mul_norm(T, n, gate_up.k, *norm, gate_up.w, out, ldo, true, stream_,
+                                        warps);
+  } else {
+    cuda_model::gemv_bf16_silu_mul(T, n, gate_up.k, in, gate_up.k, gate_up.w, out, ldo, true,
+                                   stream_, warps);
+  }
 }
 
 void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView>& views) const {
@@ -1894,7 +1958,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
                                    : 0;
     if (normed || (lab & 1) || qkv_norm_warps > 0) {
       // the previous layer's down all-reduce normalized x_ into h_ (or the GEMM normalizes)
-    } else if (fuse_fp8(w.qkv)) {
+    } else if (fuse_fp8(w.qkv, T)) {
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.input_norm, eps_, fp8_mode(w.qkv), w.qkv.in_scale,
                                     act8_, act_scale_, stream_, pending.residual());
     } else if (pending.add) {
@@ -1907,11 +1971,10 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     // With ctx rows: rows [-ctx, 0) of these buffers are the context rows (see above).
     Deferred dq;
     if (qkv_norm_warps > 0)
-      cuda_model::gemv_bf16_norm(T, qkv_dim_, H_, {x_, H_, w.input_norm, eps_}, w.qkv.w, qkv_,
-                                 qkv_dim_, 0.0f, stream_, qkv_norm_warps);
+      gemv_norm_product(w.qkv, T, {x_, H_, w.input_norm, eps_}, qkv_, qkv_dim_, qkv_norm_warps);
     else
       dq = linear(w.qkv, ctx + T, ctx_h, H_, qkv_ - ctx * qkv_dim_, qkv_dim_, 0.0f,
-                  {fuse_fp8(w.qkv), fuse_fp8(w.qkv)});
+                  {fuse_fp8(w.qkv, T), fuse_fp8(w.qkv, T)});
     if (pf_.s != nullptr && T == 1 && ctx == 0 &&
         w.o.weight_bytes() >= options_.l2_prefetch_min_bytes) {
       // While q|k|v post, the cache write, Q prep and attention run (latency-bound, on a few
@@ -1933,7 +1996,7 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
                     stream_);
     if (!(lab & 8)) attention(st, l, views[static_cast<size_t>(l)]);
     const void* att_in = att_;
-    if (fuse_fp8(w.o)) {
+    if (fuse_fp8(w.o, T)) {
       cuda_model::quantize_rows_fp8_rounded(att_, T, q_dim_, q_dim_, fp8_mode(w.o), w.o.in_scale,
                                             act8_, act_scale_, stream_);
     } else if (bf16_) {
@@ -1945,26 +2008,34 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     // theirs over it, and the all-reduce sums them: every rank holds the new residual.
     const float residual_beta = tp && tp_.rank != 0 ? 0.0f : 1.0f;
     const Deferred dox = linear(w.o, T, att_in, q_dim_, x_, H_, residual_beta,
-                                {fuse_fp8(w.o), fuse_fp8(w.o) && !w.o_bias && !tp});
-    normed = tp && all_reduce(w.post_norm, !w.o_bias && !fuse_fp8(w.gate_up));
+                                {fuse_fp8(w.o, T), fuse_fp8(w.o, T) && !w.o_bias && !tp});
+    normed = tp && all_reduce(w.post_norm, !w.o_bias && !fuse_fp8(w.gate_up, T));
     if (w.o_bias) cuda_model::add_bias_rows(x_, w.o_bias, T, H_, stream_);
     // Where the tuner runs gate|up on kvq's skinny kernel (bf16 weights, no bias), its
     // SiLU-mul rides in that kernel's epilogue (the same bits), writing bf16 rows into mlp_
     // for down; otherwise SiLU-mul is its own wide kernel (one block per row of 14336 would be
     // latency-bound at a few rows). down's input is quantized by linear() from bf16 rows.
+    // FP8 gate|up weights the same where they run as W8A16.
+    const bool gate_up_w8 = w8a16(w.gate_up, T);
     const int silu_warps =
-        gemv_silu_ && tuner_ && w.gate_up.dtype == cuda_model::Linear::Dtype::kBF16 &&
+        gemv_silu_ && tuner_ &&
+                (w.gate_up.dtype == cuda_model::Linear::Dtype::kBF16 || gate_up_w8) &&
                 !w.gate_up_bias && !(lab & 64) &&
-                cuda_model::gemv_bf16_silu_mul_fits(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true)
-            ? tuner_->gemv_warps(T, 2 * I_, H_, H_, 2 * I_)
+                (gate_up_w8 ? cuda_model::gemv_w8a16_silu_mul_fits(T, I_, H_, h_, H_, w.gate_up.w,
+                                                                   mlp_, I_, true)
+                            : cuda_model::gemv_bf16_silu_mul_fits(T, I_, H_, h_, H_, w.gate_up.w,
+                                                                  mlp_, I_, true))
+            ? tuner_->gemv_warps(
+                  gate_up_w8 ? cuda_model::GemmInput::kW8A16 : cuda_model::GemmInput::kBF16, T,
+                  2 * I_, H_, H_, 2 * I_)
             : 0;
     // The post-attention RMSNorm inside that kernel, where it fits (as for q|k|v above).
     const bool post_norm_in_gemv = silu_warps > 0 && T <= gemv_norm_ && !tp && !normed &&
-                                   !dox.add && !(lab & 32) && !fuse_fp8(w.gate_up) &&
+                                   !dox.add && !(lab & 32) && !fuse_fp8(w.gate_up, T) &&
                                    cuda_model::gemv_norm_fits(T, H_, {x_, H_, w.post_norm, eps_});
     if (normed || (lab & 32) || post_norm_in_gemv) {
       // h_ is the post-attention RMSNorm of the all-reduced residual (or the GEMM normalizes)
-    } else if (fuse_fp8(w.gate_up)) {
+    } else if (fuse_fp8(w.gate_up, T)) {
       cuda_model::rms_norm_rows_fp8(x_, T, H_, w.post_norm, eps_, fp8_mode(w.gate_up),
                                     w.gate_up.in_scale, act8_, act_scale_, stream_, dox.residual());
     } else if (dox.add) {
@@ -1975,16 +2046,15 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
     }
     const void* down_in = h_;
     if (post_norm_in_gemv) {
-      cuda_model::gemv_bf16_silu_mul_norm(T, I_, H_, {x_, H_, w.post_norm, eps_}, w.gate_up.w, mlp_,
-                                          I_, true, stream_, silu_warps);
+      const cuda_model::GemvNorm nm{x_, H_, w.post_norm, eps_};
+      gemv_silu_mul_product(w.gate_up, T, nullptr, &nm, mlp_, I_, silu_warps);
       down_in = mlp_;
     } else if (silu_warps > 0) {
-      cuda_model::gemv_bf16_silu_mul(T, I_, H_, h_, H_, w.gate_up.w, mlp_, I_, true, stream_,
-                                     silu_warps);
+      gemv_silu_mul_product(w.gate_up, T, h_, nullptr, mlp_, I_, silu_warps);
       down_in = mlp_;
     } else {
       const Deferred dg = linear(w.gate_up, T, h_, H_, mlp_, 2 * I_, 0.0f,
-                                 {fuse_fp8(w.gate_up), fuse_fp8(w.gate_up)});
+                                 {fuse_fp8(w.gate_up, T), fuse_fp8(w.gate_up, T)});
       cuda_model::silu_mul(mlp_, w.gate_up_bias, T, I_, h_, bf16_, stream_, dg.row_scale,
                            dg.col_scale);
     }
@@ -1995,14 +2065,14 @@ void CudaDecoderModel::run_body(const Step& st, const std::vector<LayerCacheView
       for (int32_t c : capture_sets_[static_cast<size_t>(st.capture_set) - 1])
         captured = captured || c == l;
     const bool fold_down =
-        fuse_fp8(w.down) && !w.down_bias && l + 1 < num_layers_ && !captured && !tp;
+        fuse_fp8(w.down, T) && !w.down_bias && l + 1 < num_layers_ && !captured && !tp;
     pending = linear(w.down, T, down_in, I_, x_, H_, residual_beta, {false, fold_down});
     // The next layer's input RMSNorm may run inside the all-reduce (not the last layer's: the
     // final norm reads only the logit rows).
     const DeviceWeights::Layer* next =
         l + 1 < num_layers_ ? &w_->layers[static_cast<size_t>(l) + 1] : nullptr;
     normed = tp && all_reduce(next ? next->input_norm : nullptr,
-                              next && !w.down_bias && !fuse_fp8(next->qkv));
+                              next && !w.down_bias && !fuse_fp8(next->qkv, T));
     if (w.down_bias) cuda_model::add_bias_rows(x_, w.down_bias, T, H_, stream_);
     if (st.capture_set > 0) {
       // This layer's output rows into their column of the [T][layers][H] capture buffer.
@@ -2211,6 +2281,9 @@ void CudaDecoderModel::tune_gemms(int m) const {
     if (!fp8.empty())
       tuner_->tune(cuda_model::GemmInput::kFP8, m, shape->n, shape->k, act8_, act_scale_, shape->k,
                    fp8, out, shape->n);
+    if (!fp8.empty() && m <= w8a16_rows_ && bf16_)
+      tuner_->tune(cuda_model::GemmInput::kW8A16, m, shape->n, shape->k, h_, nullptr, shape->k, fp8,
+                   out, shape->n);
   };
   tune(&DeviceWeights::Layer::qkv, qkv_);
   tune(&DeviceWeights::Layer::o, x_);
@@ -2610,6 +2683,7 @@ void check_cuda_model_env() {
   (void)gemv_silu_from_env();
   (void)gemv_norm_from_env();
   (void)l2_prefetch_from_env();
+  (void)fp8_w8a16_rows_from_env();
   (void)verify_coarse_q_from_env();
   // Read where they apply (cache/cuda/pdl.h, attention/cuda/cuda_decode.cu); checked here.
   auto check_int = [](const char* name, int lo, int hi, const char* accepted) {

@@ -211,11 +211,15 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   KVQ_CHECK(gemv_margin >= 1.0, "GemmTuner::tune: gemv_margin below 1");
   KVQ_CHECK(m > 0 && n > 0 && k > 0 && !weights.empty(), "GemmTuner::tune: empty GEMM");
   KVQ_CHECK(type != GemmInput::kFP8 || in_scale != nullptr, "GemmTuner::tune: FP8 without scales");
+  for (const GemmWeight& w : weights)
+    KVQ_CHECK(type == GemmInput::kBF16 || w.scale != nullptr,
+              "GemmTuner::tune: FP8 weights without scales");
   const int ti = type_key(type);
   const Key key{ti, m, n, k, lda, ldc};
   if (const Plan* p = find(key); p != nullptr && p->timed) return 0.0;
   const int dev = current_device();
   const bool fp8 = type == GemmInput::kFP8;
+  const bool w8 = type == GemmInput::kW8A16;  // kvq's kernel only
   const GlobalKey gkey{dev, ti, m, n, k, lda, ldc};
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -238,7 +242,7 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   uint32_t align = std::min(alignment_of(in), alignment_of(out));
   for (const GemmWeight& w : weights) align = std::min(align, alignment_of(w.w));
   std::vector<bool> scalings;  // epilogue or not, each timed
-  if (!fp8 || fp8_scaling_ != Fp8Scaling::kEpilogue) scalings.push_back(false);
+  if (!w8 && (!fp8 || fp8_scaling_ != Fp8Scaling::kEpilogue)) scalings.push_back(false);
   if (fp8 && fp8_scaling_ != Fp8Scaling::kOuterVector) scalings.push_back(true);
 
   cudaEvent_t e0 = nullptr, e1 = nullptr;
@@ -306,21 +310,23 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
     bool gemv_fits =
         gemv_ != GemvUse::kNever && align >= 16 && (!fp8 || fp8_scaling_ == Fp8Scaling::kAuto);
     for (const GemmWeight& w : weights)
-      gemv_fits =
-          gemv_fits && (fp8 ? gemv_fp8_fits(m, n, k, in, lda, w.w, out, ldc) && w.scale != nullptr
-                            : gemv_bf16_fits(m, n, k, in, lda, w.w, out, ldc));
+      gemv_fits = gemv_fits && (fp8  ? gemv_fp8_fits(m, n, k, in, lda, w.w, out, ldc)
+                                : w8 ? gemv_w8a16_fits(m, n, k, in, lda, w.w, out, ldc)
+                                     : gemv_bf16_fits(m, n, k, in, lda, w.w, out, ldc));
     bool gemv_forced = false;  // with kForce the fastest variant wins over cuBLASLt's
     for (const int warps : kGemvWarps) {
       if (!gemv_fits) break;
       // The ring variant only for large weights: on the default model's (< 2 MB) it won the
       // tuner's timing by a hair and made some batch-1 steps 10% slower (version 19).
-      const bool ring_ok = m <= gemv_ring_ && static_cast<double>(n) * k * (fp8 ? 1 : 2) >=
+      const bool ring_ok = m <= gemv_ring_ && static_cast<double>(n) * k * (fp8 || w8 ? 1 : 2) >=
                                                   static_cast<double>(kGemvRingMinBytes);
       if ((warps == kGemvRing && !ring_ok) || !gemv_variant_fits(warps, m, k, fp8)) continue;
       const double us = time_sweeps([&]() {
         for (const GemmWeight& w : weights) {
           if (fp8) {
             gemv_fp8(m, n, k, in, in_scale, lda, w.w, w.scale, out, ldc, 0.0f, stream_, warps);
+          } else if (w8) {
+            gemv_w8a16(m, n, k, in, lda, w.w, w.scale, out, ldc, 0.0f, stream_, warps);
           } else {
             gemv_bf16(m, n, k, in, lda, w.w, out, ldc, 0.0f, stream_, warps);
           }
@@ -352,7 +358,10 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   (void)cudaEventDestroy(e1);
   if (log_)
     std::fprintf(stderr, "kvq: gemm tune %s m %d n %d k %d lda %d ldc %d: best %.1f us of%s\n",
-                 fp8 ? "fp8" : "bf16", m, n, k, lda, ldc, best_us, timed.c_str());
+                 fp8  ? "fp8"
+                 : w8 ? "w8a16"
+                      : "bf16",
+                 m, n, k, lda, ldc, best_us, timed.c_str());
   if (!best_plan) return 0.0;  // nothing ran: run() keeps returning false for this shape
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -372,8 +381,8 @@ double GemmTuner::tune(GemmInput type, int m, int n, int k, const void* in, cons
   return best_us;
 }
 
-int GemmTuner::gemv_warps(int m, int n, int k, int lda, int ldc) const {
-  const Plan* p = find(Key{type_key(GemmInput::kBF16), m, n, k, lda, ldc});
+int GemmTuner::gemv_warps(GemmInput type, int m, int n, int k, int lda, int ldc) const {
+  const Plan* p = find(Key{type_key(type), m, n, k, lda, ldc});
   return p != nullptr ? p->gemv_warps : 0;
 }
 
@@ -404,9 +413,16 @@ bool GemmTuner::run(GemmInput type, int m, int n, int k, const void* in, const f
   if (left_unscaled) *left_unscaled = false;
   if (type == GemmInput::kBF16)
     return std::as_const(*this).run(m, n, k, in, lda, w.w, out, ldc, beta);
-  KVQ_CHECK(in_scale != nullptr && w.scale != nullptr, "GemmTuner::run: FP8 without scales");
   const Key key{type_key(type), m, n, k, lda, ldc};
   const Plan* p = find(key);
+  if (type == GemmInput::kW8A16) {
+    KVQ_CHECK(w.scale != nullptr, "GemmTuner::run: FP8 weights without scales");
+    if (p == nullptr || p->gemv_warps == 0 || !gemv_w8a16_fits(m, n, k, in, lda, w.w, out, ldc))
+      return false;
+    gemv_w8a16(m, n, k, in, lda, w.w, w.scale, out, ldc, beta, stream_, p->gemv_warps);
+    return true;
+  }
+  KVQ_CHECK(in_scale != nullptr && w.scale != nullptr, "GemmTuner::run: FP8 without scales");
   if (p != nullptr && p->gemv_warps > 0) {  // kvq's skinny kernel applies the scales itself
     if (!gemv_fp8_fits(m, n, k, in, lda, w.w, out, ldc)) return false;
     gemv_fp8(m, n, k, in, in_scale, lda, w.w, w.scale, out, ldc, beta, stream_, p->gemv_warps);

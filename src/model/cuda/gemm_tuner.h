@@ -38,7 +38,10 @@
 
 namespace kvq::cuda_model {
 
-enum class GemmInput : uint8_t { kBF16, kFP8 };
+// kW8A16: FP8 weights (e4m3 with their row scales) times bf16 inputs, on kvq's skinny kernel
+// only (gemv.h gemv_w8a16; cuBLASLt has no such GEMM): tune() times its variants, and run()
+// returns false for a shape without one (the caller then quantizes its input for kFP8).
+enum class GemmInput : uint8_t { kBF16, kFP8, kW8A16 };
 
 // How an FP8 GEMM applies its row and column scales: kAuto times both for tuned shapes.
 enum class Fp8Scaling : uint8_t { kAuto, kOuterVector, kEpilogue };
@@ -115,7 +118,10 @@ class GemmTuner {
   bool uses_gemv(int m, int n, int k, int lda, int ldc) const {
     return gemv_warps(m, n, k, lda, ldc) > 0;
   }
-  int gemv_warps(int m, int n, int k, int lda, int ldc) const;
+  int gemv_warps(int m, int n, int k, int lda, int ldc) const {
+    return gemv_warps(GemmInput::kBF16, m, n, k, lda, ldc);
+  }
+  int gemv_warps(GemmInput type, int m, int n, int k, int lda, int ldc) const;
   // Whether the caller applies the scales of kvq-scaled FP8 products itself (in the kernels
   // that consume them: run()'s left_unscaled): tune() then times those candidates without
   // kvq's scaling kernel, as they will run. Without it a fused model was given cuBLASLt's

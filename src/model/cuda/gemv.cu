@@ -1,6 +1,8 @@
 #include "model/cuda/gemv.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -21,11 +23,25 @@ namespace kvq::cuda_model {
 namespace {
 
 constexpr int kRows = 16;  // output features per block (the MMA's M)
+
+// The operands of a variant: bf16 weights and inputs (kBf16); e4m3 weights and inputs with a
+// scale per input row and per weight row (kFp8); e4m3 weights with a scale per weight row and
+// bf16 inputs (kW8: the codes converted to bf16 in registers, exactly, and multiplied in bf16).
+enum class Op : int { kBf16, kFp8, kW8 };
+template <Op O>
+using WeightElem = std::conditional_t<O == Op::kBf16, uint16_t, uint8_t>;
+template <Op O>
+using InputElem = std::conditional_t<O == Op::kFp8, uint8_t, uint16_t>;
+// 16-byte loads of a lane's input row per step: a step is 16 bytes of each weight row, so 32
+// bytes of bf16 input for kW8's 16 codes.
+template <Op O>
+constexpr int kInputLoads = O == Op::kW8 ? 2 : 1;
+
 // k steps per warp per iteration (and as many in flight): 4, or 3 for e4m3 with two n-tiles
 // (84 bytes of spill at 4 under the 128-register bound; bf16 with two n-tiles keeps 4 for an
 // 8-byte spill: 3 steps measured 6-12% slower, docs/notes/decode-tuning.md version 14).
-template <int NT, bool kFp8>
-constexpr int kUnrollOf = NT == 2 && kFp8 ? 3 : 4;
+template <int NT, Op O>
+constexpr int kUnrollOf = NT == 2 && O != Op::kBf16 ? (O == Op::kW8 ? 2 : 3) : 4;
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -45,18 +61,49 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One 64-byte step of a lane's fragments: a = 16 bytes of weight row g, b of row g + 8, x of
-// input row g of the n-tile, fed as two MMAs (the k positions permuted alike for W and x; see
-// gemv_kernel).
-template <bool kFp8>
+// Two e4m3 codes (the low byte first) as a bf16 pair (the low half first): exact, every e4m3
+// value being a bf16 value (through fp16, which holds them all as normal numbers).
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// Four e4m3 codes (bytes c..c+3 of a row) as two bf16 pairs (c, c+1) and (c+2, c+3).
+__device__ __forceinline__ void e4m3x4_to_bf16(uint32_t four, uint32_t& lo, uint32_t& hi) {
+  lo = e4m3x2_to_bf16x2(four);
+  hi = e4m3x2_to_bf16x2(four >> 16);
+}
+
+// One step of a lane's fragments: a = 16 bytes of weight row g, b of row g + 8, x of input row
+// g of the n-tile (kInputLoads 16-byte pieces), fed as MMAs (the k positions permuted alike for
+// W and x; see gemv_kernel).
+template <Op O>
 __device__ __forceinline__ void mma_step(float (&acc)[4], const uint4& a, const uint4& b,
-                                         const uint4& x) {
-  if constexpr (kFp8) {
-    mma_e4m3(acc, a.x, b.x, a.y, b.y, x.x, x.y);
-    mma_e4m3(acc, a.z, b.z, a.w, b.w, x.z, x.w);
+                                         const uint4 (&x)[kInputLoads<O>]) {
+  if constexpr (O == Op::kFp8) {
+    mma_e4m3(acc, a.x, b.x, a.y, b.y, x[0].x, x[0].y);
+    mma_e4m3(acc, a.z, b.z, a.w, b.w, x[0].z, x[0].w);
+  } else if constexpr (O == Op::kW8) {
+    // Columns c..c+15: pair p of a row is columns c + 2p, c + 2p + 1, as a bf16 step's.
+    const uint32_t wa4[4] = {a.x, a.y, a.z, a.w}, wb4[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint32_t a0, a1, b0, b1;
+      e4m3x4_to_bf16(wa4[q], a0, a1);
+      e4m3x4_to_bf16(wb4[q], b0, b1);
+      const uint4& xq = x[q / 2];
+      if (q % 2 == 0) {
+        mma_bf16(acc, a0, b0, a1, b1, xq.x, xq.y);
+      } else {
+        mma_bf16(acc, a0, b0, a1, b1, xq.z, xq.w);
+      }
+    }
   } else {
-    mma_bf16(acc, a.x, b.x, a.y, b.y, x.x, x.y);
-    mma_bf16(acc, a.z, b.z, a.w, b.w, x.z, x.w);
+    mma_bf16(acc, a.x, b.x, a.y, b.y, x[0].x, x[0].y);
+    mma_bf16(acc, a.z, b.z, a.w, b.w, x[0].z, x[0].w);
   }
 }
 
@@ -133,8 +180,9 @@ __device__ __forceinline__ float scaled(float raw, float row_scale, float col_sc
 
 // The epilogue of a block's tile: the kWarps warps' partial sums (part[warp][j * 4 + e][lane] =
 // accumulator e of n-tile j) added in warp order by threads tid = 0..nthreads-1, then written:
-// the product (scaled for e4m3; + beta * out), or silu(gate) * up for kSilu.
-template <int NT, int kWarps, bool kSilu, bool kFp8>
+// the product (scaled for kFp8 and kW8; + beta * out), or silu(gate) * up for kSilu (kW8: each
+// factor scaled by its weight row's scale first).
+template <int NT, int kWarps, bool kSilu, Op O>
 __device__ __forceinline__ void store_tile(const float (*part)[NT * 4][32], int tid, int nthreads,
                                            int tile, void* __restrict__ out_v,
                                            const float* __restrict__ in_scale,
@@ -155,7 +203,11 @@ __device__ __forceinline__ void store_tile(const float (*part)[NT * 4][32], int 
       const int f = tile * 8 + (l >> 2);
       const int i = 8 * j + 2 * (l & 3) + e;
       if (f < n && i < m) {
-        const float gate = sum(j * 4 + e, l), up = sum(j * 4 + 2 + e, l);
+        float gate = sum(j * 4 + e, l), up = sum(j * 4 + 2 + e, l);
+        if constexpr (O == Op::kW8) {
+          gate = __fmul_rn(gate, w_scale[f]);
+          up = __fmul_rn(up, w_scale[n + f]);
+        }
         const float y = gate / (1.0f + expf(-gate)) * up;  // silu_mul_at's arithmetic
         const int64_t o = static_cast<int64_t>(i) * ldc + f;
         if (out_bf16) {
@@ -175,7 +227,8 @@ __device__ __forceinline__ void store_tile(const float (*part)[NT * 4][32], int 
       const int i = 8 * j + 2 * (l & 3) + (e & 1);
       if (row < n && i < m) {
         float s = sum(q, l);
-        if constexpr (kFp8) s = scaled(s, in_scale[i], w_scale[row]);
+        if constexpr (O == Op::kFp8) s = scaled(s, in_scale[i], w_scale[row]);
+        if constexpr (O == Op::kW8) s = __fmul_rn(s, w_scale[row]);
         float* o = out + static_cast<int64_t>(i) * ldc + row;
         *o = beta != 0.0f ? s + beta * *o : s;
       }
@@ -202,22 +255,29 @@ __device__ __forceinline__ void store_tile(const float (*part)[NT * 4][32], int 
 // of feature 8 b + g, so a lane's accumulators hold both factors of its outputs, and the
 // epilogue writes silu(gate) * up ([m][n], bf16 or fp32) instead of the product.
 //
-// kNorm (bf16, m <= kGemvNormMaxRows): the input is norm's rows RMSNorm'd by every block into
-// shared memory (normalize_rows) after the wait, instead of `in`.
-template <int NT, int kWarps, bool kSilu, bool kFp8, bool kNorm>
+// kW8: e4m3 weights as kFp8's (16 codes a lane a step, 64 columns a step) and bf16 input rows,
+// 32 bytes of them a lane a step; each weight pair converted to bf16 in registers and fed to
+// four m16n8k16 MMAs with bf16's fragment mapping (columns c + 2p, c + 2p + 1 as pair p); the
+// sums scaled by w_scale[feature] alone.
+//
+// kNorm (bf16 inputs, m <= kGemvNormMaxRows): the input is norm's rows RMSNorm'd by every block
+// into shared memory (normalize_rows) after the wait, instead of `in`.
+template <int NT, int kWarps, bool kSilu, Op O, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
     gemv_kernel(const void* __restrict__ in_v, int lda, const float* __restrict__ in_scale,
                 const void* __restrict__ w_v, const float* __restrict__ w_scale,
                 void* __restrict__ out_v, int m, int n, int k, int ldc, float beta, bool out_bf16,
                 bool early, GemvNorm norm) {
-  static_assert(!kNorm || (!kFp8 && NT == 1));
+  static_assert(!kNorm || (O != Op::kFp8 && NT == 1));
   extern __shared__ __align__(16) uint16_t norm_rows[];
   if (early) cuda::allow_next_kernel();
-  using E = std::conditional_t<kFp8, uint8_t, uint16_t>;
-  constexpr int kUnroll = kUnrollOf<NT, kFp8>;
-  constexpr int kPer = 16 / sizeof(E);  // values per 16-byte load
+  using E = WeightElem<O>;
+  using X = InputElem<O>;
+  constexpr int kX = kInputLoads<O>;
+  constexpr int kUnroll = kUnrollOf<NT, O>;
+  constexpr int kPer = 16 / sizeof(E);  // weight values per 16-byte load
   constexpr int kCols = 4 * kPer;       // columns per warp step
-  const E* in = static_cast<const E*>(in_v);
+  const X* in = static_cast<const X*>(in_v);
   const E* w = static_cast<const E*>(w_v);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -252,7 +312,7 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
 
   float acc[NT][4] = {};
   for (int it = 0; it < iters; ++it) {
-    uint4 ca[kUnroll], cb[kUnroll], xv[kUnroll][NT];
+    uint4 ca[kUnroll], cb[kUnroll], xv[kUnroll][NT][kX];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       ca[u] = wa[u];
@@ -261,15 +321,20 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const int i = 8 * j + g;
-        if constexpr (kNorm) {
-          xv[u][j] = c < k && i < m ? *reinterpret_cast<const uint4*>(
-                                          norm_rows + static_cast<int64_t>(i) * (k + kNormPad) + c)
-                                    : make_uint4(0, 0, 0, 0);
-        } else {
-          xv[u][j] =
-              c < k && i < m
-                  ? __ldg(reinterpret_cast<const uint4*>(in + static_cast<int64_t>(i) * lda + c))
-                  : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int h = 0; h < kX; ++h) {
+          const int ch = c + 8 * h;  // kX > 1: bf16 inputs, 8 a load
+          if constexpr (kNorm) {
+            xv[u][j][h] = c < k && i < m
+                              ? *reinterpret_cast<const uint4*>(
+                                    norm_rows + static_cast<int64_t>(i) * (k + kNormPad) + ch)
+                              : make_uint4(0, 0, 0, 0);
+          } else {
+            xv[u][j][h] =
+                c < k && i < m
+                    ? __ldg(reinterpret_cast<const uint4*>(in + static_cast<int64_t>(i) * lda + ch))
+                    : make_uint4(0, 0, 0, 0);
+          }
         }
       }
     }
@@ -277,7 +342,7 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-      for (int j = 0; j < NT; ++j) mma_step<kFp8>(acc[j], ca[u], cb[u], xv[u][j]);
+      for (int j = 0; j < NT; ++j) mma_step<O>(acc[j], ca[u], cb[u], xv[u][j]);
   }
   if (!early) cuda::allow_next_kernel();
 
@@ -288,9 +353,9 @@ __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps)
 #pragma unroll
     for (int e = 0; e < 4; ++e) part[warp][j * 4 + e][lane] = acc[j][e];
   __syncthreads();
-  store_tile<NT, kWarps, kSilu, kFp8>(part, static_cast<int>(threadIdx.x), kWarps * 32,
-                                      static_cast<int>(blockIdx.x), out_v, in_scale, w_scale, m, n,
-                                      ldc, beta, out_bf16);
+  store_tile<NT, kWarps, kSilu, O>(part, static_cast<int>(threadIdx.x), kWarps * 32,
+                                   static_cast<int>(blockIdx.x), out_v, in_scale, w_scale, m, n,
+                                   ldc, beta, out_bf16);
 }
 
 // ---- the ring variant (kGemvRing warps: 8 consumers and a producer) ----------------------------
@@ -326,17 +391,19 @@ __host__ __device__ constexpr size_t ring_head_bytes(int stages) {
   return static_cast<size_t>(stages) * kRingStageBytes + 16u * kRingMaxStages;
 }
 
-template <int NT, bool kSilu, bool kFp8, bool kNorm>
+template <int NT, bool kSilu, Op O, bool kNorm>
 __global__ void __launch_bounds__((kRingConsumers + 1) * 32, 1)
     gemv_ring_kernel(const void* __restrict__ in_v, int lda, const float* __restrict__ in_scale,
                      const void* __restrict__ w_v, const float* __restrict__ w_scale,
                      void* __restrict__ out_v, int m, int n, int k, int ldc, float beta,
                      bool out_bf16, bool early, GemvNorm norm, int tiles, int stages,
                      bool producer_waits) {
-  static_assert(!kNorm || (!kFp8 && NT == 1));
+  static_assert(!kNorm || (O != Op::kFp8 && NT == 1));
   namespace sm90 = cuda::sm90;
-  using E = std::conditional_t<kFp8, uint8_t, uint16_t>;
-  constexpr int kPer = 16 / sizeof(E);                // values per 16-byte load
+  using E = WeightElem<O>;
+  using X = InputElem<O>;
+  constexpr int kX = kInputLoads<O>;
+  constexpr int kPer = 16 / sizeof(E);                // weight values per 16-byte load
   constexpr int kCols = 4 * kPer;                     // columns per 64-byte step
   constexpr int kChunkCols = kRingChunk / sizeof(E);  // columns per stage
   constexpr int kSteps = kRingChunk / 64;             // steps per stage
@@ -350,7 +417,7 @@ __global__ void __launch_bounds__((kRingConsumers + 1) * 32, 1)
   auto* part =
       reinterpret_cast<float(*)[kRingConsumers][NT * 4][32]>(ring_smem + ring_head_bytes(stages));
   // The input rows (copied, or RMSNorm'd for kNorm), k + kNormPad values apart.
-  auto* xs = reinterpret_cast<E*>(ring_smem + ring_head_bytes(stages) + ring_part_bytes<NT>());
+  auto* xs = reinterpret_cast<X*>(ring_smem + ring_head_bytes(stages) + ring_part_bytes<NT>());
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   if (threadIdx.x == 0) {
@@ -408,9 +475,10 @@ __global__ void __launch_bounds__((kRingConsumers + 1) * 32, 1)
   if constexpr (kNorm) {
     normalize_rows<kRingConsumers * 32, kRingBarrier>(norm, m, k, xs);
   } else {
-    const E* in = static_cast<const E*>(in_v);
+    const X* in = static_cast<const X*>(in_v);
+    constexpr int kXPer = 16 / sizeof(X);
     for (int i = 0; i < m; ++i)
-      for (int c = kPer * static_cast<int>(threadIdx.x); c < k; c += kPer * kRingConsumers * 32)
+      for (int c = kXPer * static_cast<int>(threadIdx.x); c < k; c += kXPer * kRingConsumers * 32)
         *reinterpret_cast<uint4*>(xs + static_cast<int64_t>(i) * (k + kNormPad) + c) =
             __ldg(reinterpret_cast<const uint4*>(in + static_cast<int64_t>(i) * lda + c));
     sm90::named_barrier_sync(kRingBarrier, kRingConsumers * 32);
@@ -424,7 +492,7 @@ __global__ void __launch_bounds__((kRingConsumers + 1) * 32, 1)
       sm90::mbar_wait(full0 + 8 * slot, phase);
 #pragma unroll
       for (int j0 = 0; j0 < kPerWarp; j0 += kBatch) {
-        uint4 wa[kBatch], wb[kBatch], xv[kBatch][NT];
+        uint4 wa[kBatch], wb[kBatch], xv[kBatch][NT][kX];
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           const int step = warp + kRingConsumers * (j0 + j);
@@ -438,15 +506,18 @@ __global__ void __launch_bounds__((kRingConsumers + 1) * 32, 1)
 #pragma unroll
           for (int jt = 0; jt < NT; ++jt) {
             const int i = 8 * jt + g;
-            xv[j][jt] = ok && i < m ? *reinterpret_cast<const uint4*>(
-                                          xs + static_cast<int64_t>(i) * (k + kNormPad) + col)
-                                    : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int h = 0; h < kX; ++h)
+              xv[j][jt][h] = ok && i < m
+                                 ? *reinterpret_cast<const uint4*>(
+                                       xs + static_cast<int64_t>(i) * (k + kNormPad) + col + 8 * h)
+                                 : make_uint4(0, 0, 0, 0);
           }
         }
 #pragma unroll
         for (int j = 0; j < kBatch; ++j)
 #pragma unroll
-          for (int jt = 0; jt < NT; ++jt) mma_step<kFp8>(acc[jt], wa[j], wb[j], xv[j][jt]);
+          for (int jt = 0; jt < NT; ++jt) mma_step<O>(acc[jt], wa[j], wb[j], xv[j][jt]);
       }
       // Every consumer thread releases its own reads of the stage (racecheck does not follow a
       // __syncwarp to one lane's arrive).
@@ -461,9 +532,9 @@ __global__ void __launch_bounds__((kRingConsumers + 1) * 32, 1)
     // on) has passed the next tile's barrier, which every reader of this tile reached after
     // its epilogue.
     sm90::named_barrier_sync(kRingBarrier, kRingConsumers * 32);
-    store_tile<NT, kRingConsumers, kSilu, kFp8>(part[buf], static_cast<int>(threadIdx.x),
-                                                kRingConsumers * 32, tile, out_v, in_scale, w_scale,
-                                                m, n, ldc, beta, out_bf16);
+    store_tile<NT, kRingConsumers, kSilu, O>(part[buf], static_cast<int>(threadIdx.x),
+                                             kRingConsumers * 32, tile, out_v, in_scale, w_scale, m,
+                                             n, ldc, beta, out_bf16);
     buf ^= 1;
   }
   if (!early) cuda::allow_next_kernel();
@@ -507,15 +578,15 @@ int ring_prepare(int dev, const void* kernel) {
   return n;
 }
 
-template <bool kSilu, bool kFp8>
+template <bool kSilu, Op O>
 void launch_ring(int m, int n, int k, const void* in, int lda, const float* in_scale, const void* w,
                  const float* w_scale, void* out, int ldc, float beta, bool out_bf16,
                  cudaStream_t stream, const GemvNorm& nm, int tiles, bool normed) {
   int dev = 0;
   KVQ_CUDA_CHECK(cudaGetDevice(&dev));
-  const int stages = ring_stages(m, k, kFp8 ? 1 : 2);
+  const int stages = ring_stages(m, k, O == Op::kFp8 ? 1 : 2);
   KVQ_CHECK(stages >= 2, "gemv ring variant: the input rows do not fit shared memory");
-  const size_t smem = ring_smem_bytes(m, k, kFp8 ? 1 : 2, stages);
+  const size_t smem = ring_smem_bytes(m, k, O == Op::kFp8 ? 1 : 2, stages);
   auto launch = [&](auto kernel) {
     const int sms = ring_prepare(dev, reinterpret_cast<const void*>(kernel));
     const dim3 grid(static_cast<unsigned>(tiles < sms ? tiles : sms));
@@ -529,20 +600,20 @@ void launch_ring(int m, int n, int k, const void* in, int lda, const float* in_s
                              w, w_scale, out, m, n, k, ldc, beta, out_bf16, false, nm, tiles,
                              stages, pdl == 1);
   };
-  if constexpr (!kFp8) {
+  if constexpr (O != Op::kFp8) {
     if (normed) {
-      launch(gemv_ring_kernel<1, kSilu, false, true>);
+      launch(gemv_ring_kernel<1, kSilu, O, true>);
       return;
     }
   }
   if (m <= 8) {
-    launch(gemv_ring_kernel<1, kSilu, kFp8, false>);
+    launch(gemv_ring_kernel<1, kSilu, O, false>);
   } else {
-    launch(gemv_ring_kernel<2, kSilu, kFp8, false>);
+    launch(gemv_ring_kernel<2, kSilu, O, false>);
   }
 }
 
-template <bool kSilu, bool kFp8>
+template <bool kSilu, Op O>
 void launch_gemv(int m, int n, int k, const void* in, int lda, const float* in_scale, const void* w,
                  const float* w_scale, void* out, int ldc, float beta, bool out_bf16,
                  cudaStream_t stream, int warps, const GemvNorm* norm = nullptr) {
@@ -558,29 +629,29 @@ void launch_gemv(int m, int n, int k, const void* in, int lda, const float* in_s
                              w_scale, out, m, n, k, ldc, beta, out_bf16, cuda::pdl_early(1), nm);
   };
   if (warps == kGemvRing) {
-    launch_ring<kSilu, kFp8>(m, n, k, in, lda, in_scale, w, w_scale, out, ldc, beta, out_bf16,
-                             stream, nm, (n + per_block - 1) / per_block, norm != nullptr);
+    launch_ring<kSilu, O>(m, n, k, in, lda, in_scale, w, w_scale, out, ldc, beta, out_bf16, stream,
+                          nm, (n + per_block - 1) / per_block, norm != nullptr);
     return;
   }
-  if constexpr (!kFp8) {
+  if constexpr (O != Op::kFp8) {
     if (norm != nullptr) {
       if (warps == 4)
-        launch(gemv_kernel<1, 4, kSilu, false, true>);
+        launch(gemv_kernel<1, 4, kSilu, O, true>);
       else
-        launch(gemv_kernel<1, 8, kSilu, false, true>);
+        launch(gemv_kernel<1, 8, kSilu, O, true>);
       return;
     }
   }
   if (m <= 8) {
     if (warps == 4)
-      launch(gemv_kernel<1, 4, kSilu, kFp8, false>);
+      launch(gemv_kernel<1, 4, kSilu, O, false>);
     else
-      launch(gemv_kernel<1, 8, kSilu, kFp8, false>);
+      launch(gemv_kernel<1, 8, kSilu, O, false>);
   } else {
     if (warps == 4)
-      launch(gemv_kernel<2, 4, kSilu, kFp8, false>);
+      launch(gemv_kernel<2, 4, kSilu, O, false>);
     else
-      launch(gemv_kernel<2, 8, kSilu, kFp8, false>);
+      launch(gemv_kernel<2, 8, kSilu, O, false>);
   }
 }
 
@@ -646,8 +717,8 @@ void gemv_bf16(int m, int n, int k, const void* in, int lda, const void* w, floa
             "gemv_bf16: operands it does not take (m, alignment or strides)");
   KVQ_CHECK(gemv_variant_fits(warps, m, k, false),
             "gemv_bf16: not a variant (4, 8 or kGemvRing warps) that takes these rows");
-  launch_gemv<false, false>(m, n, k, in, lda, nullptr, w, nullptr, out, ldc, beta, false, stream,
-                            warps);
+  launch_gemv<false, Op::kBf16>(m, n, k, in, lda, nullptr, w, nullptr, out, ldc, beta, false,
+                                stream, warps);
 }
 
 void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
@@ -656,8 +727,8 @@ void gemv_bf16_silu_mul(int m, int n, int k, const void* in, int lda, const void
             "gemv_bf16_silu_mul: operands it does not take (m, alignment or strides)");
   KVQ_CHECK(gemv_variant_fits(warps, m, k, false),
             "gemv_bf16_silu_mul: not a variant (4, 8 or kGemvRing warps) that takes these rows");
-  launch_gemv<true, false>(m, n, k, in, lda, nullptr, w_gate_up, nullptr, out, ldo, 0.0f, out_bf16,
-                           stream, warps);
+  launch_gemv<true, Op::kBf16>(m, n, k, in, lda, nullptr, w_gate_up, nullptr, out, ldo, 0.0f,
+                               out_bf16, stream, warps);
 }
 
 void gemv_bf16_norm(int m, int n, int k, const GemvNorm& norm, const void* w, float* out, int ldc,
@@ -666,8 +737,8 @@ void gemv_bf16_norm(int m, int n, int k, const GemvNorm& norm, const void* w, fl
             "gemv_bf16_norm: operands it does not take (m, alignment or strides)");
   KVQ_CHECK(gemv_variant_fits(warps, m, k, false),
             "gemv_bf16_norm: not a variant (4, 8 or kGemvRing warps) that takes these rows");
-  launch_gemv<false, false>(m, n, k, nullptr, k, nullptr, w, nullptr, out, ldc, beta, false, stream,
-                            warps, &norm);
+  launch_gemv<false, Op::kBf16>(m, n, k, nullptr, k, nullptr, w, nullptr, out, ldc, beta, false,
+                                stream, warps, &norm);
 }
 
 void gemv_bf16_silu_mul_norm(int m, int n, int k, const GemvNorm& norm, const void* w_gate_up,
@@ -678,8 +749,66 @@ void gemv_bf16_silu_mul_norm(int m, int n, int k, const GemvNorm& norm, const vo
   KVQ_CHECK(
       gemv_variant_fits(warps, m, k, false),
       "gemv_bf16_silu_mul_norm: not a variant (4, 8 or kGemvRing warps) that takes these rows");
-  launch_gemv<true, false>(m, n, k, nullptr, k, nullptr, w_gate_up, nullptr, out, ldo, 0.0f,
-                           out_bf16, stream, warps, &norm);
+  launch_gemv<true, Op::kBf16>(m, n, k, nullptr, k, nullptr, w_gate_up, nullptr, out, ldo, 0.0f,
+                               out_bf16, stream, warps, &norm);
+}
+
+bool gemv_w8a16_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
+                     int ldc) {
+  return gemv_bf16_fits(m, n, k, in, lda, w, out, ldc) && k % 16 == 0;
+}
+
+bool gemv_w8a16_silu_mul_fits(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
+                              const void* out, int ldo, bool out_bf16) {
+  return gemv_bf16_silu_mul_fits(m, n, k, in, lda, w_gate_up, out, ldo, out_bf16) && k % 16 == 0;
+}
+
+void gemv_w8a16(int m, int n, int k, const void* in, int lda, const void* w, const float* w_scale,
+                float* out, int ldc, float beta, cudaStream_t stream, int warps) {
+  KVQ_CHECK(gemv_w8a16_fits(m, n, k, in, lda, w, out, ldc) && w_scale != nullptr,
+            "gemv_w8a16: operands it does not take (m, alignment, strides or scales)");
+  KVQ_CHECK(gemv_variant_fits(warps, m, k, false),
+            "gemv_w8a16: not a variant (4, 8 or kGemvRing warps) that takes these rows");
+  launch_gemv<false, Op::kW8>(m, n, k, in, lda, nullptr, w, w_scale, out, ldc, beta, false, stream,
+                              warps);
+}
+
+void gemv_w8a16_silu_mul(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
+                         const float* w_scale, void* out, int ldo, bool out_bf16,
+                         cudaStream_t stream, int warps) {
+  KVQ_CHECK(gemv_w8a16_silu_mul_fits(m, n, k, in, lda, w_gate_up, out, ldo, out_bf16) &&
+                w_scale != nullptr,
+            "gemv_w8a16_silu_mul: operands it does not take (m, alignment, strides or scales)");
+  KVQ_CHECK(gemv_variant_fits(warps, m, k, false),
+            "gemv_w8a16_silu_mul: not a variant (4, 8 or kGemvRing warps) that takes these rows");
+  launch_gemv<true, Op::kW8>(m, n, k, in, lda, nullptr, w_gate_up, w_scale, out, ldo, 0.0f,
+                             out_bf16, stream, warps);
+}
+
+void gemv_w8a16_norm(int m, int n, int k, const GemvNorm& norm, const void* w, const float* w_scale,
+                     float* out, int ldc, float beta, cudaStream_t stream, int warps) {
+  KVQ_CHECK(gemv_norm_fits(m, k, norm) && gemv_w8a16_fits(m, n, k, norm.x, k, w, out, ldc) &&
+                w_scale != nullptr,
+            "gemv_w8a16_norm: operands it does not take (m, alignment, strides or scales)");
+  KVQ_CHECK(gemv_variant_fits(warps, m, k, false),
+            "gemv_w8a16_norm: not a variant (4, 8 or kGemvRing warps) that takes these rows");
+  launch_gemv<false, Op::kW8>(m, n, k, nullptr, k, nullptr, w, w_scale, out, ldc, beta, false,
+                              stream, warps, &norm);
+}
+
+void gemv_w8a16_silu_mul_norm(int m, int n, int k, const GemvNorm& norm, const void* w_gate_up,
+                              const float* w_scale, void* out, int ldo, bool out_bf16,
+                              cudaStream_t stream, int warps) {
+  KVQ_CHECK(gemv_norm_fits(m, k, norm) &&
+                gemv_w8a16_silu_mul_fits(m, n, k, norm.x, k, w_gate_up, out, ldo, out_bf16) &&
+                w_scale != nullptr,
+            "gemv_w8a16_silu_mul_norm: operands it does not take (m, alignment, strides or "
+            "scales)");
+  KVQ_CHECK(gemv_variant_fits(warps, m, k, false),
+            "gemv_w8a16_silu_mul_norm: not a variant (4, 8 or kGemvRing warps) that takes these "
+            "rows");
+  launch_gemv<true, Op::kW8>(m, n, k, nullptr, k, nullptr, w_gate_up, w_scale, out, ldo, 0.0f,
+                             out_bf16, stream, warps, &norm);
 }
 
 void gemv_fp8(int m, int n, int k, const void* in, const float* in_scale, int lda, const void* w,
@@ -690,8 +819,8 @@ void gemv_fp8(int m, int n, int k, const void* in, const float* in_scale, int ld
       "gemv_fp8: operands it does not take (m, alignment, strides or scales)");
   KVQ_CHECK(gemv_variant_fits(warps, m, k, true),
             "gemv_fp8: not a variant (4, 8 or kGemvRing warps) that takes these rows");
-  launch_gemv<false, true>(m, n, k, in, lda, in_scale, w, w_scale, out, ldc, beta, false, stream,
-                           warps);
+  launch_gemv<false, Op::kFp8>(m, n, k, in, lda, in_scale, w, w_scale, out, ldc, beta, false,
+                               stream, warps);
 }
 
 }  // namespace kvq::cuda_model

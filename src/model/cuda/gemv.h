@@ -64,6 +64,19 @@ void gemv_fp8(int m, int n, int k, const void* in, const float* in_scale, int ld
               const float* w_scale, float* out, int ldc, float beta, cudaStream_t stream,
               int warps = 4);
 
+// W8A16: the FP8 path's weights (e4m3 codes [n][k], one fp32 dequantization scale per row) times
+// bf16 input rows, with no input quantization: out[i][j] = w_scale[j] * sum_c in[i][c] * w[j][c]
+// (+ beta * out). Each code is converted to bf16 in registers (exactly: every e4m3 value is a
+// bf16 value) and fed to bf16 MMAs with fp32 accumulation (a warp step is 64 columns, as for
+// gemv_fp8), the sum then multiplied by the row's scale (fp32, rounded once). Decode-sized FP8
+// steps take it instead of quantizing their activations (docs/notes/decode-tuning.md version
+// 21). k a multiple of 16 (16-byte rows of codes), lda a multiple of 8; otherwise as
+// gemv_bf16_fits.
+bool gemv_w8a16_fits(int m, int n, int k, const void* in, int lda, const void* w, const float* out,
+                     int ldc);
+void gemv_w8a16(int m, int n, int k, const void* in, int lda, const void* w, const float* w_scale,
+                float* out, int ldc, float beta, cudaStream_t stream, int warps = 4);
+
 // The MLP's gate|up product and its SiLU-mul in one kernel: out[i][f] (row stride ldo, bf16 or
 // fp32) = silu(g) * u, where g and u are features f and n + f of in[m][k] * w_gate_up[2 n][k]^T
 // (gate rows first; no bias, no scales), each summed exactly as gemv_bf16 sums it, with
@@ -97,5 +110,19 @@ void gemv_bf16_norm(int m, int n, int k, const GemvNorm& norm, const void* w, fl
                     float beta, cudaStream_t stream, int warps = 4);
 void gemv_bf16_silu_mul_norm(int m, int n, int k, const GemvNorm& norm, const void* w_gate_up,
                              void* out, int ldo, bool out_bf16, cudaStream_t stream, int warps = 4);
+
+// The same three fusions for W8A16 (e4m3 weights with their row scales, as gemv_w8a16): gate
+// and up are each scaled by their weight row's scale before the SiLU-mul. The fits checks are
+// the bf16 ones with k a multiple of 16.
+bool gemv_w8a16_silu_mul_fits(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
+                              const void* out, int ldo, bool out_bf16);
+void gemv_w8a16_silu_mul(int m, int n, int k, const void* in, int lda, const void* w_gate_up,
+                         const float* w_scale, void* out, int ldo, bool out_bf16,
+                         cudaStream_t stream, int warps = 4);
+void gemv_w8a16_norm(int m, int n, int k, const GemvNorm& norm, const void* w, const float* w_scale,
+                     float* out, int ldc, float beta, cudaStream_t stream, int warps = 4);
+void gemv_w8a16_silu_mul_norm(int m, int n, int k, const GemvNorm& norm, const void* w_gate_up,
+                              const float* w_scale, void* out, int ldo, bool out_bf16,
+                              cudaStream_t stream, int warps = 4);
 
 }  // namespace kvq::cuda_model
