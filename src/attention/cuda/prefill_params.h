@@ -31,8 +31,8 @@ struct PrefillKernelParams {
   int rows_per_block;  // the plan's block shape (picks the kernel; its Cfg has it too)
   int wgmma;           // 1: the warpgroup-MMA kernel (PrefillPlan::wgmma)
   // KVQ_PREFILL_LAB (timing experiments only, bits): 1 the wgmma producer copies nothing, 2 its
-  // consumers skip the softmax, 4 no ping-pong, 8 the other number of tiles in flight (two /
-  // three), 16 no TMA; 0 in use.
+  // consumers skip the softmax, 4 no ping-pong, 8 two tiles in flight for 16-bit caches
+  // instead of three (8-bit sides always keep two), 16 no TMA; 0 in use.
   int lab;
   // wgmma kernel: tensor maps of the two cache sides (dims: head dim, token in block, kv head,
   // block; 16-bit sides in boxes of 64 dims x 16 tokens in the 128-byte swizzle, 8-bit sides in

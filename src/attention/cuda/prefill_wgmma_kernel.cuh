@@ -35,6 +35,9 @@ namespace prefill_wgmma {
 using namespace prefill_detail;  // the unpacking helpers, quad reductions, exp2, cp.async
 
 inline constexpr int kConsumers = 2;
+// Named barriers: 1 + cw (a consumer warpgroup's Q), 3 + cw (ping-pong), kProducerBarrier (the
+// producer warpgroup: an 8-bit staging buffer's reuse).
+inline constexpr int kProducerBarrier = 5;
 inline constexpr int kThreadsW = 128 * (1 + kConsumers);
 inline constexpr int kRowsW = 64 * kConsumers;
 static_assert(kRowsW == prefill_rows_per_block(128) && kRowsW == prefill_rows_per_block(64));
@@ -46,8 +49,8 @@ struct WCfg {
   static constexpr int kBcW = BC;
   static constexpr bool kAny8 = value_bits(DK) == 8 || value_bits(DV) == 8;
   // Ring stages: the consumers hold two (S of tile t, P V of tile t - 1) and the producer keeps
-  // up to three in flight; 8-bit sides also need their staging buffers, so one stage fewer.
-  static constexpr int kStages = BC == 64 ? (kAny8 ? 4 : 5) : 2;
+  // up to three in flight (16-bit caches) or two (8-bit: each staged and converted).
+  static constexpr int kStages = BC == 64 ? 5 : 2;
   static constexpr bool kRawK = value_bits(DK) == 8;  // staged, then converted
   static constexpr bool kRawV = value_bits(DV) == 8;
   static constexpr bool kBf16K = bf16_operands(DK);
@@ -59,10 +62,12 @@ struct WCfg {
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kConsumers * kQBytes;
   static constexpr int kV = kK + kStages * kTileBytes;
-  // Staging buffers of the 8-bit sides, one per ring stage: a stage's "empty" barrier then also
-  // orders the reuse of its staging buffer after every producer thread converted it.
+  // Staging buffers of the 8-bit sides, one per tile in flight (two: tile t lands while tile
+  // t - 1 is converted); a named barrier of the producer warpgroup orders a buffer's reuse after
+  // every producer thread converted the tile before (docs/notes/prefill-tuning.md v10: one per
+  // ring stage left room for four stages only, and the consumers waited on conversions).
   static constexpr int kRaw = kV + kStages * kTileBytes;
-  static constexpr int kRawBufs = kAny8 ? kStages : 0;
+  static constexpr int kRawBufs = kAny8 ? 2 : 0;
   static constexpr int kRawKBytes = kRawK ? kBcW * HD : 0;
   static constexpr int kRawBuf = kRawKBytes + (kRawV ? kBcW * HD : 0);
   static constexpr int kMeta =
@@ -131,10 +136,9 @@ __global__ void __launch_bounds__(kThreadsW, 1)
   const bool lab_no_loads = (p.lab & 1) != 0, lab_no_softmax = (p.lab & 2) != 0;
   const bool lab_no_pingpong = (p.lab & 4) != 0;
   const bool lab_no_tma = (p.lab & 16) != 0;
-  // Tiles the producer keeps in flight: three where the ring has five stages (16-bit caches),
-  // two with four (8-bit: three left the consumers waiting, 240 against 283 TFLOP/s on fp8).
-  // KVQ_PREFILL_LAB bit 8 flips the choice (A/B).
-  const bool lab_shallow = C::kAny8 != ((p.lab & 8) != 0);
+  // Tiles the producer keeps in flight: three for 16-bit caches, two with an 8-bit side (one
+  // staging buffer each). KVQ_PREFILL_LAB bit 8 runs 16-bit caches with two (A/B).
+  const bool lab_shallow = C::kAny8 || (p.lab & 8) != 0;
   if (wg == 0) {
     // ---------------- producer ----------------
     const int32_t* blocks = p.indices + p.indptr[seq];
@@ -199,7 +203,9 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     };
     auto stage_k = [&](int it) { return C::kK + (it % kS) * C::kTileBytes; };
     auto stage_v = [&](int it) { return C::kV + (it % kS) * C::kTileBytes; };
-    auto raw_buf = [&](int it) { return C::kRaw + (C::kAny8 ? (it % kS) * C::kRawBuf : 0); };
+    auto raw_buf = [&](int it) {
+      return C::kRaw + (C::kAny8 ? (it % C::kRawBufs) * C::kRawBuf : 0);
+    };
     auto finish = [&](int it) {
       if (tma_tile(it)) {
         if constexpr (!C::kAny8) return;                          // 16-bit sides: arrived at issue
@@ -217,6 +223,12 @@ __global__ void __launch_bounds__(kThreadsW, 1)
 #pragma unroll 1
     for (int it = 0; it < num_tiles; ++it) {
       if (it >= kS) sm90::mbar_wait(bar_empty + 8 * (it % kS), ((it / kS) - 1) & 1);
+      // Tile it's codes go to the staging buffer tile it - 2 used: every producer thread has
+      // converted that tile (finish(it - 2) ran in the previous iteration).
+      if constexpr (C::kAny8) {
+        static_assert(C::kRawBufs == 2);
+        if (it >= C::kRawBufs) sm90::named_barrier_sync(kProducerBarrier, 128);
+      }
       const int t0 = (tile_b + it) * kBcW;
       int32_t blk[kBcW / 16], row[kBcW / 16];
 #pragma unroll
