@@ -37,9 +37,10 @@ using InputElem = std::conditional_t<O == Op::kFp8, uint8_t, uint16_t>;
 template <Op O>
 constexpr int kInputLoads = O == Op::kW8 ? 2 : 1;
 
-// k steps per warp per iteration (and as many in flight): 4, or 3 for e4m3 with two n-tiles
-// (84 bytes of spill at 4 under the 128-register bound; bf16 with two n-tiles keeps 4 for an
-// 8-byte spill: 3 steps measured 6-12% slower, docs/notes/decode-tuning.md version 14).
+// k steps per warp per iteration (and as many in flight): 4, or fewer for e4m3 weights with two
+// n-tiles: kFp8 3 (84 bytes of spill at 4 under the 128-register bound), kW8 2 (~250 bytes of
+// spill at 4; 3 measured no faster, docs/notes/decode-tuning.md version 21); bf16 with two
+// n-tiles keeps 4 for an 8-byte spill (3 steps measured 6-12% slower, version 14).
 template <int NT, Op O>
 constexpr int kUnrollOf = NT == 2 && O != Op::kBf16 ? (O == Op::kW8 ? 2 : 3) : 4;
 
