@@ -36,6 +36,30 @@ double from_bf16(uint16_t h) {
   return x;
 }
 
+// A random e4m3 code: every code but the two NaNs.
+uint8_t random_e4m3(std::mt19937& rng) {
+  const auto c = static_cast<uint8_t>(rng());
+  return (c & 0x7f) == 0x7f ? static_cast<uint8_t>(c ^ 0x01) : c;
+}
+
+// The FP8 forms' shapes (m, n, k, lda; k a multiple of 16): one row to kGemvMaxRows, ragged n,
+// padded input rows (`pad` more values of lda), the ring variant's trips and tiles (3 x 3000 x
+// 4112) and, with `large`, a one-row weight of 16 MiB and over; then one random shape (lda 0:
+// the caller picks it).
+struct Fp8Shape {
+  int m, n, k, lda;
+};
+std::vector<Fp8Shape> fp8_shapes(std::mt19937& rng, int pad, bool large) {
+  std::vector<Fp8Shape> s = {{1, 1, 16, 16},       {1, 40, 64, 64 + pad},
+                             {5, 100, 1040, 1040}, {8, 520, 2048, 2048 + pad},
+                             {9, 33, 4112, 4112},  {16, 129, 336, 336 + pad},
+                             {3, 3000, 4112, 4112}};
+  if (large) s.push_back({1, 4100, 4096, 4096});
+  s.push_back({1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 300),
+               16 * (1 + static_cast<int>(rng() % 200)), 0});
+  return s;
+}
+
 TEST(GemmTuner, TimedAlgorithmsComputeTheGemm) {
   KVQ_REQUIRE_GPU();
   const unsigned seed = fresh_seed();
@@ -206,19 +230,8 @@ TEST(GemvFp8, MatchesTheScaledProduct) {
   std::uniform_real_distribution<float> mag(-4.0f, 4.0f);
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  auto code = [&]() {
-    uint8_t c = static_cast<uint8_t>(rng());
-    return (c & 0x7f) == 0x7f ? static_cast<uint8_t>(c ^ 0x01) : c;  // no NaN
-  };
-  struct Shape {
-    int m, n, k, lda;
-  };
-  std::vector<Shape> shapes = {{1, 1, 16, 16},       {1, 40, 64, 80},     {5, 100, 1040, 1040},
-                               {8, 520, 2048, 2064}, {9, 33, 4112, 4112}, {16, 129, 336, 352},
-                               {3, 3000, 4112, 4112}};  // the ring variant's trips and tiles
-  shapes.push_back({1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 300),
-                    16 * (1 + static_cast<int>(rng() % 200)), 0});
-  for (Shape s : shapes) {
+  auto code = [&]() { return random_e4m3(rng); };
+  for (Fp8Shape s : fp8_shapes(rng, 16, false)) {
     if (s.lda == 0) s.lda = s.k + 16 * static_cast<int>(rng() % 2);
     SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
                  std::to_string(s.k) + " lda " + std::to_string(s.lda));
@@ -290,20 +303,8 @@ TEST(GemvW8a16, MatchesTheScaledProductAndItsFusedForms) {
   std::uniform_real_distribution<float> mag(-4.0f, 4.0f);
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  auto code = [&]() {
-    uint8_t c = static_cast<uint8_t>(rng());
-    return (c & 0x7f) == 0x7f ? static_cast<uint8_t>(c ^ 0x01) : c;  // every code but NaN
-  };
-  struct Shape {
-    int m, n, k, lda;
-  };
-  std::vector<Shape> shapes = {{1, 1, 16, 16},        {1, 40, 64, 72},     {5, 100, 1040, 1040},
-                               {8, 520, 2048, 2056},  {9, 33, 4112, 4112}, {16, 129, 336, 344},
-                               {1, 4100, 4096, 4096},  // the ring variant (16 MiB and over)
-                               {3, 3000, 4112, 4112}};
-  shapes.push_back({1 + static_cast<int>(rng() % 16), 1 + static_cast<int>(rng() % 300),
-                    16 * (1 + static_cast<int>(rng() % 200)), 0});
-  for (Shape s : shapes) {
+  auto code = [&]() { return random_e4m3(rng); };
+  for (Fp8Shape s : fp8_shapes(rng, 8, true)) {
     if (s.lda == 0) s.lda = s.k + 8 * static_cast<int>(rng() % 2);
     SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " +
                  std::to_string(s.k) + " lda " + std::to_string(s.lda));
@@ -733,10 +734,7 @@ TEST(GemmTuner, W8a16RunsOnTheSkinnyKernelOrNot) {
   std::vector<uint16_t> in(static_cast<size_t>(m) * k);
   for (auto& v : in) v = to_bf16(nd(rng));
   std::vector<uint8_t> w(static_cast<size_t>(n) * k);
-  for (auto& v : w) {
-    v = static_cast<uint8_t>(rng());
-    if ((v & 0x7f) == 0x7f) v ^= 1;  // no NaN
-  }
+  for (auto& v : w) v = random_e4m3(rng);
   std::vector<float> w_scale(static_cast<size_t>(n));
   for (auto& v : w_scale) v = (0.5f + static_cast<float>(rng() % 100) / 50.0f) / 448.0f;
   DeviceBuffer<uint16_t> din(in);

@@ -48,11 +48,17 @@ struct WCfg {
   static_assert(prefill_wgmma_pair(DK, DV, HD));
   static constexpr int kBcW = BC;
   static constexpr bool kAny8 = value_bits(DK) == 8 || value_bits(DV) == 8;
-  // Ring stages: the consumers hold two (S of tile t, P V of tile t - 1) and the producer keeps
-  // up to three in flight (16-bit caches) or two (8-bit: each staged and converted).
-  static constexpr int kStages = BC == 64 ? 5 : 2;
   static constexpr bool kRawK = value_bits(DK) == 8;  // staged, then converted
   static constexpr bool kRawV = value_bits(DV) == 8;
+  // Both sides 8-bit (64-token tiles): a tile's codes are staged two producer iterations before
+  // its conversion, and the copies never touch the ring (only the conversion waits for a free
+  // stage), so a TMA round trip and a block-table load are never on the conversion's path
+  // (docs/notes/prefill-tuning.md v12).
+  static constexpr bool kSplit = kRawK && kRawV && BC == 64;
+  // Ring stages: the consumers hold two (S of tile t, P V of tile t - 1) and the producer keeps
+  // up to three in flight (16-bit caches) or two (one 8-bit side); with kSplit three staging
+  // buffers leave room for four.
+  static constexpr int kStages = BC == 64 ? (kSplit ? 4 : 5) : 2;
   static constexpr bool kBf16K = bf16_operands(DK);
   static constexpr bool kBf16V = bf16_operands(DV);
   static constexpr int kCb = 8192;                  // bytes of a 64-row Q column block (64 x 128 B)
@@ -62,12 +68,15 @@ struct WCfg {
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kConsumers * kQBytes;
   static constexpr int kV = kK + kStages * kTileBytes;
-  // Staging buffers of the 8-bit sides, one per tile in flight (two: tile t lands while tile
-  // t - 1 is converted); a named barrier of the producer warpgroup orders a buffer's reuse after
-  // every producer thread converted the tile before (docs/notes/prefill-tuning.md v10: one per
-  // ring stage left room for four stages only, and the consumers waited on conversions).
+  // Staging buffers of the 8-bit sides, one per tile between its copy and its conversion (two:
+  // tile t lands while tile t - 1 is converted; kSplit three); a named barrier of the producer
+  // warpgroup orders a buffer's reuse after every producer thread converted the tile before
+  // (docs/notes/prefill-tuning.md v10: one per ring stage left room for four stages only, and
+  // the consumers waited on conversions).
   static constexpr int kRaw = kV + kStages * kTileBytes;
-  static constexpr int kRawBufs = kAny8 ? 2 : 0;
+  static constexpr int kRawBufs = kSplit ? 3 : kAny8 ? 2 : 0;
+  // Producer iterations between a tile's copy and its conversion.
+  static constexpr int kConvertLag = kSplit ? 2 : 1;
   static constexpr int kRawKBytes = kRawK ? kBcW * HD : 0;
   static constexpr int kRawBuf = kRawKBytes + (kRawV ? kBcW * HD : 0);
   static constexpr int kMeta =
@@ -207,6 +216,9 @@ __global__ void __launch_bounds__(kThreadsW, 1)
       return C::kRaw + (C::kAny8 ? (it % C::kRawBufs) * C::kRawBuf : 0);
     };
     auto finish = [&](int it) {
+      // kSplit: the stage is taken here, not when the codes were copied.
+      if constexpr (C::kSplit)
+        if (it >= kS) sm90::mbar_wait(bar_empty + 8 * (it % kS), ((it / kS) - 1) & 1);
       if (tma_tile(it)) {
         if constexpr (!C::kAny8) return;                          // 16-bit sides: arrived at issue
         sm90::mbar_wait(bar_raw + 8 * (it % kS), (it / kS) & 1);  // the staged codes landed
@@ -222,11 +234,12 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     };
 #pragma unroll 1
     for (int it = 0; it < num_tiles; ++it) {
-      if (it >= kS) sm90::mbar_wait(bar_empty + 8 * (it % kS), ((it / kS) - 1) & 1);
-      // Tile it's codes go to the staging buffer tile it - 2 used: every producer thread has
-      // converted that tile (finish(it - 2) ran in the previous iteration).
+      if constexpr (!C::kSplit)
+        if (it >= kS) sm90::mbar_wait(bar_empty + 8 * (it % kS), ((it / kS) - 1) & 1);
+      // Tile it's codes go to the staging buffer tile it - kRawBufs used: every producer thread
+      // has converted that tile (its finish() ran in the previous iteration).
       if constexpr (C::kAny8) {
-        static_assert(C::kRawBufs == 2);
+        static_assert(C::kRawBufs == C::kConvertLag + 1);
         if (it >= C::kRawBufs) sm90::named_barrier_sync(kProducerBarrier, 128);
       }
       const int t0 = (tile_b + it) * kBcW;
@@ -291,10 +304,12 @@ __global__ void __launch_bounds__(kThreadsW, 1)
       cp_async_commit();
       // Tile it - 2 (three in flight) is complete once at most two groups are pending; tile it - 1
       // (two in flight) once at most one is.
+      // (kSplit: tile it - 2, staged two iterations ago, is converted now.)
       if (lab_shallow) {
-        if (it >= 1) {
-          cp_async_wait<1>();
-          finish(it - 1);
+        constexpr int kLag = C::kAny8 ? C::kConvertLag : 1;
+        if (it >= kLag) {
+          cp_async_wait<kLag>();
+          finish(it - kLag);
         }
       } else if (it >= 2) {
         cp_async_wait<2>();
@@ -302,7 +317,8 @@ __global__ void __launch_bounds__(kThreadsW, 1)
       }
     }
     cp_async_wait<0>();
-    for (int it = max(0, num_tiles - (lab_shallow ? 1 : 2)); it < num_tiles; ++it) finish(it);
+    const int lag = lab_shallow ? (C::kAny8 ? C::kConvertLag : 1) : 2;
+    for (int it = max(0, num_tiles - lag); it < num_tiles; ++it) finish(it);
     return;
   }
 
