@@ -107,6 +107,27 @@ __device__ __forceinline__ void convert_chunk(uint8_t* tile, const uint8_t* raw,
   *reinterpret_cast<uint4*>(tile + cb * kCbBytes + sm90::swizzle128(t, cc + 1)) = hi;
 }
 
+// The token t and 16-byte chunk rc (16 dims) of an 8-bit side's chunk `ch` of a tile, HD / 16
+// chunks a token: a quarter warp (8 consecutive ch) takes two tokens t, t + 1 (t even), each a
+// different half of its row at head_dim 128 (both whole rows at 64), so its 16-byte reads of
+// the staged codes and its swizzled 16-byte stores of the fp16 operands fall in distinct banks
+// (token-major order put the two column blocks of one row, 8 KB apart, in the same banks).
+// The copy (cp.async) and the conversion use the same order, so a thread converts what it
+// copied.
+template <int HD>
+__device__ __forceinline__ void staged_chunk(int ch, int& t, int& rc) {
+  constexpr int kPer = HD / 16;
+  const int q = ch & 7, j = ch >> 3, tsub = q >> 2;
+  if constexpr (kPer == 8) {
+    t = 2 * (j >> 1) + tsub;
+    rc = 4 * (tsub ^ (j & 1)) + (q & 3);
+  } else {
+    static_assert(kPer == 4);
+    t = 2 * j + tsub;
+    rc = q & 3;
+  }
+}
+
 template <KvDtype DK, KvDtype DV, int HD, int BC>
 __global__ void __launch_bounds__(kThreadsW, 1)
     prefill_wgmma_kernel(const __grid_constant__ PrefillKernelParams p) {
@@ -181,7 +202,8 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         constexpr int kPer = HD / 16;
 #pragma unroll
         for (int k = 0; k < kBcW * kPer / 128; ++k) {
-          const int ch = tid + 128 * k, t = ch / kPer, rc = ch - t * kPer;
+          int t = 0, rc = 0;
+          staged_chunk<HD>(tid + 128 * k, t, rc);
           const int seg = t >> 4, tok = t0 + t;
           if (tok >= lo && tok < hi) {
             const uint8_t* src = head + static_cast<uint64_t>(blk[seg]) * block_bytes +
@@ -198,7 +220,8 @@ __global__ void __launch_bounds__(kThreadsW, 1)
         constexpr int kPer = HD / 16;
 #pragma unroll
         for (int k = 0; k < kBcW * kPer / 128; ++k) {
-          const int ch = tid + 128 * k, t = ch / kPer, rc = ch - t * kPer;
+          int t = 0, rc = 0;
+          staged_chunk<HD>(tid + 128 * k, t, rc);
           const int tok = t0 + t;
           convert_chunk<D, C::kKvCb>(tile, raw + t * HD + 16 * rc, t, rc, tok >= lo && tok < hi);
         }
