@@ -317,6 +317,31 @@ __global__ void quantize_fp8_kernel(const void* x, bool bf16, int cols, int64_t 
 // x 16-byte aligned): each thread loads whole chunks, all of its loads in flight at once, so a
 // decode step's one-row call costs one memory round trip per pass instead of one per element
 // (the scalar kernel took ~12 us for a 4096-wide row on an H100). Same codes and scales as
+// The largest |value| of 8 bf16 values (one 16-byte chunk), and the chunk's e4m3 codes at scale
+// s (zeros for a dead row): the re-reading and the held bf16x8 quantizers share both.
+__device__ __forceinline__ float bf16x8_amax(const uint4& v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __bfloat1622float2(h[e]);
+    amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+  }
+  return amax;
+}
+__device__ __forceinline__ uint2 bf16x8_to_e4m3(const uint4& v, float s, bool dead) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+  uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __bfloat1622float2(h[e]);
+    const uint32_t lo = dead ? 0u : kvq::cuda::enc_e4m3(__fdiv_rn(f.x, s));
+    const uint32_t hi = dead ? 0u : kvq::cuda::enc_e4m3(__fdiv_rn(f.y, s));
+    packed[e >> 1] |= (lo | (hi << 8)) << (16 * (e & 1));
+  }
+  return make_uint2(packed[0], packed[1]);
+}
+
 // quantize_fp8_kernel: the same max, the same division and the same encoder per element.
 __global__ void quantize_fp8_bf16x8_kernel(const __nv_bfloat16* x, int cols, int64_t ldx,
                                            Fp8Scale mode, const float* scale_in, uint8_t* codes,
@@ -331,12 +356,7 @@ __global__ void quantize_fp8_bf16x8_kernel(const __nv_bfloat16* x, int cols, int
 #pragma unroll 4
     for (int c = static_cast<int>(threadIdx.x); c < chunks; c += blockDim.x) {
       const uint4 v = row[c];
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = __bfloat1622float2(h[e]);
-        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
+      amax = fmaxf(amax, bf16x8_amax(v));
     }
   }
   const float s = row_fp8_scale(amax, r, mode, scale_in, scale);
@@ -345,16 +365,7 @@ __global__ void quantize_fp8_bf16x8_kernel(const __nv_bfloat16* x, int cols, int
 #pragma unroll 4
   for (int c = static_cast<int>(threadIdx.x); c < chunks; c += blockDim.x) {
     const uint4 v = row[c];
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-    uint32_t packed[2] = {0u, 0u};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = __bfloat1622float2(h[e]);
-      const uint32_t lo = dead ? 0u : kvq::cuda::enc_e4m3(__fdiv_rn(f.x, s));
-      const uint32_t hi = dead ? 0u : kvq::cuda::enc_e4m3(__fdiv_rn(f.y, s));
-      packed[e >> 1] |= (lo | (hi << 8)) << (16 * (e & 1));
-    }
-    out[c] = make_uint2(packed[0], packed[1]);
+    out[c] = bf16x8_to_e4m3(v, s, dead);
   }
 }
 
@@ -414,12 +425,7 @@ __global__ void quantize_fp8_bf16x8_held_kernel(const __nv_bfloat16* x, int cols
   if (mode == Fp8Scale::kDynamic) {
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = __bfloat1622float2(h[e]);
-        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
+      amax = fmaxf(amax, bf16x8_amax(v[k]));
     }
   }
   const float s = row_fp8_scale(amax, r, mode, scale_in, scale);
@@ -428,16 +434,7 @@ __global__ void quantize_fp8_bf16x8_held_kernel(const __nv_bfloat16* x, int cols
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
     if (tid + k * step >= chunks) continue;
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
-    uint32_t packed[2] = {0u, 0u};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = __bfloat1622float2(h[e]);
-      const uint32_t lo = dead ? 0u : kvq::cuda::enc_e4m3(__fdiv_rn(f.x, s));
-      const uint32_t hi = dead ? 0u : kvq::cuda::enc_e4m3(__fdiv_rn(f.y, s));
-      packed[e >> 1] |= (lo | (hi << 8)) << (16 * (e & 1));
-    }
-    out[tid + k * step] = make_uint2(packed[0], packed[1]);
+    out[tid + k * step] = bf16x8_to_e4m3(v[k], s, dead);
   }
 }
 
