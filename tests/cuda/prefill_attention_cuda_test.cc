@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <utility>
@@ -67,7 +68,9 @@ std::vector<float> run_device_api(const CudaAttnProblem& p, float soft_cap,
   const cuda::PrefillPlan plan = cuda::plan_prefill(p.spec(), p.q_indptr(), p.seq_lens(), options);
   if (num_splits != nullptr) *num_splits = plan.num_splits;
   EXPECT_LE(plan.workspace_bytes, cuda::kPrefillSplitWorkspaceBytes);
+  EXPECT_LE(plan.staging_bytes, options.staging_capacity);
   DeviceBuffer<std::byte> ws(plan.workspace_bytes);
+  DeviceBuffer<std::byte> staging(plan.staging_bytes);
   cudaStream_t stream = nullptr;
   EXPECT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   dev.out.poison();
@@ -80,6 +83,7 @@ std::vector<float> run_device_api(const CudaAttnProblem& p, float soft_cap,
   a.softmax_scale = p.softmax_scale();
   a.logit_soft_cap = soft_cap;
   a.workspace = ws.get();
+  a.staging = staging.get();
   cuda::run_prefill(p.spec(), plan, a, stream);
   EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
@@ -384,6 +388,123 @@ TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
   EXPECT_TRUE(cuda::plan_prefill(spec_for(c), q_indptr, seq_lens).wgmma);
 }
 
+// Staging (PrefillPlan::staged_blocks): a per-tensor fp8 cache expanded to fp16 and read as a
+// float16 cache gives the very bits of the kernel that converts the codes in its producer (the
+// same fp16 operands, scales and order of operations), on ragged batches whose tables are
+// shuffled, every mask, GQA ratios, both head dims, with and without split-KV; and cpu_reference
+// agrees with it.
+TEST(CudaPrefillStaging, StagedFp8CachesGiveTheBitsOfTheConvertingKernel) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                 AttentionKind::kNonCausal};
+  int index = 0;
+  for (KvDtype d : {KvDtype::kFp8E4M3, KvDtype::kFp8E5M2}) {
+    for (int hd : {64, 128}) {
+      for (int rep = 0; rep < 3; ++rep, ++index) {
+        CudaAttnCase c;
+        c.k_dtype = c.v_dtype = d;
+        c.set_head_dim(hd);
+        c.block_tokens = index % 2 == 0 ? 16 : 32;
+        c.ratio = (index + static_cast<int>(seed % 3)) % 3 == 0 ? 1 : 4;
+        c.num_kv_heads = c.ratio == 1 ? 3 : 2;
+        c.kind = kinds[rep];
+        c.window = std::uniform_int_distribution<int>(8, 300)(rng);
+        c.soft_cap = index % 2 == 1 ? 5.0f : 0.0f;
+        c.outliers = index % 3 == 2;
+        const int pure = std::uniform_int_distribution<int>(200, 600)(rng);
+        const int chunk = std::uniform_int_distribution<int>(65, 200)(rng);
+        c.q_lens = {pure, 1, chunk, 17};
+        c.kv_lens = {pure, 90, chunk + std::uniform_int_distribution<int>(1, 700)(rng),
+                     17 + std::uniform_int_distribution<int>(0, 40)(rng)};
+        const unsigned case_seed = seed + static_cast<unsigned>(index) + 1;
+        const CudaAttnProblem problem(c, case_seed);
+        const std::vector<float> want = problem.reference();
+        for (int split = 0; split < 2; ++split) {
+          cuda::PrefillOptions o;
+          o.kernel = cuda::PrefillOptions::Kernel::kWgmma;
+          if (split == 1) o.num_sms = 132;
+          o.staging = cuda::PrefillOptions::Staging::kOff;
+          const std::vector<float> converted = run_device_api(problem, c.soft_cap, o);
+          o.staging = cuda::PrefillOptions::Staging::kForce;
+          o.staging_capacity = size_t{1} << 30;
+          const cuda::PrefillPlan plan =
+              cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
+          EXPECT_GT(plan.staged_blocks, 0) << plan.staging_reason;
+          const std::vector<float> staged = run_device_api(problem, c.soft_cap, o);
+          ASSERT_EQ(staged.size(), converted.size());
+          size_t differ = 0;
+          for (size_t i = 0; i < staged.size(); ++i)
+            differ += std::memcmp(&staged[i], &converted[i], sizeof(float)) != 0;
+          EXPECT_EQ(differ, 0u) << c.describe() << (split ? ", split" : "") << ", seed " << seed;
+          EXPECT_TRUE(problem.check(staged, want, prefill_tolerance(c)))
+              << c.describe() << ", staged" << (split ? ", split" : "") << ", seed " << seed;
+        }
+      }
+    }
+  }
+}
+
+// Where a plan stages (no device needed): long prefills and chunks over a long context of a
+// per-tensor fp8 cache with a buffer that holds them; not verification-sized steps (each kv tile
+// is converted about once either way), not without a buffer or with one too small, not other
+// dtypes, not plans for later steps; kForce and kOff as asked; the bytes the plan takes.
+TEST(CudaPrefillStaging, PlanStagesWhereConversionsRepeat) {
+  CudaAttnCase c;
+  c.k_dtype = c.v_dtype = KvDtype::kFp8E4M3;
+  c.num_kv_heads = 8;
+  c.ratio = 4;
+  const LayerKvSpec fp8 = spec_for(c);
+  cuda::PrefillOptions o;
+  o.staging_capacity = size_t{1} << 30;
+  o.staging = cuda::PrefillOptions::Staging::kAuto;
+  const std::vector<int32_t> pure_q = {0, 8192}, pure_len = {8192};
+  const cuda::PrefillPlan pure = cuda::plan_prefill(fp8, pure_q, pure_len, o);
+  EXPECT_EQ(pure.staged_blocks, 8192 / c.block_tokens) << pure.staging_reason;
+  EXPECT_EQ(pure.staging_bytes, cuda::prefill_staging_bytes(fp8, pure.staged_blocks, 1));
+  // fp16 K and V blocks: at least 2 x 2 bytes per cached value.
+  EXPECT_GE(pure.staging_bytes, size_t{8192} * 8 * 128 * 4);
+  // A 1k prefill converts each tile about 17 times: fewer than the staging's fixed cost repays.
+  const std::vector<int32_t> short_q = {0, 1024}, short_len = {1024};
+  const cuda::PrefillPlan short_plan = cuda::plan_prefill(fp8, short_q, short_len, o);
+  EXPECT_EQ(short_plan.staged_blocks, 0) << short_plan.staging_reason;
+  EXPECT_GT(cuda::plan_prefill(fp8, std::vector<int32_t>{0, 4096}, std::vector<int32_t>{4096}, o)
+                .staged_blocks,
+            0);
+  const std::vector<int32_t> chunk_q = {0, 2048}, chunk_len = {8192};
+  EXPECT_GT(cuda::plan_prefill(fp8, chunk_q, chunk_len, o).staged_blocks, 0);
+  // Verification: 32 sequences x 8 queries over 4k.
+  std::vector<int32_t> vq = {0}, vlen;
+  for (int i = 0; i < 32; ++i) vq.push_back(vq.back() + 8), vlen.push_back(4096);
+  cuda::PrefillOptions wg = o;
+  wg.kernel = cuda::PrefillOptions::Kernel::kWgmma;
+  const cuda::PrefillPlan verify = cuda::plan_prefill(fp8, vq, vlen, wg);
+  EXPECT_EQ(verify.staged_blocks, 0);
+  EXPECT_NE(verify.staging_reason.find("no gain"), std::string::npos) << verify.staging_reason;
+  wg.staging = cuda::PrefillOptions::Staging::kForce;
+  EXPECT_GT(cuda::plan_prefill(fp8, vq, vlen, wg).staged_blocks, 0);
+  cuda::PrefillOptions off = o;
+  off.staging = cuda::PrefillOptions::Staging::kOff;
+  EXPECT_EQ(cuda::plan_prefill(fp8, pure_q, pure_len, off).staged_blocks, 0);
+  cuda::PrefillOptions small = o;
+  small.staging_capacity = pure.staging_bytes - 1;
+  const cuda::PrefillPlan too_small = cuda::plan_prefill(fp8, pure_q, pure_len, small);
+  EXPECT_EQ(too_small.staged_blocks, 0);
+  EXPECT_NE(too_small.staging_reason.find("buffer holds"), std::string::npos)
+      << too_small.staging_reason;
+  EXPECT_EQ(cuda::plan_prefill(fp8, pure_q, pure_len).staged_blocks, 0);  // no buffer
+  cuda::PrefillOptions later = o;
+  later.max_kv_len = 8192;
+  EXPECT_EQ(cuda::plan_prefill(fp8, pure_q, pure_len, later).staged_blocks, 0);
+  for (KvDtype d : {KvDtype::kBFloat16, KvDtype::kInt8PerTokenHead, KvDtype::kFp8PerTokenHead}) {
+    c.k_dtype = c.v_dtype = d;
+    const cuda::PrefillPlan plan = cuda::plan_prefill(spec_for(c), pure_q, pure_len, o);
+    EXPECT_EQ(plan.staged_blocks, 0) << to_string(d);
+    EXPECT_FALSE(cuda::prefill_stageable(spec_for(c))) << to_string(d);
+  }
+}
+
 // Small shapes of the wgmma kernel for compute-sanitizer memcheck / racecheck: the producer's
 // ring, the staged 8-bit conversion, a warpgroup with no rows, split-KV.
 TEST(CudaPrefillWgmma, SmallForSanitizers) {
@@ -407,12 +528,17 @@ TEST(CudaPrefillWgmma, SmallForSanitizers) {
     c.q_lens = {40, 1};
     c.kv_lens = {330, 20};
     const CudaAttnProblem problem(c, seed + static_cast<unsigned>(index++));
-    for (int split = 0; split < 2; ++split) {
+    for (int split = 0; split < 3; ++split) {
       cuda::PrefillOptions o;
       o.kernel = cuda::PrefillOptions::Kernel::kWgmma;
       if (split == 1) {
         o.num_sms = 132;
         o.max_kv_len = 2048;
+      }
+      if (split == 2) {  // staged where the cache is per-tensor fp8
+        if (!cuda::prefill_stageable(problem.spec())) continue;
+        o.staging = cuda::PrefillOptions::Staging::kForce;
+        o.staging_capacity = size_t{64} << 20;
       }
       EXPECT_TRUE(problem.check(run_device_api(problem, 0.0f, o), problem.reference(),
                                 prefill_tolerance(c)))

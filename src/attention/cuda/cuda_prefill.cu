@@ -53,6 +53,20 @@ PrefillOptions::Kernel env_kernel() {
   return k;
 }
 
+// KVQ_PREFILL_STAGING=auto (default) | off | force: the PrefillOptions::Staging of plans made
+// with kAuto (an A/B switch for whole-model runs).
+PrefillOptions::Staging env_staging() {
+  static const PrefillOptions::Staging k = [] {
+    const char* e = std::getenv("KVQ_PREFILL_STAGING");
+    const std::string v = e == nullptr ? "auto" : e;
+    if (v == "auto") return PrefillOptions::Staging::kAuto;
+    if (v == "off") return PrefillOptions::Staging::kOff;
+    if (v == "force") return PrefillOptions::Staging::kForce;
+    throw InputError("KVQ_PREFILL_STAGING=" + v + " is not one of: auto, off, force");
+  }();
+  return k;
+}
+
 // Kernel-lab switches (integers; 0 when unset): timing experiments, never needed for results.
 int lab_env(const char* name) {
   const char* e = std::getenv(name);
@@ -109,7 +123,89 @@ bool split_by_waves() {
 
 void check_prefill_kernel_env() {
   (void)env_kernel();
+  (void)env_staging();
 }
+
+bool prefill_stageable(const LayerKvSpec& spec) {
+  auto fp8 = [](KvDtype d) { return d == KvDtype::kFp8E4M3 || d == KvDtype::kFp8E5M2; };
+  return fp8(spec.k_dtype) && fp8(spec.v_dtype) && spec.head_dim_k == spec.head_dim_v &&
+         prefill_wgmma_pair(KvDtype::kFloat16, KvDtype::kFloat16, spec.head_dim_k);
+}
+
+namespace {
+constexpr size_t kStageAlign = 1024;
+size_t stage_align(size_t n) {
+  return (n + kStageAlign - 1) / kStageAlign * kStageAlign;
+}
+// The staging buffer: [indptr (num_seqs + 1)][indices (blocks)][K blocks][V blocks], each part
+// 1024-byte aligned (TMA wants 16).
+struct StageLayout {
+  size_t indices = 0, k = 0, v = 0, bytes = 0;
+  KvSideLayout side;
+};
+StageLayout stage_layout(const LayerKvSpec& spec, int64_t blocks, int64_t num_seqs) {
+  StageLayout l;
+  l.side = KvSideLayout::make(KvDtype::kFloat16, spec.num_kv_heads, spec.head_dim_k,
+                              spec.block_tokens);
+  l.indices = stage_align(static_cast<size_t>(num_seqs + 1) * 4);
+  l.k = l.indices + stage_align(static_cast<size_t>(blocks) * 4);
+  l.v = l.k + stage_align(static_cast<size_t>(blocks) * l.side.block_bytes);
+  l.bytes = l.v + stage_align(static_cast<size_t>(blocks) * l.side.block_bytes);
+  return l;
+}
+}  // namespace
+
+size_t prefill_staging_bytes(const LayerKvSpec& spec, int64_t blocks, int64_t num_seqs) {
+  return stage_layout(spec, blocks, num_seqs).bytes;
+}
+
+namespace {
+// Staging (PrefillPlan::staged_blocks): each row block of the wgmma kernel converts every kv tile
+// it sees, so a tile is converted once per row block that sees it; staged, each block's bytes
+// are converted once (a read of the codes and a write of twice their bytes) and the kernel runs
+// at the 16-bit cache's speed. Lab (H200, 32 / 8 heads, docs/notes/prefill-tuning.md v14): a
+// 64-token tile conversion in the kernel costs about 3 ns of GPU time (3.1-3.5 at 4k-8k causal),
+// staging about 45 ns per staged 64-token tile of one kv head plus about 15 us (two launches;
+// 1k causal: 19 us, a loss): stage where conversions >= 15 x staged tiles + 4800 (all heads).
+void plan_staging(PrefillPlan& plan, const LayerKvSpec& spec, std::span<const int32_t> q_indptr,
+                  std::span<const int32_t> seq_lens, const PrefillOptions& options) {
+  PrefillOptions::Staging mode = options.staging;
+  if (mode == PrefillOptions::Staging::kAuto) mode = env_staging();
+  auto no = [&](std::string why) { plan.staging_reason = "not staged: " + why; };
+  if (!plan.wgmma) return no("not the wgmma kernel");
+  if (!prefill_stageable(spec)) return no("not a per-tensor fp8 cache");
+  if (mode == PrefillOptions::Staging::kOff) return no("staging is off");
+  if (options.max_kv_len > 0) return no("a plan for later, longer steps");
+  if (options.staging_capacity == 0) return no("no staging buffer");
+  const int64_t bt = spec.block_tokens, ratio = spec.gqa_ratio(), rows = plan.rows_per_block;
+  int64_t blocks = 0, staged_tiles = 0, conversions = 0;
+  for (size_t i = 0; i < seq_lens.size(); ++i) {
+    const int64_t kv = seq_lens[i], q = int64_t{q_indptr[i + 1]} - q_indptr[i];
+    blocks += (kv + bt - 1) / bt;
+    staged_tiles += (kv + 63) / 64;
+    for (int64_t r0 = 0; r0 < q * ratio; r0 += rows) {
+      const int64_t first = kv - q + r0 / ratio;  // positions of the block's first / last token
+      const int64_t last = kv - q + std::min(q - 1, (r0 + rows - 1) / ratio);
+      int64_t lo = 0, hi = kv;
+      if (spec.attention != AttentionKind::kNonCausal) hi = last + 1;
+      if (spec.attention == AttentionKind::kSlidingWindow)
+        lo = std::max<int64_t>(0, first - spec.sliding_window + 1);
+      conversions += (hi + 63) / 64 - lo / 64;
+    }
+  }
+  const size_t bytes = prefill_staging_bytes(spec, blocks, plan.num_seqs);
+  if (bytes > options.staging_capacity)
+    return no("the step's " + std::to_string(blocks) + " blocks need " + std::to_string(bytes) +
+              " bytes of staging, the buffer holds " + std::to_string(options.staging_capacity));
+  if (mode == PrefillOptions::Staging::kAuto && conversions < 15 * staged_tiles + 4800 / spec.num_kv_heads)
+    return no(std::to_string(conversions) + " tile conversions per kv head against " +
+              std::to_string(staged_tiles) + " staged tiles: no gain");
+  plan.staged_blocks = static_cast<int32_t>(blocks);
+  plan.staging_bytes = bytes;
+  plan.staging_reason = "staged: " + std::to_string(conversions) +
+                        " tile conversions per kv head become " + std::to_string(staged_tiles);
+}
+}  // namespace
 
 PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_indptr,
                          std::span<const int32_t> seq_lens, const PrefillOptions& options) {
@@ -161,6 +257,7 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   }
   const int64_t max_tiles = (max_rows + rows_per_block - 1) / rows_per_block;
   KVQ_CHECK(max_tiles < (int64_t{1} << 31), "plan_prefill: too many queries in one sequence");
+  plan_staging(plan, spec, q_indptr, seq_lens, options);
   plan.max_q_tiles = static_cast<int32_t>(max_tiles);
   plan.total_q = q_indptr.empty() ? 0 : q_indptr.back();
   plan.workspace_bytes = 0;
@@ -267,15 +364,61 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   kp.indptr = bt.indptr;
   kp.indices = bt.indices;
   kp.seq_lens = bt.seq_lens;
+  // Staged: the fp16 copy of the step's blocks, read as a float16 cache through its own table,
+  // with the fp8 sides' per-tensor scales.
+  LayerCacheView staged_view;
+  if (plan.staged_blocks > 0) {
+    KVQ_CHECK(plan.wgmma && prefill_stageable(spec), "run_prefill: a staged plan for this layer");
+    KVQ_CHECK(args.staging != nullptr, "run_prefill: a staged plan needs its staging buffer");
+    KVQ_CHECK(args.cache.k_layout.row_data_bytes == static_cast<size_t>(spec.head_dim_k) &&
+                  args.cache.v_layout.row_data_bytes == static_cast<size_t>(spec.head_dim_v),
+              "run_prefill: staging expects rows of one byte per dim");
+    const StageLayout l = stage_layout(spec, plan.staged_blocks, plan.num_seqs);
+    auto* base = static_cast<std::byte*>(args.staging);
+    PrefillStage st{};
+    st.k = kp.k;
+    st.v = kp.v;
+    st.k_e5m2 = spec.k_dtype == KvDtype::kFp8E5M2 ? 1 : 0;
+    st.v_e5m2 = spec.v_dtype == KvDtype::kFp8E5M2 ? 1 : 0;
+    st.indptr = bt.indptr;
+    st.indices = bt.indices;
+    st.seq_lens = bt.seq_lens;
+    st.num_seqs = plan.num_seqs;
+    st.block_tokens = spec.block_tokens;
+    st.num_kv_heads = spec.num_kv_heads;
+    st.head_dim = spec.head_dim_k;
+    st.blocks = plan.staged_blocks;
+    st.s_indptr = reinterpret_cast<int32_t*>(base);
+    st.s_indices = reinterpret_cast<int32_t*>(base + l.indices);
+    st.k_out = reinterpret_cast<uint8_t*>(base + l.k);
+    st.v_out = reinterpret_cast<uint8_t*>(base + l.v);
+    st.out_block_bytes = l.side.block_bytes;
+    st.out_head_stride = l.side.head_stride;
+    launch_prefill_stage(st, stream);
+    staged_view.k_base = base + l.k;
+    staged_view.v_base = base + l.v;
+    staged_view.k_layout = staged_view.v_layout = l.side;
+    staged_view.num_blocks = plan.staged_blocks;
+    for (PrefillSide* side : {&kp.k, &kp.v}) {
+      const PrefillSide scaled = *side;
+      *side = make_cache_side<PrefillSide>(spec, staged_view,
+                                           side == &kp.k ? KvSide::kK : KvSide::kV);
+      std::copy(std::begin(scaled.tensor_scale), std::end(scaled.tensor_scale),
+                std::begin(side->tensor_scale));
+    }
+    kp.indptr = st.s_indptr;
+    kp.indices = st.s_indices;
+  }
+  const LayerCacheView& kv_view = plan.staged_blocks > 0 ? staged_view : args.cache;
   kp.num_q_heads = spec.num_q_heads;
   kp.num_kv_heads = spec.num_kv_heads;
   kp.ratio = spec.gqa_ratio();
   kp.rows_per_block = plan.rows_per_block;
   kp.wgmma = plan.wgmma ? 1 : 0;
-  if (plan.wgmma && args.cache.num_blocks > 0) {
+  if (plan.wgmma && kv_view.num_blocks > 0) {
     kp.tma = 1;
-    kp.k_map = cache_side_map(args.cache, KvSide::kK);
-    kp.v_map = cache_side_map(args.cache, KvSide::kV);
+    kp.k_map = cache_side_map(kv_view, KvSide::kK);
+    kp.v_map = cache_side_map(kv_view, KvSide::kV);
   }
   kp.lab = lab_env("KVQ_PREFILL_LAB");
   kp.block_tokens = spec.block_tokens;
@@ -294,9 +437,15 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   }
   const dim3 grid(static_cast<unsigned>(plan.max_q_tiles * kp.num_splits),
                   static_cast<unsigned>(spec.num_kv_heads), static_cast<unsigned>(plan.num_seqs));
-  const bool launched = with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
-    launch_prefill<decltype(k)::value, decltype(v)::value>(kp, spec.head_dim_k, grid, stream);
-  });
+  const bool launched =
+      plan.staged_blocks > 0
+          ? (launch_prefill<KvDtype::kFloat16, KvDtype::kFloat16>(kp, spec.head_dim_k, grid,
+                                                                 stream),
+             true)
+          : with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
+              launch_prefill<decltype(k)::value, decltype(v)::value>(kp, spec.head_dim_k, grid,
+                                                                     stream);
+            });
   KVQ_CHECK(launched, "run_prefill: no kernel for this (K, V) pair");
   if (kp.num_splits > 1) launch_prefill_merge(kp, spec.head_dim_v, plan.num_seqs, stream);
 }

@@ -73,8 +73,9 @@ constexpr bool prefill_wgmma_pair(KvDtype k, KvDtype v, int head_dim) {
   return prefill_wgmma_side(k) && prefill_wgmma_side(v) && (head_dim == 64 || head_dim == 128);
 }
 
-// Reads KVQ_PREFILL_KERNEL (auto | mma | wgmma): an InputError for any other value. The command
-// line calls it first, so a typo fails before any work.
+// Reads KVQ_PREFILL_KERNEL (auto | mma | wgmma) and KVQ_PREFILL_STAGING (auto | off | force):
+// an InputError for any other value. The command line calls it first, so a typo fails before
+// any work.
 void check_prefill_kernel_env();
 
 // Empty when the kernels can run `spec`: a (K, V) pair of kv_pairs.h, head_dim 64 / 128 / 256
@@ -96,6 +97,14 @@ struct PrefillPlan {
   // the mma.sync one; kernel_reason says why this kernel was chosen.
   bool wgmma = false;
   std::string kernel_reason;
+  // > 0: both sides are per-tensor fp8 and the step's cache blocks (this many) are first
+  // expanded to an fp16 copy in the caller's staging buffer (staging_bytes of it), which the
+  // wgmma kernel then reads as a float16 cache (the same fp16 operands and scales as on the fp8
+  // cache, so the same result bits): a long prefill converts each kv tile once instead of once
+  // per row block (docs/notes/prefill-tuning.md v14). staging_reason says why or why not.
+  int32_t staged_blocks = 0;
+  size_t staging_bytes = 0;
+  std::string staging_reason;
   // "wgmma", "mma" or "mma small-q".
   const char* kernel_name() const {
     return wgmma ? "wgmma" : (rows_per_block == 64 ? "mma small-q" : "mma");
@@ -120,7 +129,21 @@ struct PrefillOptions {
   // kMma never does; kWgmma takes it wherever it is built, also instead of the small-q block.
   enum class Kernel { kAuto, kMma, kWgmma };
   Kernel kernel = Kernel::kAuto;
+  // Bytes of the staging buffer the caller passes to run_prefill (PrefillArgs::staging); 0:
+  // none, never stage. kAuto stages where the plan predicts a gain (KVQ_PREFILL_STAGING=off |
+  // force overrides it for A/B runs), kOff never, kForce wherever it applies and fits. Plans
+  // for later, longer steps (max_kv_len > 0) never stage.
+  size_t staging_capacity = 0;
+  enum class Staging { kAuto, kOff, kForce };
+  Staging staging = Staging::kAuto;
 };
+
+// Bytes of staging a plan takes for `blocks` cache blocks of `num_seqs` sequences of this
+// layer (the fp16 K and V blocks and the staged block table); a caller sizes its buffer with it.
+size_t prefill_staging_bytes(const LayerKvSpec& spec, int64_t blocks, int64_t num_seqs);
+// Whether a layer's cache can be staged at all: both sides per-tensor fp8 (e4m3 / e5m2) on the
+// wgmma kernel's head dims.
+bool prefill_stageable(const LayerKvSpec& spec);
 
 // Host-side sizing. q_indptr (num_seqs + 1) and seq_lens (num_seqs) are the host copies of
 // what run_prefill gets on the device; every sequence needs 0 <= q_len <= kv_len. Throws
@@ -140,6 +163,7 @@ struct PrefillArgs {
   float softmax_scale = 1.0f;
   float logit_soft_cap = 0.0f;  // 0: off
   void* workspace = nullptr;    // plan.workspace_bytes (may be null while that is 0)
+  void* staging = nullptr;      // plan.staging_bytes (may be null while staged_blocks is 0)
 };
 
 // Launches the prefill on `stream` (asynchronous). The spec must pass

@@ -52,6 +52,25 @@ struct PrefillKernelParams {
   float2* part_ml;
 };
 
+// The staging of a per-tensor fp8 cache (PrefillPlan::staged_blocks): the step's blocks, in
+// block-table order, converted to fp16 blocks of the same (kv head, token, dim) order.
+struct PrefillStage {
+  PrefillSide k, v;      // the fp8 cache sides
+  int k_e5m2, v_e5m2;    // 1: that side's codes are e5m2, else e4m3
+  const int32_t* indptr;  // the step's block table
+  const int32_t* indices;
+  const int32_t* seq_lens;
+  int num_seqs, block_tokens, num_kv_heads, head_dim;
+  int blocks;            // the plan's staged blocks (the capacity of s_indices, k_out, v_out)
+  int32_t* s_indptr;     // written: ceil(seq_len / block_tokens) prefix sums (num_seqs + 1)
+  int32_t* s_indices;    // written: 0, 1, 2, ... (the staged table's block ids)
+  uint8_t* k_out;        // written: blocks x out_block_bytes each
+  uint8_t* v_out;
+  uint64_t out_block_bytes, out_head_stride;
+};
+// Two launches on `stream`: the staged table, then the conversion of every staged block.
+void launch_prefill_stage(const PrefillStage& s, cudaStream_t stream);
+
 // Combines the split partials of rows [0, q_indptr[num_seqs] x num_q_heads) into out.
 void launch_prefill_merge(const PrefillKernelParams& p, int head_dim, int num_seqs,
                           cudaStream_t stream);

@@ -602,8 +602,8 @@ __global__ void __launch_bounds__(kThreadsW, 1)
   sm90::mbar_arrive(bar_empty + 8 * ((num_tiles - 1) % kS));
 
   // ---- epilogue: normalize, scale, write (or this split's partial) ----
-  float scale_o = 1.0f;
-  if constexpr (tensor_scaled(DV)) scale_o = p.v.tensor_scale[kvh];
+  // (1 for a 16-bit cache, or the fp8 scale of a staged one: PrefillPlan::staged_blocks.)
+  const float scale_o = p.v.tensor_scale[kvh];
   const bool partial = p.num_splits > 1;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {

@@ -938,6 +938,10 @@ class CudaDecoderModel final : public CudaModel {
   void* attn_ws_ = nullptr;
   void* sample_ws_ = nullptr;
   size_t attn_ws_bytes_ = 0;
+  // The fp16 staging of per-tensor fp8 caches for long prefill steps (cuda::PrefillPlan::
+  // staged_blocks), shared by the layers (they run in stream order); 0 bytes: none.
+  void* prefill_stage_ = nullptr;
+  size_t prefill_stage_bytes_ = 0;
   int32_t* d_ids_ = nullptr;
   // A DFlash drafter's features [T_cap][F] (fp32, and bf16 for bf16 weights).
   float* feat_ = nullptr;
@@ -1255,7 +1259,16 @@ void CudaDecoderModel::allocate_buffers() {
         attn_ws_bytes_ = std::max(attn_ws_bytes_, cuda::plan_prefill(s, qi, sl).workspace_bytes);
         // Split-KV plans of small-q steps (verification) stay under this bound.
         attn_ws_bytes_ = std::max(attn_ws_bytes_, cuda::kPrefillSplitWorkspaceBytes);
+        // Staging for steps of up to max(T_cap, 32k) context tokens (a prompt prefilled in one
+        // or two steps; longer contexts convert in the kernel): 128 MiB for Llama-3-8B.
+        if (cuda::prefill_stageable(s)) {
+          const int64_t tokens = std::min<int64_t>(max_len, std::max<int64_t>(T_cap_, 32768));
+          prefill_stage_bytes_ = std::max(
+              prefill_stage_bytes_, cuda::prefill_staging_bytes(s, (tokens + bt - 1) / bt + S_cap_,
+                                                                S_cap_));
+        }
       }
+    if (prefill_stage_bytes_ > 0) prefill_stage_ = buf_.alloc(prefill_stage_bytes_);
   }
 #endif
   attn_ws_ = buf_.alloc(attn_ws_bytes_);
@@ -1682,6 +1695,7 @@ CudaDecoderModel::Step CudaDecoderModel::stage(const ForwardBatch& b, PagedKvCac
     cuda::PrefillOptions po;
     po.num_sms = num_sms_;
     po.small_q = prefill_small_q_;
+    po.staging_capacity = prefill_stage_bytes_;
     if (st.verify) {
       // The plan of the step's context bucket (a graph per bucket: fewer or no kv splits, and no
       // merge, at short context), or of the longest sequence the model takes (one graph).
@@ -1822,6 +1836,7 @@ void CudaDecoderModel::attention(const Step& st, int l, const LayerCacheView& vi
   a.cache = view;
   a.softmax_scale = softmax_scale_;
   a.workspace = attn_ws_;
+  a.staging = prefill_stage_;
   cuda::run_prefill(spec, st.prefill_plans[static_cast<size_t>(g)], a, stream_);
 #else
   // Chunks of query rows, each a decode batch (see stage()).

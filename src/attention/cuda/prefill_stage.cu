@@ -1,0 +1,123 @@
+// The staging of a per-tensor fp8 cache for the wgmma prefill (PrefillPlan::staged_blocks): the
+// step's cache blocks converted once to an fp16 copy, read by the kernel as a float16 cache
+// (docs/notes/prefill-tuning.md v14).
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "attention/cuda/prefill_kernel.cuh"  // fp8x2_to_f16x2
+#include "attention/cuda/prefill_params.h"
+#include "cache/cuda/cuda_check.h"
+
+namespace kvq::cuda {
+namespace {
+
+constexpr int kTableThreads = 1024;
+
+// One block: s_indptr[i] = sum of ceil(seq_lens[j] / block_tokens) over j < i (a block scan in
+// chunks of 1024 sequences), then s_indices[e] = e for every staged block (clamped to the
+// plan's capacity: a table of the plan's step never exceeds it).
+__global__ void __launch_bounds__(kTableThreads) stage_table_kernel(PrefillStage s) {
+  __shared__ int32_t warp_sums[kTableThreads / 32];
+  __shared__ int32_t carry;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) {
+    carry = 0;
+    s.s_indptr[0] = 0;
+  }
+  __syncthreads();
+  for (int base = 0; base < s.num_seqs; base += kTableThreads) {
+    const int i = base + tid;
+    int32_t v = i < s.num_seqs ? (s.seq_lens[i] + s.block_tokens - 1) / s.block_tokens : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t n = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += n;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      int32_t w = warp_sums[lane];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int32_t n = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += n;
+      }
+      warp_sums[lane] = w;  // inclusive
+    }
+    __syncthreads();
+    const int32_t incl = carry + v + (warp > 0 ? warp_sums[warp - 1] : 0);
+    if (i < s.num_seqs) s.s_indptr[i + 1] = incl;
+    __syncthreads();
+    if (tid == kTableThreads - 1) carry = incl;
+    __syncthreads();
+  }
+  for (int e = tid; e < s.blocks; e += kTableThreads) s.s_indices[e] = e;
+}
+
+// Block (e, side): staged block e (of sequence s, its j-th block) <- the fp8 block
+// indices[indptr[s] + j], 16 codes a thread step, each row (kv head, token) in the same order.
+__global__ void __launch_bounds__(256) stage_blocks_kernel(PrefillStage s) {
+  const int e = static_cast<int>(blockIdx.x);
+  const int total = s.s_indptr[s.num_seqs];
+  if (e >= total) return;
+  int lo = 0, hi = s.num_seqs - 1;  // the last sequence with s_indptr[seq] <= e
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (s.s_indptr[mid] <= e)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int j = e - s.s_indptr[lo];
+  const int src_block = s.indices[s.indptr[lo] + j];
+  const bool v_side = blockIdx.y == 1;
+  const PrefillSide& in = v_side ? s.v : s.k;
+  const bool e5m2 = (v_side ? s.v_e5m2 : s.k_e5m2) != 0;
+  const uint8_t* src = in.base + static_cast<size_t>(src_block) * in.block_bytes;
+  uint8_t* dst = (v_side ? s.v_out : s.k_out) + static_cast<size_t>(e) * s.out_block_bytes;
+  const int per_row = s.head_dim / 16;
+  const int per_head = s.block_tokens * per_row;
+  const int chunks = s.num_kv_heads * per_head;
+  for (int c = static_cast<int>(threadIdx.x); c < chunks; c += static_cast<int>(blockDim.x)) {
+    const int h = c / per_head, r = c - h * per_head;  // r: token x per_row + chunk
+    const uint4 w = *reinterpret_cast<const uint4*>(src + static_cast<size_t>(h) * in.head_stride +
+                                                    static_cast<size_t>(r) * 16);
+    uint4 lo4, hi4;
+    if (e5m2) {
+      lo4 = make_uint4(prefill_detail::fp8x2_to_f16x2<true>(w.x),
+                       prefill_detail::fp8x2_to_f16x2<true>(w.x >> 16),
+                       prefill_detail::fp8x2_to_f16x2<true>(w.y),
+                       prefill_detail::fp8x2_to_f16x2<true>(w.y >> 16));
+      hi4 = make_uint4(prefill_detail::fp8x2_to_f16x2<true>(w.z),
+                       prefill_detail::fp8x2_to_f16x2<true>(w.z >> 16),
+                       prefill_detail::fp8x2_to_f16x2<true>(w.w),
+                       prefill_detail::fp8x2_to_f16x2<true>(w.w >> 16));
+    } else {
+      lo4 = make_uint4(prefill_detail::fp8x2_to_f16x2<false>(w.x),
+                       prefill_detail::fp8x2_to_f16x2<false>(w.x >> 16),
+                       prefill_detail::fp8x2_to_f16x2<false>(w.y),
+                       prefill_detail::fp8x2_to_f16x2<false>(w.y >> 16));
+      hi4 = make_uint4(prefill_detail::fp8x2_to_f16x2<false>(w.z),
+                       prefill_detail::fp8x2_to_f16x2<false>(w.z >> 16),
+                       prefill_detail::fp8x2_to_f16x2<false>(w.w),
+                       prefill_detail::fp8x2_to_f16x2<false>(w.w >> 16));
+    }
+    uint4* out = reinterpret_cast<uint4*>(dst + static_cast<size_t>(h) * s.out_head_stride +
+                                          static_cast<size_t>(r) * 32);
+    out[0] = lo4;
+    out[1] = hi4;
+  }
+}
+
+}  // namespace
+
+void launch_prefill_stage(const PrefillStage& s, cudaStream_t stream) {
+  KVQ_CHECK(s.head_dim % 16 == 0 && s.blocks > 0 && s.num_seqs > 0, "prefill staging: bad shape");
+  stage_table_kernel<<<1, kTableThreads, 0, stream>>>(s);
+  KVQ_CUDA_CHECK_LAUNCH();
+  stage_blocks_kernel<<<dim3(static_cast<unsigned>(s.blocks), 2), 256, 0, stream>>>(s);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kvq::cuda
