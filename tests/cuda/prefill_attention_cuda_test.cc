@@ -497,12 +497,94 @@ TEST(CudaPrefillStaging, PlanStagesWhereConversionsRepeat) {
   cuda::PrefillOptions later = o;
   later.max_kv_len = 8192;
   EXPECT_EQ(cuda::plan_prefill(fp8, pure_q, pure_len, later).staged_blocks, 0);
-  for (KvDtype d : {KvDtype::kBFloat16, KvDtype::kInt8PerTokenHead, KvDtype::kFp8PerTokenHead}) {
-    c.k_dtype = c.v_dtype = d;
+  // 16-bit caches are read as they are; the converting kernel's mixed pairs too.
+  for (auto [kd, vd] : {std::pair{KvDtype::kBFloat16, KvDtype::kBFloat16},
+                        std::pair{KvDtype::kBFloat16, KvDtype::kFp8E4M3}}) {
+    c.k_dtype = kd;
+    c.v_dtype = vd;
     const cuda::PrefillPlan plan = cuda::plan_prefill(spec_for(c), pure_q, pure_len, o);
-    EXPECT_EQ(plan.staged_blocks, 0) << to_string(d);
-    EXPECT_FALSE(cuda::prefill_stageable(spec_for(c))) << to_string(d);
+    EXPECT_EQ(plan.staged_blocks, 0) << to_string(kd);
+    EXPECT_EQ(cuda::prefill_stage_kind(spec_for(c)), cuda::PrefillStageKind::kNone);
   }
+  // Pairs the wgmma kernel is not built for stage to bf16 and run it, from shorter prompts (the
+  // mma.sync kernel is the alternative); not verification-sized steps, not at head_dim 256, not
+  // when the mma.sync kernel is asked for.
+  for (KvDtype d : {KvDtype::kInt8PerTokenHead, KvDtype::kFp8PerTokenHead,
+                    KvDtype::kInt4PerTokenHead, KvDtype::kNvfp4, KvDtype::kFloat32}) {
+    c.k_dtype = c.v_dtype = d;
+    c.set_head_dim(128);
+    const LayerKvSpec spec = spec_for(c);
+    EXPECT_EQ(cuda::prefill_stage_kind(spec), cuda::PrefillStageKind::kBf16) << to_string(d);
+    const cuda::PrefillPlan plan = cuda::plan_prefill(spec, short_q, short_len, o);
+    EXPECT_GT(plan.staged_blocks, 0) << to_string(d) << ": " << plan.staging_reason;
+    EXPECT_TRUE(plan.wgmma) << plan.kernel_reason;
+    EXPECT_NE(plan.kernel_reason.find("bf16 staging"), std::string::npos) << plan.kernel_reason;
+    EXPECT_FALSE(cuda::plan_prefill(spec, vq, vlen, o).wgmma) << to_string(d);
+    cuda::PrefillOptions mma = o;
+    mma.kernel = cuda::PrefillOptions::Kernel::kMma;
+    EXPECT_FALSE(cuda::plan_prefill(spec, pure_q, pure_len, mma).wgmma) << to_string(d);
+    EXPECT_FALSE(cuda::plan_prefill(spec, pure_q, pure_len).wgmma) << "no buffer";
+    c.set_head_dim(256);
+    EXPECT_EQ(cuda::prefill_stage_kind(spec_for(c)), cuda::PrefillStageKind::kNone);
+  }
+}
+
+// The bf16 staging of the pairs the wgmma kernel is not built for (per-token-head scales, int4
+// zero points and its Hadamard rotation, nvfp4 block scales, fp32, mixed pairs): every value
+// dequantized and rounded to bf16, then the wgmma kernel, against cpu_reference within a bf16
+// cache's bounds, on ragged batches, every mask, GQA ratios, both head dims, split-KV.
+TEST(CudaPrefillStaging, Bf16StagingOfTheOtherPairsMatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                 AttentionKind::kNonCausal};
+  int index = 0, cases = 0;
+  double worst = 0.0;
+  for (const auto& [kd, vd] : supported_pairs()) {
+    for (int hd : {64, 128}) {
+      CudaAttnCase c;
+      c.k_dtype = kd;
+      c.v_dtype = vd;
+      c.set_head_dim(hd);
+      if (cuda::prefill_stage_kind(spec_for(c)) != cuda::PrefillStageKind::kBf16) continue;
+      c.block_tokens = index % 2 == 0 ? 16 : 32;
+      c.ratio = (index + static_cast<int>(seed % 3)) % 3 == 0 ? 1 : 4;
+      c.num_kv_heads = c.ratio == 1 ? 2 : 1;
+      c.kind = kinds[index % 3];
+      c.window = std::uniform_int_distribution<int>(8, 300)(rng);
+      c.soft_cap = index % 2 == 1 ? 5.0f : 0.0f;
+      c.outliers = index % 4 == 3;
+      const int pure = std::uniform_int_distribution<int>(150, 500)(rng);
+      const int chunk = std::uniform_int_distribution<int>(65, 200)(rng);
+      c.q_lens = {pure, 1, chunk};
+      c.kv_lens = {pure, 70, chunk + std::uniform_int_distribution<int>(1, 500)(rng)};
+      const unsigned case_seed = seed + static_cast<unsigned>(index) + 1;
+      ++index;
+      const CudaAttnProblem problem(c, case_seed);
+      const std::vector<float> want = problem.reference();
+      CudaAttnCase as_bf16 = c;  // the staged operands are a bf16 cache's
+      as_bf16.k_dtype = as_bf16.v_dtype = KvDtype::kBFloat16;
+      for (int split = 0; split < 2; ++split) {
+        cuda::PrefillOptions o;
+        if (split == 1) o.num_sms = 132;
+        o.staging = cuda::PrefillOptions::Staging::kForce;
+        o.staging_capacity = size_t{1} << 30;
+        const cuda::PrefillPlan plan =
+            cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
+        EXPECT_GT(plan.staged_blocks, 0) << plan.staging_reason;
+        EXPECT_TRUE(plan.wgmma) << plan.kernel_reason;
+        EXPECT_TRUE(problem.check(run_device_api(problem, c.soft_cap, o), want,
+                                  prefill_tolerance(as_bf16)))
+            << c.describe() << ", bf16 staging" << (split ? ", split" : "") << ", seed " << seed
+            << " (case seed " << case_seed << ")";
+        worst = std::max(worst, problem.worst());
+        ++cases;
+      }
+    }
+  }
+  EXPECT_GT(cases, 0);
+  std::printf("  bf16 staging: largest |error| / allowed error %.2f over %d runs\n", worst, cases);
 }
 
 // Small shapes of the wgmma kernel for compute-sanitizer memcheck / racecheck: the producer's
@@ -512,10 +594,13 @@ TEST(CudaPrefillWgmma, SmallForSanitizers) {
   const unsigned seed = test::fresh_seed();
   // The e5m2 pair is causal over 6 kv tiles: both sides staged, the ring's 4 stages and the 3
   // staging buffers each reused (kSplit).
+  // The last two run only staged (bf16, the int4 rows un-rotated).
   const std::pair<KvDtype, KvDtype> pairs[] = {{KvDtype::kBFloat16, KvDtype::kBFloat16},
                                                {KvDtype::kFp8E4M3, KvDtype::kFp8E4M3},
                                                {KvDtype::kBFloat16, KvDtype::kFp8E4M3},
-                                               {KvDtype::kFp8E5M2, KvDtype::kFp8E5M2}};
+                                               {KvDtype::kFp8E5M2, KvDtype::kFp8E5M2},
+                                               {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead},
+                                               {KvDtype::kInt8PerTokenHead, KvDtype::kInt8PerTokenHead}};
   int index = 0;
   for (const auto& [kd, vd] : pairs) {
     CudaAttnCase c;
@@ -528,7 +613,12 @@ TEST(CudaPrefillWgmma, SmallForSanitizers) {
     c.q_lens = {40, 1};
     c.kv_lens = {330, 20};
     const CudaAttnProblem problem(c, seed + static_cast<unsigned>(index++));
+    const bool bf16_staged =
+        cuda::prefill_stage_kind(problem.spec()) == cuda::PrefillStageKind::kBf16;
+    CudaAttnCase as_bf16 = c;
+    if (bf16_staged) as_bf16.k_dtype = as_bf16.v_dtype = KvDtype::kBFloat16;
     for (int split = 0; split < 3; ++split) {
+      if (bf16_staged && split < 2) continue;
       cuda::PrefillOptions o;
       o.kernel = cuda::PrefillOptions::Kernel::kWgmma;
       if (split == 1) {
@@ -541,7 +631,7 @@ TEST(CudaPrefillWgmma, SmallForSanitizers) {
         o.staging_capacity = size_t{64} << 20;
       }
       EXPECT_TRUE(problem.check(run_device_api(problem, 0.0f, o), problem.reference(),
-                                prefill_tolerance(c)))
+                                prefill_tolerance(as_bf16)))
           << c.describe() << (split ? ", split" : "") << ", seed " << seed;
     }
   }

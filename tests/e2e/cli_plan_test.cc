@@ -144,6 +144,7 @@ TEST(CliBadInput, CpuKernelEnvironmentSwitches) {
                              Case{"KVQ_CPU_INT_DOT", "yes", "maddubs", "maddubs"}};
 #ifdef KVQ_WITH_CUDA
   cases.push_back(Case{"KVQ_PREFILL_KERNEL", "fast", "mma", "auto, mma, wgmma"});
+  cases.push_back(Case{"KVQ_PREFILL_STAGING", "on", "off", "auto, off, force"});
   cases.push_back(Case{"KVQ_GEMV", "on", "0", "auto, 0, force"});
   cases.push_back(Case{"KVQ_GEMV_SILU", "yes", "0", "1, 0"});
   cases.push_back(Case{"KVQ_GEMV_RING", "17", "16", "0 .. 16"});

@@ -126,10 +126,15 @@ void check_prefill_kernel_env() {
   (void)env_staging();
 }
 
-bool prefill_stageable(const LayerKvSpec& spec) {
+PrefillStageKind prefill_stage_kind(const LayerKvSpec& spec) {
   auto fp8 = [](KvDtype d) { return d == KvDtype::kFp8E4M3 || d == KvDtype::kFp8E5M2; };
-  return fp8(spec.k_dtype) && fp8(spec.v_dtype) && spec.head_dim_k == spec.head_dim_v &&
-         prefill_wgmma_pair(KvDtype::kFloat16, KvDtype::kFloat16, spec.head_dim_k);
+  const int hd = spec.head_dim_k;
+  if (spec.head_dim_v != hd || (hd != 64 && hd != 128)) return PrefillStageKind::kNone;
+  if (!traits(spec.k_dtype).concrete || !traits(spec.v_dtype).concrete)
+    return PrefillStageKind::kNone;
+  if (fp8(spec.k_dtype) && fp8(spec.v_dtype)) return PrefillStageKind::kFp16;
+  if (!prefill_wgmma_pair(spec.k_dtype, spec.v_dtype, hd)) return PrefillStageKind::kBf16;
+  return PrefillStageKind::kNone;
 }
 
 namespace {
@@ -145,8 +150,10 @@ struct StageLayout {
 };
 StageLayout stage_layout(const LayerKvSpec& spec, int64_t blocks, int64_t num_seqs) {
   StageLayout l;
-  l.side = KvSideLayout::make(KvDtype::kFloat16, spec.num_kv_heads, spec.head_dim_k,
-                              spec.block_tokens);
+  l.side = KvSideLayout::make(prefill_stage_kind(spec) == PrefillStageKind::kBf16
+                                  ? KvDtype::kBFloat16
+                                  : KvDtype::kFloat16,
+                              spec.num_kv_heads, spec.head_dim_k, spec.block_tokens);
   l.indices = stage_align(static_cast<size_t>(num_seqs + 1) * 4);
   l.k = l.indices + stage_align(static_cast<size_t>(blocks) * 4);
   l.v = l.k + stage_align(static_cast<size_t>(blocks) * l.side.block_bytes);
@@ -167,13 +174,21 @@ namespace {
 // 64-token tile conversion in the kernel costs about 3 ns of GPU time (3.1-3.5 at 4k-8k causal),
 // staging about 45 ns per staged 64-token tile of one kv head plus about 15 us (two launches;
 // 1k causal: 19 us, a loss): stage where conversions >= 15 x staged tiles + 4800 (all heads).
+// A bf16 staging moves the layer from the mma.sync kernel to the wgmma one, about 22 ns of GPU
+// time per (row block, kv tile) at 1k causal (118 -> 70 us for bf16): stage where conversions
+// >= 2 x staged tiles + 700.
+// `bf16_ok`: the plan's shape and kernel choice allow the wgmma kernel over a bf16 staging.
 void plan_staging(PrefillPlan& plan, const LayerKvSpec& spec, std::span<const int32_t> q_indptr,
-                  std::span<const int32_t> seq_lens, const PrefillOptions& options) {
+                  std::span<const int32_t> seq_lens, const PrefillOptions& options, bool bf16_ok) {
   PrefillOptions::Staging mode = options.staging;
   if (mode == PrefillOptions::Staging::kAuto) mode = env_staging();
   auto no = [&](std::string why) { plan.staging_reason = "not staged: " + why; };
-  if (!plan.wgmma) return no("not the wgmma kernel");
-  if (!prefill_stageable(spec)) return no("not a per-tensor fp8 cache");
+  const PrefillStageKind kind = prefill_stage_kind(spec);
+  if (kind == PrefillStageKind::kNone)
+    return no("the wgmma kernel reads this cache as it is (or not at this head_dim)");
+  if (kind == PrefillStageKind::kFp16 && !plan.wgmma) return no("not the wgmma kernel");
+  if (kind == PrefillStageKind::kBf16 && !bf16_ok)
+    return no("the small-q block or the mma.sync kernel was chosen");
   if (mode == PrefillOptions::Staging::kOff) return no("staging is off");
   if (options.max_kv_len > 0) return no("a plan for later, longer steps");
   if (options.staging_capacity == 0) return no("no staging buffer");
@@ -197,13 +212,21 @@ void plan_staging(PrefillPlan& plan, const LayerKvSpec& spec, std::span<const in
   if (bytes > options.staging_capacity)
     return no("the step's " + std::to_string(blocks) + " blocks need " + std::to_string(bytes) +
               " bytes of staging, the buffer holds " + std::to_string(options.staging_capacity));
-  if (mode == PrefillOptions::Staging::kAuto && conversions < 15 * staged_tiles + 4800 / spec.num_kv_heads)
+  const bool gain = kind == PrefillStageKind::kFp16
+                        ? conversions >= 15 * staged_tiles + 4800 / spec.num_kv_heads
+                        : conversions >= 2 * staged_tiles + 700 / spec.num_kv_heads;
+  if (mode == PrefillOptions::Staging::kAuto && !gain)
     return no(std::to_string(conversions) + " tile conversions per kv head against " +
               std::to_string(staged_tiles) + " staged tiles: no gain");
   plan.staged_blocks = static_cast<int32_t>(blocks);
   plan.staging_bytes = bytes;
   plan.staging_reason = "staged: " + std::to_string(conversions) +
                         " tile conversions per kv head become " + std::to_string(staged_tiles);
+  if (kind == PrefillStageKind::kBf16) {
+    plan.wgmma = true;
+    plan.kernel_reason = "warpgroup MMA over a bf16 staging of the cache (" + plan.kernel_reason +
+                         ")";
+  }
 }
 }  // namespace
 
@@ -257,7 +280,8 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   }
   const int64_t max_tiles = (max_rows + rows_per_block - 1) / rows_per_block;
   KVQ_CHECK(max_tiles < (int64_t{1} << 31), "plan_prefill: too many queries in one sequence");
-  plan_staging(plan, spec, q_indptr, seq_lens, options);
+  plan_staging(plan, spec, q_indptr, seq_lens, options,
+               rows_per_block != small && choice != PrefillOptions::Kernel::kMma);
   plan.max_q_tiles = static_cast<int32_t>(max_tiles);
   plan.total_q = q_indptr.empty() ? 0 : q_indptr.back();
   plan.workspace_bytes = 0;
@@ -368,18 +392,27 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   // with the fp8 sides' per-tensor scales.
   LayerCacheView staged_view;
   if (plan.staged_blocks > 0) {
-    KVQ_CHECK(plan.wgmma && prefill_stageable(spec), "run_prefill: a staged plan for this layer");
+    const PrefillStageKind kind = prefill_stage_kind(spec);
+    KVQ_CHECK(plan.wgmma && kind != PrefillStageKind::kNone,
+              "run_prefill: a staged plan for this layer");
     KVQ_CHECK(args.staging != nullptr, "run_prefill: a staged plan needs its staging buffer");
-    KVQ_CHECK(args.cache.k_layout.row_data_bytes == static_cast<size_t>(spec.head_dim_k) &&
-                  args.cache.v_layout.row_data_bytes == static_cast<size_t>(spec.head_dim_v),
+    KVQ_CHECK(kind != PrefillStageKind::kFp16 ||
+                  (args.cache.k_layout.row_data_bytes == static_cast<size_t>(spec.head_dim_k) &&
+                   args.cache.v_layout.row_data_bytes == static_cast<size_t>(spec.head_dim_v)),
               "run_prefill: staging expects rows of one byte per dim");
     const StageLayout l = stage_layout(spec, plan.staged_blocks, plan.num_seqs);
     auto* base = static_cast<std::byte*>(args.staging);
     PrefillStage st{};
     st.k = kp.k;
     st.v = kp.v;
-    st.k_e5m2 = spec.k_dtype == KvDtype::kFp8E5M2 ? 1 : 0;
-    st.v_e5m2 = spec.v_dtype == KvDtype::kFp8E5M2 ? 1 : 0;
+    st.bf16 = kind == PrefillStageKind::kBf16 ? 1 : 0;
+    st.k_dtype = spec.k_dtype;
+    st.v_dtype = spec.v_dtype;
+    st.k_rows = {args.cache.k_layout.row_data_bytes, args.cache.k_layout.row_scale_bytes};
+    st.v_rows = {args.cache.v_layout.row_data_bytes, args.cache.v_layout.row_scale_bytes};
+    st.k_rotated = traits(spec.k_dtype).rotated ? 1 : 0;
+    st.v_rotated = traits(spec.v_dtype).rotated ? 1 : 0;
+    st.signs = make_hadamard_signs();
     st.indptr = bt.indptr;
     st.indices = bt.indices;
     st.seq_lens = bt.seq_lens;
@@ -399,12 +432,14 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
     staged_view.v_base = base + l.v;
     staged_view.k_layout = staged_view.v_layout = l.side;
     staged_view.num_blocks = plan.staged_blocks;
+    // fp16: the fp8 sides' per-tensor scales stay with the kernel; bf16: applied in the staging.
     for (PrefillSide* side : {&kp.k, &kp.v}) {
       const PrefillSide scaled = *side;
       *side = make_cache_side<PrefillSide>(spec, staged_view,
                                            side == &kp.k ? KvSide::kK : KvSide::kV);
-      std::copy(std::begin(scaled.tensor_scale), std::end(scaled.tensor_scale),
-                std::begin(side->tensor_scale));
+      if (kind == PrefillStageKind::kFp16)
+        std::copy(std::begin(scaled.tensor_scale), std::end(scaled.tensor_scale),
+                  std::begin(side->tensor_scale));
     }
     kp.indptr = st.s_indptr;
     kp.indices = st.s_indices;
@@ -439,8 +474,11 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
                   static_cast<unsigned>(spec.num_kv_heads), static_cast<unsigned>(plan.num_seqs));
   const bool launched =
       plan.staged_blocks > 0
-          ? (launch_prefill<KvDtype::kFloat16, KvDtype::kFloat16>(kp, spec.head_dim_k, grid,
-                                                                 stream),
+          ? (prefill_stage_kind(spec) == PrefillStageKind::kBf16
+                 ? launch_prefill<KvDtype::kBFloat16, KvDtype::kBFloat16>(kp, spec.head_dim_k,
+                                                                         grid, stream)
+                 : launch_prefill<KvDtype::kFloat16, KvDtype::kFloat16>(kp, spec.head_dim_k,
+                                                                       grid, stream),
              true)
           : with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
               launch_prefill<decltype(k)::value, decltype(v)::value>(kp, spec.head_dim_k, grid,

@@ -97,11 +97,11 @@ struct PrefillPlan {
   // the mma.sync one; kernel_reason says why this kernel was chosen.
   bool wgmma = false;
   std::string kernel_reason;
-  // > 0: both sides are per-tensor fp8 and the step's cache blocks (this many) are first
-  // expanded to an fp16 copy in the caller's staging buffer (staging_bytes of it), which the
-  // wgmma kernel then reads as a float16 cache (the same fp16 operands and scales as on the fp8
-  // cache, so the same result bits): a long prefill converts each kv tile once instead of once
-  // per row block (docs/notes/prefill-tuning.md v14). staging_reason says why or why not.
+  // > 0: the step's cache blocks (this many) are first expanded to a 16-bit copy in the
+  // caller's staging buffer (staging_bytes of it), which the wgmma kernel then reads as a
+  // float16 or bfloat16 cache (PrefillStageKind): a long prefill converts each kv tile once
+  // instead of once per row block, and layers the wgmma kernel is not built for run it
+  // (docs/notes/prefill-tuning.md v14). staging_reason says why or why not.
   int32_t staged_blocks = 0;
   size_t staging_bytes = 0;
   std::string staging_reason;
@@ -130,7 +130,8 @@ struct PrefillOptions {
   enum class Kernel { kAuto, kMma, kWgmma };
   Kernel kernel = Kernel::kAuto;
   // Bytes of the staging buffer the caller passes to run_prefill (PrefillArgs::staging); 0:
-  // none, never stage. kAuto stages where the plan predicts a gain (KVQ_PREFILL_STAGING=off |
+  // none, never stage. kAuto stages where the plan predicts a gain and the kernel choice allows
+  // the wgmma kernel (not kMma) (KVQ_PREFILL_STAGING=off |
   // force overrides it for A/B runs), kOff never, kForce wherever it applies and fits. Plans
   // for later, longer steps (max_kv_len > 0) never stage.
   size_t staging_capacity = 0;
@@ -138,12 +139,22 @@ struct PrefillOptions {
   Staging staging = Staging::kAuto;
 };
 
+// How a layer's cache can be staged for the wgmma kernel (head_dim 64 / 128):
+//   kFp16   both sides per-tensor fp8 (e4m3 / e5m2): the codes exactly as fp16, the per-tensor
+//           scales applied by the kernel as on the fp8 cache (the same result bits);
+//   kBf16   a pair the wgmma kernel is not built for (per-token-head scales, 4-bit, fp32, and
+//           the mixed pairs of those): every value dequantized (scales, zero points, un-rotated)
+//           and rounded to bf16, as a bf16 cache would hold it, so the layer runs the wgmma
+//           kernel instead of the mma.sync one;
+//   kNone   everything else (16-bit pairs, the converting kernel's mixed pairs, head_dim 256).
+enum class PrefillStageKind { kNone, kFp16, kBf16 };
+PrefillStageKind prefill_stage_kind(const LayerKvSpec& spec);
+inline bool prefill_stageable(const LayerKvSpec& spec) {
+  return prefill_stage_kind(spec) != PrefillStageKind::kNone;
+}
 // Bytes of staging a plan takes for `blocks` cache blocks of `num_seqs` sequences of this
-// layer (the fp16 K and V blocks and the staged block table); a caller sizes its buffer with it.
+// layer (the 16-bit K and V blocks and the staged block table); a caller sizes its buffer with it.
 size_t prefill_staging_bytes(const LayerKvSpec& spec, int64_t blocks, int64_t num_seqs);
-// Whether a layer's cache can be staged at all: both sides per-tensor fp8 (e4m3 / e5m2) on the
-// wgmma kernel's head dims.
-bool prefill_stageable(const LayerKvSpec& spec);
 
 // Host-side sizing. q_indptr (num_seqs + 1) and seq_lens (num_seqs) are the host copies of
 // what run_prefill gets on the device; every sequence needs 0 <= q_len <= kv_len. Throws

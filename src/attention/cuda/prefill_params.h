@@ -52,11 +52,17 @@ struct PrefillKernelParams {
   float2* part_ml;
 };
 
-// The staging of a per-tensor fp8 cache (PrefillPlan::staged_blocks): the step's blocks, in
-// block-table order, converted to fp16 blocks of the same (kv head, token, dim) order.
+// The staging of a cache (PrefillPlan::staged_blocks, PrefillStageKind): the step's blocks, in
+// block-table order, converted to 16-bit blocks of the same (kv head, token, dim) order.
 struct PrefillStage {
-  PrefillSide k, v;      // the fp8 cache sides
-  int k_e5m2, v_e5m2;    // 1: that side's codes are e5m2, else e4m3
+  PrefillSide k, v;      // the cache sides
+  int bf16;              // PrefillStageKind: 1 kBf16 (dequantized), 0 kFp16 (fp8 codes exactly)
+  KvDtype k_dtype, v_dtype;
+  struct Rows {
+    uint64_t data_bytes, scale_bytes;  // KvSideLayout::row_data_bytes / row_scale_bytes
+  } k_rows, v_rows;
+  int k_rotated, v_rotated;  // 1: that side's rows are stored Hadamard-rotated
+  HadamardSigns signs;       // rotated rows are un-rotated (kBf16)
   const int32_t* indptr;  // the step's block table
   const int32_t* indices;
   const int32_t* seq_lens;
