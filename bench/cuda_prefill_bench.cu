@@ -379,8 +379,8 @@ int main(int argc, char** argv) {
     cudaEvent_t e0, e1;
     KVQ_CUDA_CHECK(cudaEventCreate(&e0));
     KVQ_CUDA_CHECK(cudaEventCreate(&e1));
-    const size_t stage_bytes = cuda::prefill_staging_bytes(bench_spec(KvDtype::kFp8E4M3),
-                                                           num_blocks, 1);
+    const size_t stage_bytes =
+        cuda::prefill_staging_bytes(bench_spec(KvDtype::kFp8E4M3), num_blocks, 1);
     void* stage = nullptr;
     KVQ_CUDA_CHECK(cudaMalloc(&stage, stage_bytes));
 
@@ -415,8 +415,8 @@ int main(int argc, char** argv) {
         // mma, wgmma, and for per-tensor fp8 caches wgmma over the fp16 staging (the time
         // includes the staging's two launches).
         for (int variant = 0; variant < 3; ++variant) {
-          const auto kernel =
-              variant == 0 ? cuda::PrefillOptions::Kernel::kMma : cuda::PrefillOptions::Kernel::kWgmma;
+          const auto kernel = variant == 0 ? cuda::PrefillOptions::Kernel::kMma
+                                           : cuda::PrefillOptions::Kernel::kWgmma;
           cuda::PrefillOptions po;
           po.kernel = kernel;
           po.staging = variant == 2 ? cuda::PrefillOptions::Staging::kForce

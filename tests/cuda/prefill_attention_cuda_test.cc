@@ -574,8 +574,8 @@ TEST(CudaPrefillStaging, Bf16StagingOfTheOtherPairsMatchesCpuReference) {
             cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
         EXPECT_GT(plan.staged_blocks, 0) << plan.staging_reason;
         EXPECT_TRUE(plan.wgmma) << plan.kernel_reason;
-        EXPECT_TRUE(problem.check(run_device_api(problem, c.soft_cap, o), want,
-                                  prefill_tolerance(as_bf16)))
+        EXPECT_TRUE(
+            problem.check(run_device_api(problem, c.soft_cap, o), want, prefill_tolerance(as_bf16)))
             << c.describe() << ", bf16 staging" << (split ? ", split" : "") << ", seed " << seed
             << " (case seed " << case_seed << ")";
         worst = std::max(worst, problem.worst());
@@ -595,12 +595,13 @@ TEST(CudaPrefillWgmma, SmallForSanitizers) {
   // The e5m2 pair is causal over 6 kv tiles: both sides staged, the ring's 4 stages and the 3
   // staging buffers each reused (kSplit).
   // The last two run only staged (bf16, the int4 rows un-rotated).
-  const std::pair<KvDtype, KvDtype> pairs[] = {{KvDtype::kBFloat16, KvDtype::kBFloat16},
-                                               {KvDtype::kFp8E4M3, KvDtype::kFp8E4M3},
-                                               {KvDtype::kBFloat16, KvDtype::kFp8E4M3},
-                                               {KvDtype::kFp8E5M2, KvDtype::kFp8E5M2},
-                                               {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead},
-                                               {KvDtype::kInt8PerTokenHead, KvDtype::kInt8PerTokenHead}};
+  const std::pair<KvDtype, KvDtype> pairs[] = {
+      {KvDtype::kBFloat16, KvDtype::kBFloat16},
+      {KvDtype::kFp8E4M3, KvDtype::kFp8E4M3},
+      {KvDtype::kBFloat16, KvDtype::kFp8E4M3},
+      {KvDtype::kFp8E5M2, KvDtype::kFp8E5M2},
+      {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead},
+      {KvDtype::kInt8PerTokenHead, KvDtype::kInt8PerTokenHead}};
   int index = 0;
   for (const auto& [kd, vd] : pairs) {
     CudaAttnCase c;

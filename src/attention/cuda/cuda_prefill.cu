@@ -126,6 +126,10 @@ void check_prefill_kernel_env() {
   (void)env_staging();
 }
 
+bool prefill_staging_enabled() {
+  return env_staging() != PrefillOptions::Staging::kOff;
+}
+
 PrefillStageKind prefill_stage_kind(const LayerKvSpec& spec) {
   auto fp8 = [](KvDtype d) { return d == KvDtype::kFp8E4M3 || d == KvDtype::kFp8E5M2; };
   const int hd = spec.head_dim_k;
@@ -150,10 +154,9 @@ struct StageLayout {
 };
 StageLayout stage_layout(const LayerKvSpec& spec, int64_t blocks, int64_t num_seqs) {
   StageLayout l;
-  l.side = KvSideLayout::make(prefill_stage_kind(spec) == PrefillStageKind::kBf16
-                                  ? KvDtype::kBFloat16
-                                  : KvDtype::kFloat16,
-                              spec.num_kv_heads, spec.head_dim_k, spec.block_tokens);
+  l.side = KvSideLayout::make(
+      prefill_stage_kind(spec) == PrefillStageKind::kBf16 ? KvDtype::kBFloat16 : KvDtype::kFloat16,
+      spec.num_kv_heads, spec.head_dim_k, spec.block_tokens);
   l.indices = stage_align(static_cast<size_t>(num_seqs + 1) * 4);
   l.k = l.indices + stage_align(static_cast<size_t>(blocks) * 4);
   l.v = l.k + stage_align(static_cast<size_t>(blocks) * l.side.block_bytes);
@@ -224,8 +227,8 @@ void plan_staging(PrefillPlan& plan, const LayerKvSpec& spec, std::span<const in
                         " tile conversions per kv head become " + std::to_string(staged_tiles);
   if (kind == PrefillStageKind::kBf16) {
     plan.wgmma = true;
-    plan.kernel_reason = "warpgroup MMA over a bf16 staging of the cache (" + plan.kernel_reason +
-                         ")";
+    plan.kernel_reason =
+        "warpgroup MMA over a bf16 staging of the cache (" + plan.kernel_reason + ")";
   }
 }
 }  // namespace
@@ -435,8 +438,8 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
     // fp16: the fp8 sides' per-tensor scales stay with the kernel; bf16: applied in the staging.
     for (PrefillSide* side : {&kp.k, &kp.v}) {
       const PrefillSide scaled = *side;
-      *side = make_cache_side<PrefillSide>(spec, staged_view,
-                                           side == &kp.k ? KvSide::kK : KvSide::kV);
+      *side =
+          make_cache_side<PrefillSide>(spec, staged_view, side == &kp.k ? KvSide::kK : KvSide::kV);
       if (kind == PrefillStageKind::kFp16)
         std::copy(std::begin(scaled.tensor_scale), std::end(scaled.tensor_scale),
                   std::begin(side->tensor_scale));
@@ -472,18 +475,17 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   }
   const dim3 grid(static_cast<unsigned>(plan.max_q_tiles * kp.num_splits),
                   static_cast<unsigned>(spec.num_kv_heads), static_cast<unsigned>(plan.num_seqs));
-  const bool launched =
-      plan.staged_blocks > 0
-          ? (prefill_stage_kind(spec) == PrefillStageKind::kBf16
-                 ? launch_prefill<KvDtype::kBFloat16, KvDtype::kBFloat16>(kp, spec.head_dim_k,
-                                                                         grid, stream)
-                 : launch_prefill<KvDtype::kFloat16, KvDtype::kFloat16>(kp, spec.head_dim_k,
-                                                                       grid, stream),
-             true)
-          : with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
-              launch_prefill<decltype(k)::value, decltype(v)::value>(kp, spec.head_dim_k, grid,
-                                                                     stream);
-            });
+  const bool launched = plan.staged_blocks > 0
+                            ? (prefill_stage_kind(spec) == PrefillStageKind::kBf16
+                                   ? launch_prefill<KvDtype::kBFloat16, KvDtype::kBFloat16>(
+                                         kp, spec.head_dim_k, grid, stream)
+                                   : launch_prefill<KvDtype::kFloat16, KvDtype::kFloat16>(
+                                         kp, spec.head_dim_k, grid, stream),
+                               true)
+                            : with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
+                                launch_prefill<decltype(k)::value, decltype(v)::value>(
+                                    kp, spec.head_dim_k, grid, stream);
+                              });
   KVQ_CHECK(launched, "run_prefill: no kernel for this (K, V) pair");
   if (kp.num_splits > 1) launch_prefill_merge(kp, spec.head_dim_v, plan.num_seqs, stream);
 }

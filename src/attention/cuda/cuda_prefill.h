@@ -152,6 +152,8 @@ PrefillStageKind prefill_stage_kind(const LayerKvSpec& spec);
 inline bool prefill_stageable(const LayerKvSpec& spec) {
   return prefill_stage_kind(spec) != PrefillStageKind::kNone;
 }
+// False under KVQ_PREFILL_STAGING=off: callers need not allocate a staging buffer.
+bool prefill_staging_enabled();
 // Bytes of staging a plan takes for `blocks` cache blocks of `num_seqs` sequences of this
 // layer (the 16-bit K and V blocks and the staged block table); a caller sizes its buffer with it.
 size_t prefill_staging_bytes(const LayerKvSpec& spec, int64_t blocks, int64_t num_seqs);

@@ -55,22 +55,22 @@ struct PrefillKernelParams {
 // The staging of a cache (PrefillPlan::staged_blocks, PrefillStageKind): the step's blocks, in
 // block-table order, converted to 16-bit blocks of the same (kv head, token, dim) order.
 struct PrefillStage {
-  PrefillSide k, v;      // the cache sides
-  int bf16;              // PrefillStageKind: 1 kBf16 (dequantized), 0 kFp16 (fp8 codes exactly)
+  PrefillSide k, v;  // the cache sides
+  int bf16;          // PrefillStageKind: 1 kBf16 (dequantized), 0 kFp16 (fp8 codes exactly)
   KvDtype k_dtype, v_dtype;
   struct Rows {
     uint64_t data_bytes, scale_bytes;  // KvSideLayout::row_data_bytes / row_scale_bytes
   } k_rows, v_rows;
   int k_rotated, v_rotated;  // 1: that side's rows are stored Hadamard-rotated
   HadamardSigns signs;       // rotated rows are un-rotated (kBf16)
-  const int32_t* indptr;  // the step's block table
+  const int32_t* indptr;     // the step's block table
   const int32_t* indices;
   const int32_t* seq_lens;
   int num_seqs, block_tokens, num_kv_heads, head_dim;
-  int blocks;            // the plan's staged blocks (the capacity of s_indices, k_out, v_out)
-  int32_t* s_indptr;     // written: ceil(seq_len / block_tokens) prefix sums (num_seqs + 1)
-  int32_t* s_indices;    // written: 0, 1, 2, ... (the staged table's block ids)
-  uint8_t* k_out;        // written: blocks x out_block_bytes each
+  int blocks;          // the plan's staged blocks (the capacity of s_indices, k_out, v_out)
+  int32_t* s_indptr;   // written: ceil(seq_len / block_tokens) prefix sums (num_seqs + 1)
+  int32_t* s_indices;  // written: 0, 1, 2, ... (the staged table's block ids)
+  uint8_t* k_out;      // written: blocks x out_block_bytes each
   uint8_t* v_out;
   uint64_t out_block_bytes, out_head_stride;
 };

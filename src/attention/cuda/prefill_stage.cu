@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <string>
 
-#include "attention/cuda/prefill_kernel.cuh"  // fp8x2_to_f16x2
+#include "attention/cuda/prefill_kernel.cuh"  // cvt8_pair01
 #include "attention/cuda/prefill_params.h"
 #include "cache/cuda/cuda_check.h"
 #include "cache/cuda/kv_codec_device.cuh"
@@ -97,8 +97,8 @@ __global__ void __launch_bounds__(256) stage_rows_bf16_kernel(PrefillStage s) {
        r += warps) {
     const int h = r / s.block_tokens, t = r - h * s.block_tokens;
     const uint8_t* head = src + static_cast<size_t>(h) * in.head_stride;
-    const float2 m = row_meta_rt(d, head + in.values_bytes + static_cast<size_t>(t) * rows.scale_bytes,
-                                 in.tensor_scale[h]);
+    const float2 m = row_meta_rt(
+        d, head + in.values_bytes + static_cast<size_t>(t) * rows.scale_bytes, in.tensor_scale[h]);
     const uint8_t* row = head + static_cast<size_t>(t) * rows.data_bytes;
     float x[E];
 #pragma unroll
@@ -117,6 +117,16 @@ __global__ void __launch_bounds__(256) stage_rows_bf16_kernel(PrefillStage s) {
     else
       *reinterpret_cast<uint32_t*>(out) = packed[0];
   }
+}
+
+// Sixteen fp8 codes (dims in order) -> sixteen fp16 values (exact), as two 16-byte chunks.
+template <KvDtype D>
+__device__ __forceinline__ void fp8x16_to_f16(const uint4 w, uint4& lo, uint4& hi) {
+  using prefill_detail::cvt8_pair01;
+  lo = make_uint4(cvt8_pair01<D>(w.x), cvt8_pair01<D>(w.x >> 16), cvt8_pair01<D>(w.y),
+                  cvt8_pair01<D>(w.y >> 16));
+  hi = make_uint4(cvt8_pair01<D>(w.z), cvt8_pair01<D>(w.z >> 16), cvt8_pair01<D>(w.w),
+                  cvt8_pair01<D>(w.w >> 16));
 }
 
 // kFp16, block (e, side): staged block e <- its fp8 block, 16 codes a thread step, each row
@@ -138,25 +148,10 @@ __global__ void __launch_bounds__(256) stage_blocks_kernel(PrefillStage s) {
     const uint4 w = *reinterpret_cast<const uint4*>(src + static_cast<size_t>(h) * in.head_stride +
                                                     static_cast<size_t>(r) * 16);
     uint4 lo4, hi4;
-    if (e5m2) {
-      lo4 = make_uint4(prefill_detail::fp8x2_to_f16x2<true>(w.x),
-                       prefill_detail::fp8x2_to_f16x2<true>(w.x >> 16),
-                       prefill_detail::fp8x2_to_f16x2<true>(w.y),
-                       prefill_detail::fp8x2_to_f16x2<true>(w.y >> 16));
-      hi4 = make_uint4(prefill_detail::fp8x2_to_f16x2<true>(w.z),
-                       prefill_detail::fp8x2_to_f16x2<true>(w.z >> 16),
-                       prefill_detail::fp8x2_to_f16x2<true>(w.w),
-                       prefill_detail::fp8x2_to_f16x2<true>(w.w >> 16));
-    } else {
-      lo4 = make_uint4(prefill_detail::fp8x2_to_f16x2<false>(w.x),
-                       prefill_detail::fp8x2_to_f16x2<false>(w.x >> 16),
-                       prefill_detail::fp8x2_to_f16x2<false>(w.y),
-                       prefill_detail::fp8x2_to_f16x2<false>(w.y >> 16));
-      hi4 = make_uint4(prefill_detail::fp8x2_to_f16x2<false>(w.z),
-                       prefill_detail::fp8x2_to_f16x2<false>(w.z >> 16),
-                       prefill_detail::fp8x2_to_f16x2<false>(w.w),
-                       prefill_detail::fp8x2_to_f16x2<false>(w.w >> 16));
-    }
+    if (e5m2)
+      fp8x16_to_f16<KvDtype::kFp8E5M2>(w, lo4, hi4);
+    else
+      fp8x16_to_f16<KvDtype::kFp8E4M3>(w, lo4, hi4);
     uint4* out = reinterpret_cast<uint4*>(dst + static_cast<size_t>(h) * s.out_head_stride +
                                           static_cast<size_t>(r) * 32);
     out[0] = lo4;

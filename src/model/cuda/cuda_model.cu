@@ -1261,11 +1261,11 @@ void CudaDecoderModel::allocate_buffers() {
         attn_ws_bytes_ = std::max(attn_ws_bytes_, cuda::kPrefillSplitWorkspaceBytes);
         // Staging for steps of up to max(T_cap, 32k) context tokens (a prompt prefilled in one
         // or two steps; longer contexts convert in the kernel): 128 MiB for Llama-3-8B.
-        if (cuda::prefill_stageable(s)) {
+        if (cuda::prefill_stageable(s) && cuda::prefill_staging_enabled()) {
           const int64_t tokens = std::min<int64_t>(max_len, std::max<int64_t>(T_cap_, 32768));
-          prefill_stage_bytes_ = std::max(
-              prefill_stage_bytes_, cuda::prefill_staging_bytes(s, (tokens + bt - 1) / bt + S_cap_,
-                                                                S_cap_));
+          prefill_stage_bytes_ =
+              std::max(prefill_stage_bytes_,
+                       cuda::prefill_staging_bytes(s, (tokens + bt - 1) / bt + S_cap_, S_cap_));
         }
       }
     if (prefill_stage_bytes_ > 0) prefill_stage_ = buf_.alloc(prefill_stage_bytes_);
