@@ -39,31 +39,33 @@ std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec) {
 }
 
 namespace {
+// The value of a three-way switch `name` (unset: the first choice), parsed once per process
+// by the caller's static; an InputError names the accepted values.
+template <class E>
+E env_choice(const char* name, const std::pair<const char*, E> (&choices)[3]) {
+  const char* e = std::getenv(name);
+  const std::string v = e == nullptr ? choices[0].first : e;
+  for (const auto& [text, value] : choices)
+    if (v == text) return value;
+  throw InputError(std::string(name) + "=" + v + " is not one of: " + choices[0].first + ", " +
+                   choices[1].first + ", " + choices[2].first);
+}
+
 // KVQ_PREFILL_KERNEL=auto (default) | mma | wgmma: the PrefillOptions::Kernel of plans made with
 // kAuto (an A/B switch for whole-model runs).
 PrefillOptions::Kernel env_kernel() {
-  static const PrefillOptions::Kernel k = [] {
-    const char* e = std::getenv("KVQ_PREFILL_KERNEL");
-    const std::string v = e == nullptr ? "auto" : e;
-    if (v == "auto") return PrefillOptions::Kernel::kAuto;
-    if (v == "mma") return PrefillOptions::Kernel::kMma;
-    if (v == "wgmma") return PrefillOptions::Kernel::kWgmma;
-    throw InputError("KVQ_PREFILL_KERNEL=" + v + " is not one of: auto, mma, wgmma");
-  }();
+  using K = PrefillOptions::Kernel;
+  static const K k = env_choice<K>("KVQ_PREFILL_KERNEL",
+                                   {{"auto", K::kAuto}, {"mma", K::kMma}, {"wgmma", K::kWgmma}});
   return k;
 }
 
 // KVQ_PREFILL_STAGING=auto (default) | off | force: the PrefillOptions::Staging of plans made
 // with kAuto (an A/B switch for whole-model runs).
 PrefillOptions::Staging env_staging() {
-  static const PrefillOptions::Staging k = [] {
-    const char* e = std::getenv("KVQ_PREFILL_STAGING");
-    const std::string v = e == nullptr ? "auto" : e;
-    if (v == "auto") return PrefillOptions::Staging::kAuto;
-    if (v == "off") return PrefillOptions::Staging::kOff;
-    if (v == "force") return PrefillOptions::Staging::kForce;
-    throw InputError("KVQ_PREFILL_STAGING=" + v + " is not one of: auto, off, force");
-  }();
+  using S = PrefillOptions::Staging;
+  static const S k = env_choice<S>("KVQ_PREFILL_STAGING",
+                                   {{"auto", S::kAuto}, {"off", S::kOff}, {"force", S::kForce}});
   return k;
 }
 
@@ -391,8 +393,8 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   kp.indptr = bt.indptr;
   kp.indices = bt.indices;
   kp.seq_lens = bt.seq_lens;
-  // Staged: the fp16 copy of the step's blocks, read as a float16 cache through its own table,
-  // with the fp8 sides' per-tensor scales.
+  // Staged: the 16-bit copy of the step's blocks, read as a float16 / bfloat16 cache through its
+  // own table (fp16: with the fp8 sides' per-tensor scales).
   LayerCacheView staged_view;
   if (plan.staged_blocks > 0) {
     const PrefillStageKind kind = prefill_stage_kind(spec);
@@ -475,18 +477,16 @@ void run_prefill(const LayerKvSpec& spec, const PrefillPlan& plan, const Prefill
   }
   const dim3 grid(static_cast<unsigned>(plan.max_q_tiles * kp.num_splits),
                   static_cast<unsigned>(spec.num_kv_heads), static_cast<unsigned>(plan.num_seqs));
-  const bool launched = plan.staged_blocks > 0
-                            ? (prefill_stage_kind(spec) == PrefillStageKind::kBf16
-                                   ? launch_prefill<KvDtype::kBFloat16, KvDtype::kBFloat16>(
-                                         kp, spec.head_dim_k, grid, stream)
-                                   : launch_prefill<KvDtype::kFloat16, KvDtype::kFloat16>(
-                                         kp, spec.head_dim_k, grid, stream),
-                               true)
-                            : with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
-                                launch_prefill<decltype(k)::value, decltype(v)::value>(
-                                    kp, spec.head_dim_k, grid, stream);
-                              });
-  KVQ_CHECK(launched, "run_prefill: no kernel for this (K, V) pair");
+  if (plan.staged_blocks == 0) {
+    const bool launched = with_cuda_kv_pair(spec.k_dtype, spec.v_dtype, [&](auto k, auto v) {
+      launch_prefill<decltype(k)::value, decltype(v)::value>(kp, spec.head_dim_k, grid, stream);
+    });
+    KVQ_CHECK(launched, "run_prefill: no kernel for this (K, V) pair");
+  } else if (staged_view.k_layout.dtype == KvDtype::kBFloat16) {
+    launch_prefill<KvDtype::kBFloat16, KvDtype::kBFloat16>(kp, spec.head_dim_k, grid, stream);
+  } else {
+    launch_prefill<KvDtype::kFloat16, KvDtype::kFloat16>(kp, spec.head_dim_k, grid, stream);
+  }
   if (kp.num_splits > 1) launch_prefill_merge(kp, spec.head_dim_v, plan.num_seqs, stream);
 }
 
