@@ -43,10 +43,6 @@ __device__ __forceinline__ void mma(float& d0, float& d1, uint32_t a0, uint32_t 
 
 // ---- unpacking into 16-bit operand pairs (low half = first element) -------------------------
 
-__device__ __forceinline__ uint32_t hsub2_bits(uint32_t a, float b) {
-  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), __float2half2_rn(b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
 __device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t b) {
   const __half2 r =
       __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
@@ -65,13 +61,14 @@ __device__ __forceinline__ uint32_t f32x2_to_bf16x2f(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// int8 codes in bytes 0 and 2 of x -> half2 (exact: 1024 + (q + 128) - 1152).
-__device__ __forceinline__ uint32_t int8_pair(uint32_t x) {
-  return hsub2_bits((x & 0x00FF00FFu) ^ 0x64806480u, 1152.0f);
+// int8 codes in bytes 0 and 2 of x -> half2 of q + 1152 (exact: 1024 + (q + 128)), and 4-bit
+// codes in bits 0-3 and 16-19 of t -> half2 of code + 1024 (exact): one instruction a pair.
+// The kernel takes the bias (Shape::kBias) out after the products, not per element.
+__device__ __forceinline__ uint32_t int8_pair_biased(uint32_t x) {
+  return (x & 0x00FF00FFu) ^ 0x64806480u;
 }
-// 4-bit codes in bits 0-3 and 16-19 of t -> half2 of the unsigned codes (exact).
-__device__ __forceinline__ uint32_t uint4_pair(uint32_t t) {
-  return hsub2_bits((t & 0x000F000Fu) | 0x64006400u, 1024.0f);
+__device__ __forceinline__ uint32_t uint4_pair_biased(uint32_t t) {
+  return (t & 0x000F000Fu) | 0x64006400u;
 }
 // E2M1 codes in bits 0-3 and 16-19 of t -> half2 of their values (exact): the code's bits
 // land in the half's exponent/mantissa as value * 2^-14, then one exact scaling by 2^14.
@@ -97,6 +94,13 @@ struct Shape {
                                     D == KvDtype::kFp8PerTokenHead ||
                                     D == KvDtype::kInt4PerTokenHead;
   static constexpr bool kInt4 = D == KvDtype::kInt4PerTokenHead;
+  // Operands of int8 / int4 per-token-head sides carry a constant bias (the codes' fp16
+  // exponent trick without its subtraction): a logit is corrected by kBias x the sum of its
+  // Q operands, a row of O by kBias x the sum of its P operands (version 22 of
+  // docs/notes/decode-tuning.md).
+  static constexpr float kBias = D == KvDtype::kInt8PerTokenHead ? 1152.0f
+                                 : kInt4                           ? 1024.0f
+                                                                   : 0.0f;
   static constexpr bool kNvfp4 = D == KvDtype::kNvfp4;
   static constexpr bool kTensorScale =
       D == KvDtype::kFp8E4M3 || D == KvDtype::kFp8E5M2 || D == KvDtype::kNvfp4;
@@ -155,8 +159,9 @@ struct TileCtx {
 };
 
 // Loads parts of a tile: K codes and metadata (kParts & 1), V codes and nvfp4 block scales
-// (kParts & 2), V per-token metadata (kParts & 4).
-template <KvDtype DK, KvDtype DV, int HD, int kParts = 7>
+// (kParts & 2), V per-token metadata (kParts & 4). kFull: the caller knows every token of the
+// tile is inside [x.lo, x.hi), so no load is predicated and nothing is zero-filled.
+template <KvDtype DK, KvDtype DV, int HD, int kParts = 7, bool kFull = false>
 __device__ __forceinline__ void load_tile(TileRaw<DK, DV, HD>& r, const DecodeKernelParams& p,
                                           const TileCtx& x, int tile) {
   using SK = Shape<DK, HD>;
@@ -170,7 +175,7 @@ __device__ __forceinline__ void load_tile(TileRaw<DK, DV, HD>& r, const DecodeKe
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int tt = 8 * n + x.g;
-      const bool vis = t0 + tt >= x.lo && t0 + tt < x.hi;
+      const bool vis = kFull || (t0 + tt >= x.lo && t0 + tt < x.hi);
       const uint8_t* row = kh + static_cast<uint64_t>(off + tt) * p.k.row_bytes;
 #pragma unroll
       for (int j = 0; j < SK::kKChunks; ++j) {
@@ -195,7 +200,7 @@ __device__ __forceinline__ void load_tile(TileRaw<DK, DV, HD>& r, const DecodeKe
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int tt = 2 * x.c + (i & 1) + 8 * (i >> 1);
-      const bool vis = t0 + tt >= x.lo && t0 + tt < x.hi;
+      const bool vis = kFull || (t0 + tt >= x.lo && t0 + tt < x.hi);
       const uint8_t* row = vh + static_cast<uint64_t>(off + tt) * p.v.row_bytes;
 #pragma unroll
       for (int l = 0; l < SV::kVPart / SV::kVLoad; ++l) {
@@ -221,8 +226,8 @@ __device__ __forceinline__ void load_tile(TileRaw<DK, DV, HD>& r, const DecodeKe
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int tt = 2 * x.c + 8 * h;
-      const bool v0 = t0 + tt >= x.lo && t0 + tt < x.hi;
-      const bool v1 = t0 + tt + 1 >= x.lo && t0 + tt + 1 < x.hi;
+      const bool v0 = kFull || (t0 + tt >= x.lo && t0 + tt < x.hi);
+      const bool v1 = kFull || (t0 + tt + 1 >= x.lo && t0 + tt + 1 < x.hi);
       if constexpr (SK::kRowScale && (kParts & 1) != 0) {
         const uint2 ka = __ldg(reinterpret_cast<const uint2*>(kh + p.k.values_bytes +
                                                               static_cast<uint64_t>(off + tt) * 4));
@@ -261,11 +266,13 @@ __device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb
   } else if constexpr (S::kBits == 32) {
     return f32x2_to_bf16x2(w[2 * i], w[2 * i + 1]);
   } else if constexpr (D == KvDtype::kInt8PerTokenHead) {
-    return int8_pair(__byte_perm(w[i / 2], 0u, (i & 1) ? 0x0302 : 0x0100));
+    const uint32_t x = __byte_perm(w[i / 2], 0u, (i & 1) ? 0x0302 : 0x0100);
+    return int8_pair_biased(x);
   } else if constexpr (S::kBits == 8) {
     return fp8x2_to_f16x2<D == KvDtype::kFp8E5M2>(w[i / 2], i & 1);
   } else if constexpr (S::kInt4) {
-    return uint4_pair(w[i / 4] >> (4 * (i % 4)));
+    const uint32_t t = w[i / 4] >> (4 * (i % 4));
+    return uint4_pair_biased(t);
   } else {
     static_assert(S::kNvfp4);
     constexpr int kWordsPerChunk = S::kKChunk / 4;
@@ -288,7 +295,8 @@ __device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b,
     return f32x2_to_bf16x2(a[j], b[j]);
   } else if constexpr (D == KvDtype::kInt8PerTokenHead) {
     const int k = j % 4;
-    return int8_pair(__byte_perm(a[j / 4], b[j / 4], static_cast<unsigned>(k | ((4 + k) << 8))));
+    const uint32_t x = __byte_perm(a[j / 4], b[j / 4], static_cast<unsigned>(k | ((4 + k) << 8)));
+    return int8_pair_biased(x);
   } else if constexpr (S::kBits == 8) {
     const int k = j % 4;
     return fp8x2_to_f16x2<D == KvDtype::kFp8E5M2>(
@@ -302,7 +310,7 @@ __device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b,
       const uint32_t scale2 = fp8x2_to_f16x2<false>(ca | (cb << 8), 0);
       return hmul2_bits(e2m1_pair(y >> (4 * k)), scale2);
     } else {
-      return uint4_pair(y >> (4 * k));
+      return uint4_pair_biased(y >> (4 * k));
     }
   }
 }
@@ -588,6 +596,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     zacc[h] = 0.0f;  // int4: this lane's share of sum(p * zero point)
   }
   float s_run = 0.0f;  // running max of the per-token V scales (the same for every row)
+  // Biased V operands: this lane's share of each row's sum of P (as the MMAs saw it, in fp16),
+  // scaled along with o; o - kBias x the row's sum is the unbiased product.
+  float bacc[kH];
+#pragma unroll
+  for (int h = 0; h < kH; ++h) bacc[h] = 0.0f;
 
   auto process = [&](TileRaw<DK, DV, HD>& cur, int tile) {
     const int t0 = tile * kDecodeTileTokens;
@@ -629,9 +642,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
       for (int i = 0; i < 4; ++i) {
         float r = sc[i >> 1][2 * h + (i & 1)];
         if constexpr (SK::kInt4) {
+          // k = scale * code + zero; the operands are code + kBias.
           const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.ks[i]));
-          r = fmaf(r, sz.x, sz.y * qsum[h]);
+          r = fmaf(r, sz.x, fmaf(-SK::kBias, sz.x, sz.y) * qsum[h]);
         } else if constexpr (SK::kRowScale) {
+          if constexpr (SK::kBias != 0.0f) r = fmaf(-SK::kBias, qsum[h], r);
           r *= __uint_as_float(cur.ks[i]);
         }
         r *= qfactor[h];
@@ -689,15 +704,31 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
       } else {
         pa[h][0] = f32x2_to_f16x2(pr[h][0], pr[h][1]);
         pa[h][1] = f32x2_to_f16x2(pr[h][2], pr[h][3]);
+        if constexpr (SV::kBias != 0.0f) {
+          const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&pa[h][0]));
+          const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&pa[h][1]));
+          bacc[h] = fmaf(bacc[h], corr[h], (a.x + a.y) + (b.x + b.y));
+        }
+      }
+    }
+    // Rescale o only when some row's factor is not 1 (a new running max or V scale): after
+    // the first tiles that is rare, and multiplying by 1 changes no bit.
+    {
+      bool rescale_o = false;
+#pragma unroll
+      for (int h = 0; h < kH; ++h) rescale_o |= corr[h] != 1.0f;
+      if (__any_sync(kFullMask, rescale_o)) {
+#pragma unroll
+        for (int j = 0; j < SV::kNTiles; ++j)
+#pragma unroll
+          for (int h = 0; h < kH; ++h) {
+            o[j][2 * h] *= corr[h];
+            o[j][2 * h + 1] *= corr[h];
+          }
       }
     }
 #pragma unroll
     for (int j = 0; j < SV::kNTiles; ++j) {
-#pragma unroll
-      for (int h = 0; h < kH; ++h) {
-        o[j][2 * h] *= corr[h];
-        o[j][2 * h + 1] *= corr[h];
-      }
       const uint32_t b0 = v_pair<DV, HD>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], j);
       const uint32_t b1 = v_pair<DV, HD>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], j);
       if constexpr (kH == 1) {
@@ -708,6 +739,16 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     }
   };
 
+  // Tiles wholly inside the loads' range skip the per-token checks and zero fills (not for
+  // nvfp4 sides: 1-2% slower with it, docs/notes/decode-tuning.md version 22).
+  constexpr bool kFullLoads = !SK::kNvfp4 && !SV::kNvfp4;
+  auto load_any = [&](TileRaw<DK, DV, HD>& r, int tile) {
+    const int t0 = tile * kDecodeTileTokens;
+    if (kFullLoads && t0 >= x.lo && t0 + kDecodeTileTokens <= x.hi)
+      load_tile<DK, DV, HD, 7, true>(r, p, x, tile);
+    else
+      load_tile<DK, DV, HD>(r, p, x, tile);
+  };
   TileRaw<DK, DV, HD> cur;
   if (tb >= te) {
     // No tile of this split is visible to the warp's rows (a multi-query sequence's later
@@ -719,20 +760,20 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
       process(cur, tile);
     }
   } else if constexpr (kPrefetch) {
-    load_tile<DK, DV, HD>(cur, p, x, tb);
+    load_any(cur, tb);
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
       TileRaw<DK, DV, HD> nxt;
-      if (tile + 1 < te) load_tile<DK, DV, HD>(nxt, p, x, tile + 1);
+      if (tile + 1 < te) load_any(nxt, tile + 1);
       process(cur, tile);
       cur = nxt;
     }
   } else {
-    load_tile<DK, DV, HD>(cur, p, x, tb);
+    load_any(cur, tb);
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
       process(cur, tile);
-      if (tile + 1 < te) load_tile<DK, DV, HD>(cur, p, x, tile + 1);
+      if (tile + 1 < te) load_any(cur, tile + 1);
     }
   }
 
@@ -750,6 +791,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     const float l_tot = quad_sum(l[h]);
     const float inv_l = l_tot > 0.0f ? 1.0f / l_tot : 0.0f;  // 0: a row that saw no token
     const float zterm = SV::kInt4 ? quad_sum(zacc[h]) : 0.0f;
+    const float bterm = SV::kBias != 0.0f ? SV::kBias * quad_sum(bacc[h]) : 0.0f;
     if (!row_valid[h]) continue;
     const int rloc = 8 * h + x.g;
     const int head = r_first + rloc - row_t[h] * p.ratio;
@@ -767,8 +809,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
             : p.part_o + row * HD;
 #pragma unroll
     for (int j = 0; j < SV::kNTiles; ++j) {
-      dst[(2 * x.c) * (HD / 8) + j] = (o[j][2 * h] * scale_o + zterm) * inv_l;
-      dst[(2 * x.c + 1) * (HD / 8) + j] = (o[j][2 * h + 1] * scale_o + zterm) * inv_l;
+      dst[(2 * x.c) * (HD / 8) + j] = ((o[j][2 * h] - bterm) * scale_o + zterm) * inv_l;
+      dst[(2 * x.c + 1) * (HD / 8) + j] = ((o[j][2 * h + 1] - bterm) * scale_o + zterm) * inv_l;
     }
     if (x.c == 0 && !direct)
       (clustered ? ClusterSmem<HD, kR>::ml()[slot] : p.part_ml[row]) = make_float2(m[h], l_tot);
