@@ -14,7 +14,7 @@
 // the causal work only: 4 * head_dim * (sum over queries of visible keys) * query heads.
 //
 // --verify: the speculative verification shape instead. B sequences (B in 1, 8, 32, 64) of C
-// cached tokens (C in 1024, 8192) each with the last Q = 8 positions as queries (1 + 7 drafts),
+// cached tokens (C in 1024, 4096, 8192) each with the last Q = 8 positions as queries (1 + 7 drafts),
 // split-KV planned like the model does (num_sms); timed with the small-q block shape and with
 // the default one and through the decode kernel (the Q queries as rows of its warps), and
 // beside them the decode kernel on the same batch (one query per sequence).
@@ -207,7 +207,7 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
       KVQ_CUDA_CHECK(cudaFree(v));
       KVQ_CUDA_CHECK(cudaFree(d_slots));
     }
-    for (int C : {1024, 8192}) {
+    for (int C : {1024, 4096, 8192}) {
       for (int B : {1, 8, 32, 64}) {
         // Sequence i: its first C / kBlock blocks of its stripe of ids.
         std::vector<int32_t> indptr{0}, indices, lens(static_cast<size_t>(B), C), q_indptr{0};
