@@ -602,7 +602,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
 #pragma unroll
   for (int h = 0; h < kH; ++h) bacc[h] = 0.0f;
 
-  auto process = [&](TileRaw<DK, DV, HD>& cur, int tile) {
+  // after_k: called once the tile's logits are done with its K (the prefetching loop issues
+  // the next tile's loads there).
+  auto process = [&](TileRaw<DK, DV, HD>& cur, int tile, auto&& after_k) {
     const int t0 = tile * kDecodeTileTokens;
     // ---- S = Q K^T for tokens 0-7 (n = 0) and 8-15 (n = 1) of the tile ----
     // sc[n][2 h + e]: row g + 8 h, token 8 n + 2 c + e.
@@ -663,6 +665,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
       l[h] = l[h] * corr[h] + ((pr[h][0] + pr[h][1]) + (pr[h][2] + pr[h][3]));
       m[h] = m_new;
     }
+    after_k();
     if constexpr (SV::kRowScale) {
       float sv[4], zv[4];
 #pragma unroll
@@ -757,22 +760,30 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
       load_tile<DK, DV, HD, 5>(cur, p, x, tile);
-      process(cur, tile);
+      process(cur, tile, [] {});
     }
   } else if constexpr (kPrefetch) {
     load_any(cur, tb);
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
       TileRaw<DK, DV, HD> nxt;
-      if (tile + 1 < te) load_any(nxt, tile + 1);
-      process(cur, tile);
+      // One-query kernels at head_dim 128 issue the next tile's loads once this tile's logits
+      // are done, not before its first MMA: issued first, this tile's first use of its K codes
+      // waited for the new loads too (22% of the int4 kernel's stall samples on that one
+      // instruction; docs/notes/decode-tuning.md version 22). Not for nvfp4 sides (1-4%
+      // slower with it); elsewhere not measured yet.
+      constexpr bool kLate = !kMulti && HD == 128 && !SK::kNvfp4 && !SV::kNvfp4;
+      if (!kLate && tile + 1 < te) load_any(nxt, tile + 1);
+      process(cur, tile, [&] {
+        if (kLate && tile + 1 < te) load_any(nxt, tile + 1);
+      });
       cur = nxt;
     }
   } else {
     load_any(cur, tb);
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
-      process(cur, tile);
+      process(cur, tile, [] {});
       if (tile + 1 < te) load_any(cur, tile + 1);
     }
   }
