@@ -15,9 +15,15 @@
 #include "cache/cuda/dispatch.h"
 #include "kvq/core/error.h"
 
+// 0: one-query warps keep the 8-row product (rows 8..15 of the MMAs zero); kernel-lab A/B.
+#ifndef KVQ_DECODE_TRANSPOSED
+#define KVQ_DECODE_TRANSPOSED 1
+#endif
+
 namespace kvq::cuda {
 namespace decode_detail {
 
+constexpr bool kDecodeTransposed = KVQ_DECODE_TRANSPOSED != 0;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // D = A * B + D on the tensor cores, m16n8k16, fp32 accumulators. Only the upper 8 rows of A
@@ -161,7 +167,7 @@ struct TileCtx {
 // Loads parts of a tile: K codes and metadata (kParts & 1), V codes and nvfp4 block scales
 // (kParts & 2), V per-token metadata (kParts & 4). kFull: the caller knows every token of the
 // tile is inside [x.lo, x.hi), so no load is predicated and nothing is zero-filled.
-template <KvDtype DK, KvDtype DV, int HD, int kParts = 7, bool kFull = false>
+template <KvDtype DK, KvDtype DV, int HD, int kParts = 7, bool kFull = false, bool kTokG = false>
 __device__ __forceinline__ void load_tile(TileRaw<DK, DV, HD>& r, const DecodeKernelParams& p,
                                           const TileCtx& x, int tile) {
   using SK = Shape<DK, HD>;
@@ -221,7 +227,24 @@ __device__ __forceinline__ void load_tile(TileRaw<DK, DV, HD>& r, const DecodeKe
       }
     }
   }
-  if constexpr (SK::kRowScale || SV::kRowScale) {
+  if constexpr (kTokG && (SK::kRowScale || SV::kRowScale)) {
+    // The transposed one-query product: metadata of tokens g and g + 8 (ks / vs [0], [1]).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int tt = x.g + 8 * h;
+      const bool vis = kFull || (t0 + tt >= x.lo && t0 + tt < x.hi);
+      if constexpr (SK::kRowScale && (kParts & 1) != 0) {
+        const uint32_t ka = __ldg(reinterpret_cast<const unsigned int*>(
+            kh + p.k.values_bytes + static_cast<uint64_t>(off + tt) * 4));
+        r.ks[h] = vis ? ka : 0u;
+      }
+      if constexpr (SV::kRowScale && (kParts & 4) != 0) {
+        const uint32_t va = __ldg(reinterpret_cast<const unsigned int*>(
+            vh + p.v.values_bytes + static_cast<uint64_t>(off + tt) * 4));
+        r.vs[h] = vis ? va : 0u;
+      }
+    }
+  } else if constexpr (SK::kRowScale || SV::kRowScale) {
     // Metadata of tokens (2c, 2c + 1) and (2c + 8, 2c + 9): one 8-byte load each.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -322,6 +345,25 @@ __device__ __forceinline__ float quad_max(float v) {
 __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(kFullMask, v, 1);
   return v + __shfl_xor_sync(kFullMask, v, 2);
+}
+// Over the 8 lanes of a column of C-fragment entries (the lanes with the same lane % 4): the
+// transposed one-query product holds a row's tokens in lanes g = 0..7.
+__device__ __forceinline__ float col_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 4));
+  v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 8));
+  return fmaxf(v, __shfl_xor_sync(kFullMask, v, 16));
+}
+__device__ __forceinline__ float col_sum(float v) {
+  v += __shfl_xor_sync(kFullMask, v, 4);
+  v += __shfl_xor_sync(kFullMask, v, 8);
+  return v + __shfl_xor_sync(kFullMask, v, 16);
+}
+// The 8 x 8 matrix of 16-bit pairs a warp holds as a C fragment (lane: row lane / 4, columns
+// 2 (lane % 4), + 1), transposed in place of the same layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
 }
 
 // D = A * B + D with all 16 rows of A live (rows g and g + 8 of each lane): d0, d1 row g,
@@ -575,6 +617,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     qfactor[h] = qm.x;
     qsum[h] = qm.y;
   }
+  float qfactor_t[2], qsum_t[2];  // the transposed form's rows 2c, 2c + 1 (set below)
   // 16-row warps of 8-bit tiles at head_dim <= 128 keep the next tile in flight too: they
   // run at 2 blocks per SM either way (fp8 at head_dim 128: 218 registers instead of 199, no
   // spill), so the raw tile costs no occupancy (docs/notes/decode-tuning.md version 11).
@@ -583,14 +626,31 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   const bool capped = p.soft_cap != 0.0f;
   const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
 
-  float o[SV::kNTiles][2 * kH];
+  // kT: the transposed product of one-query warps (docs/notes/decode-tuning.md version 23).
+  // S^T = K Q^T and O^T = V^T P^T put the tile's 16 tokens (and 16 dims of O) on the MMA rows
+  // and the warp's 8 query rows on its columns, so no MMA row is zero: half the MMAs of the
+  // 8-row form, and no zeroed accumulator halves. The lane holds rows 2c and 2c + 1 (e = 0, 1)
+  // of tokens g and g + 8; o[i] is O^T's m-tile i: dims g (HD / 8) + 2i (entries 0, 1) and
+  // g (HD / 8) + 2i + 1 (entries 2, 3) of rows 2c, 2c + 1.
+  constexpr bool kT = kDecodeTransposed && !kMulti && kR == 8 && !P::kLateV;
+  constexpr int kE = kT ? 2 : kH;  // rows per lane
+  constexpr int kOA = kT ? SV::kNTiles / 2 : SV::kNTiles, kOB = kT ? 4 : 2 * kH;
+  if constexpr (kT) {
 #pragma unroll
-  for (int j = 0; j < SV::kNTiles; ++j)
+    for (int e = 0; e < 2; ++e) {
+      const float2 qm = p.qmeta[qbase * kR + 2 * x.c + e];
+      qfactor_t[e] = qm.x;
+      qsum_t[e] = qm.y;
+    }
+  }
+  float o[kOA][kOB];
 #pragma unroll
-    for (int e = 0; e < 2 * kH; ++e) o[j][e] = 0.0f;
-  float m[kH], l[kH], zacc[kH];  // per row: running max (log2 units), lane's share of the sum
+  for (int j = 0; j < kOA; ++j)
 #pragma unroll
-  for (int h = 0; h < kH; ++h) {
+    for (int e = 0; e < kOB; ++e) o[j][e] = 0.0f;
+  float m[kE], l[kE], zacc[kE];  // per row: running max (log2 units), lane's share of the sum
+#pragma unroll
+  for (int h = 0; h < kE; ++h) {
     m[h] = -__uint_as_float(kF32Inf);
     l[h] = 0.0f;
     zacc[h] = 0.0f;  // int4: this lane's share of sum(p * zero point)
@@ -598,12 +658,136 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   float s_run = 0.0f;  // running max of the per-token V scales (the same for every row)
   // Biased V operands: this lane's share of each row's sum of P (as the MMAs saw it, in fp16),
   // scaled along with o; o - kBias x the row's sum is the unbiased product.
-  float bacc[kH];
+  float bacc[kE];
 #pragma unroll
-  for (int h = 0; h < kH; ++h) bacc[h] = 0.0f;
+  for (int h = 0; h < kE; ++h) bacc[h] = 0.0f;
 
   // after_k: called once the tile's logits are done with its K (the prefetching loop issues
   // the next tile's loads there).
+  auto process_t = [&](TileRaw<DK, DV, HD>& cur, int tile, auto&& after_k, auto& oo) {
+    const int t0 = tile * kDecodeTileTokens;
+    // ---- S^T = K Q^T: st[2 n + e] = token g + 8 n, row 2c + e ----
+    float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < SK::kKSteps; ++s) {
+      const uint32_t a0 = k_pair<DK, HD>(cur.k[0], cur.kb[0], 2 * s);
+      const uint32_t a1 = k_pair<DK, HD>(cur.k[1], cur.kb[1], 2 * s);
+      const uint32_t a2 = k_pair<DK, HD>(cur.k[0], cur.kb[0], 2 * s + 1);
+      const uint32_t a3 = k_pair<DK, HD>(cur.k[1], cur.kb[1], 2 * s + 1);
+      mma16<SK::kBf16>(st, {a0, a1, a2, a3}, qa[s][0], qa[s][1]);
+    }
+    float corr[2], pr[2][2];  // pr[e][n]: row 2c + e, token g + 8 n
+    float xs[2][2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      [[maybe_unused]] float sz_scale = 1.0f, sz_add = 0.0f;
+      if constexpr (SK::kInt4) {
+        const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.ks[n]));
+        sz_scale = sz.x;
+        sz_add = fmaf(-SK::kBias, sz.x, sz.y);
+      } else if constexpr (SK::kRowScale) {
+        sz_scale = __uint_as_float(cur.ks[n]);
+      }
+      const int tt = t0 + x.g + 8 * n;
+      const bool vis = tt >= x.lo && tt < x.hi;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float r = st[2 * n + e];
+        if constexpr (SK::kInt4) {
+          r = fmaf(r, sz_scale, sz_add * qsum_t[e]);
+        } else if constexpr (SK::kRowScale) {
+          if constexpr (SK::kBias != 0.0f) r = fmaf(-SK::kBias, qsum_t[e], r);
+          r *= sz_scale;
+        }
+        r *= qfactor_t[e];
+        if (capped) r = cap * tanhf(r * inv_cap);
+        xs[e][n] = vis ? r * kLog2e : -__uint_as_float(kF32Inf);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float tmax = col_max(fmaxf(xs[e][0], xs[e][1]));
+      const float m_new = fmaxf(m[e], tmax);
+      const float m_use = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
+      corr[e] = exp2f(m[e] - m_use);
+      pr[e][0] = exp2f(xs[e][0] - m_use);
+      pr[e][1] = exp2f(xs[e][1] - m_use);
+      l[e] = l[e] * corr[e] + (pr[e][0] + pr[e][1]);
+      m[e] = m_new;
+    }
+    after_k();
+    if constexpr (SV::kRowScale) {
+      float sv[2], zv[2];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        if constexpr (SV::kInt4) {
+          const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.vs[n]));
+          sv[n] = sz.x;
+          zv[n] = sz.y;
+        } else {
+          sv[n] = __uint_as_float(cur.vs[n]);
+          zv[n] = 0.0f;
+        }
+      }
+      const float smax = col_max(fmaxf(sv[0], sv[1]));
+      const float s_new = fmaxf(s_run, smax);
+      const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
+      const float rescale = s_new > 0.0f ? s_run * inv_s : 1.0f;
+      s_run = s_new;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if constexpr (SV::kInt4)
+          zacc[e] = zacc[e] * corr[e] + (pr[e][0] * zv[0] + pr[e][1] * zv[1]);
+        corr[e] *= rescale;
+        pr[e][0] *= sv[0] * inv_s;
+        pr[e][1] *= sv[1] * inv_s;
+      }
+    }
+    // ---- P^T as the B operand: (rows 2c, 2c + 1) pairs of token g, transposed to (tokens
+    // 2c, 2c + 1) pairs of row g ----
+    uint32_t pb[2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      uint32_t x2;
+      if constexpr (SV::kBf16) {
+        x2 = f32x2_to_bf16x2f(pr[0][n], pr[1][n]);
+      } else {
+        x2 = f32x2_to_f16x2(pr[0][n], pr[1][n]);
+        if constexpr (SV::kBias != 0.0f) {
+          const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&x2));
+          pr[0][n] = a.x;
+          pr[1][n] = a.y;
+        }
+      }
+      pb[n] = movmatrix_trans(x2);
+    }
+    if constexpr (!SV::kBf16 && SV::kBias != 0.0f) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) bacc[e] = fmaf(bacc[e], corr[e], pr[e][0] + pr[e][1]);
+    }
+    {
+      bool rescale_o = corr[0] != 1.0f || corr[1] != 1.0f;
+      if (__any_sync(kFullMask, rescale_o)) {
+#pragma unroll
+        for (int i = 0; i < kOA; ++i) {
+          oo[i][0] *= corr[0];
+          oo[i][1] *= corr[1];
+          oo[i][2] *= corr[0];
+          oo[i][3] *= corr[1];
+        }
+      }
+    }
+    // ---- O^T += V^T P^T: m-tile i is n-tiles 2i (rows g) and 2i + 1 (rows g + 8) of V ----
+#pragma unroll
+    for (int i = 0; i < kOA; ++i) {
+      const uint32_t a0 = v_pair<DV, HD>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], 2 * i);
+      const uint32_t a1 = v_pair<DV, HD>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], 2 * i + 1);
+      const uint32_t a2 = v_pair<DV, HD>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], 2 * i);
+      const uint32_t a3 = v_pair<DV, HD>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], 2 * i + 1);
+      mma16<SV::kBf16>(oo[i], {a0, a1, a2, a3}, pb[0], pb[1]);
+    }
+  };
+
   auto process = [&](TileRaw<DK, DV, HD>& cur, int tile, auto&& after_k) {
     const int t0 = tile * kDecodeTileTokens;
     // ---- S = Q K^T for tokens 0-7 (n = 0) and 8-15 (n = 1) of the tile ----
@@ -748,9 +932,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   auto load_any = [&](TileRaw<DK, DV, HD>& r, int tile) {
     const int t0 = tile * kDecodeTileTokens;
     if (kFullLoads && t0 >= x.lo && t0 + kDecodeTileTokens <= x.hi)
-      load_tile<DK, DV, HD, 7, true>(r, p, x, tile);
+      load_tile<DK, DV, HD, 7, true, kT>(r, p, x, tile);
     else
-      load_tile<DK, DV, HD>(r, p, x, tile);
+      load_tile<DK, DV, HD, 7, false, kT>(r, p, x, tile);
+  };
+  auto run = [&](TileRaw<DK, DV, HD>& r, int tile, auto&& after_k) {
+    if constexpr (kT)
+      process_t(r, tile, after_k, o);
+    else
+      process(r, tile, after_k);
   };
   TileRaw<DK, DV, HD> cur;
   if (tb >= te) {
@@ -774,7 +964,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
       // slower with it); elsewhere not measured yet.
       constexpr bool kLate = !kMulti && HD == 128 && !SK::kNvfp4 && !SV::kNvfp4;
       if (!kLate && tile + 1 < te) load_any(nxt, tile + 1);
-      process(cur, tile, [&] {
+      run(cur, tile, [&] {
         if (kLate && tile + 1 < te) load_any(nxt, tile + 1);
       });
       cur = nxt;
@@ -783,7 +973,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     load_any(cur, tb);
 #pragma unroll 1
     for (int tile = tb; tile < te; ++tile) {
-      process(cur, tile, [] {});
+      run(cur, tile, [] {});
       if (tile + 1 < te) load_any(cur, tile + 1);
     }
   }
@@ -797,8 +987,45 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   // A sequence with a single split is final here (when V is not rotated): write the output.
   // The cluster merge: the partial goes to this block's shared memory (ClusterSmem).
   const bool direct = !clustered && p.out != nullptr && (nsplit == 1 || zero_fill);
+  if constexpr (kT) {
+    // Rows 2c + e; the lane's 16 floats of each: dims g (HD / 8) .. + HD / 8 - 1.
 #pragma unroll
-  for (int h = 0; h < kH; ++h) {
+    for (int e = 0; e < 2; ++e) {
+      const float l_tot = col_sum(l[e]);
+      const float inv_l = l_tot > 0.0f ? 1.0f / l_tot : 0.0f;
+      const float zterm = SV::kInt4 ? col_sum(zacc[e]) : 0.0f;
+      const float bterm = SV::kBias != 0.0f ? SV::kBias * col_sum(bacc[e]) : 0.0f;
+      const int rloc = 2 * x.c + e;
+      if (r_first + rloc >= p.ratio) continue;
+      const int head = r_first + rloc;
+      const size_t row =
+          (((static_cast<size_t>(seq) * p.max_splits + split) * p.num_kv_heads + kvh) *
+               p.head_chunks +
+           hc) *
+              kR +
+          rloc;
+      const int slot = warp * kR + rloc;
+      float* dst = clustered ? ClusterSmem<HD, kR>::o() + slot * ClusterSmem<HD, kR>::kStride
+                   : direct  ? p.out + (static_cast<size_t>(q0) * p.num_q_heads +
+                                       kvh * p.ratio + head) *
+                                          HD
+                             : p.part_o + row * HD;
+      float4* d4 = reinterpret_cast<float4*>(dst + x.g * (HD / 8));
+#pragma unroll
+      for (int i = 0; i < kOA; i += 2) {
+        float4 v;
+        v.x = ((o[i][e] - bterm) * scale_o + zterm) * inv_l;
+        v.y = ((o[i][2 + e] - bterm) * scale_o + zterm) * inv_l;
+        v.z = ((o[i + 1][e] - bterm) * scale_o + zterm) * inv_l;
+        v.w = ((o[i + 1][2 + e] - bterm) * scale_o + zterm) * inv_l;
+        d4[i / 2] = v;
+      }
+      if (x.g == 0 && !direct)
+        (clustered ? ClusterSmem<HD, kR>::ml()[slot] : p.part_ml[row]) = make_float2(m[e], l_tot);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < (kT ? 0 : kH); ++h) {
     const float l_tot = quad_sum(l[h]);
     const float inv_l = l_tot > 0.0f ? 1.0f / l_tot : 0.0f;  // 0: a row that saw no token
     const float zterm = SV::kInt4 ? quad_sum(zacc[h]) : 0.0f;
