@@ -15,7 +15,16 @@
 #include "cache/cuda/dispatch.h"
 #include "kvq/core/error.h"
 
-// 0: one-query warps keep the 8-row product (rows 8..15 of the MMAs zero); kernel-lab A/B.
+// Kernel-lab switches (docs/notes/decode-tuning.md version 23). KVQ_ONEQ_BLOCKS: the blocks
+// per SM one-query warps at head_dim 128 budget registers for (3: version 22's).
+// KVQ_DECODE_TRANSPOSED=0: one-query warps keep the 8-row product (rows 8..15 of the MMAs zero).
+// KVQ_DECODE_V16=0: transposed int4 V pairs all shifted into place (v_pair's kX16 off).
+#ifndef KVQ_ONEQ_BLOCKS
+#define KVQ_ONEQ_BLOCKS 4
+#endif
+#ifndef KVQ_DECODE_V16
+#define KVQ_DECODE_V16 1
+#endif
 #ifndef KVQ_DECODE_TRANSPOSED
 #define KVQ_DECODE_TRANSPOSED 1
 #endif
@@ -24,6 +33,7 @@ namespace kvq::cuda {
 namespace decode_detail {
 
 constexpr bool kDecodeTransposed = KVQ_DECODE_TRANSPOSED != 0;
+constexpr bool kDecodeV16 = KVQ_DECODE_V16 != 0;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // D = A * B + D on the tensor cores, m16n8k16, fp32 accumulators. Only the upper 8 rows of A
@@ -308,7 +318,10 @@ __device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb
 }
 
 // V operand pair of two tokens a, b for n-tile j: (a's dim j of this lane's part, b's).
-template <KvDtype D, int HD>
+// kX16 (int4_per_token_head): the pairs of odd j come as 16 (code + 64) = code x 16 + 1024,
+// their nibbles masked in place (one shift per four pairs instead of three); the caller
+// divides those dims of O by 16.
+template <KvDtype D, int HD, bool kX16 = false>
 __device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b, uint32_t ab,
                                            uint32_t bb, int j) {
   using S = Shape<D, HD>;
@@ -332,6 +345,9 @@ __device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b,
       const uint32_t ca = (ab >> (8 * (wi / 2))) & 0xFFu, cb = (bb >> (8 * (wi / 2))) & 0xFFu;
       const uint32_t scale2 = fp8x2_to_f16x2<false>(ca | (cb << 8), 0);
       return hmul2_bits(e2m1_pair(y >> (4 * k)), scale2);
+    } else if constexpr (kX16) {
+      const uint32_t t = (k & 2) ? (y >> 8) : y;
+      return (k & 1) ? ((t & 0x00F000F0u) | 0x64006400u) : uint4_pair_biased(t);
     } else {
       return uint4_pair_biased(y >> (4 * k));
     }
@@ -483,12 +499,19 @@ __device__ __noinline__ void cluster_merge(const ClusterMergeArgs p, int seq, in
 // Blocks (of 4 warps) per SM the register budget is set for: more resident warps hide more
 // load latency. 16/32-bit dtypes and head_dim 256 keep the compiler's natural allocation
 // (capping them spills); 16-row warps (twice the accumulators and Q registers) get two
-// blocks at head_dim 128.
+// blocks at head_dim 128. One-query warps at head_dim 128 (the transposed product) get four,
+// but with an nvfp4 side (int4 / int8: 7-8% faster at 24-40 bytes of spill; nvfp4 6% slower;
+// fp8 fits 128 registers unasked; docs/notes/decode-tuning.md version 23).
 template <KvDtype DK, KvDtype DV, int HD, int kR>
-constexpr int kMinBlocks = cmax(kv_value_bits(DK), kv_value_bits(DV)) > 8
-                               ? 1
-                               : (HD == 64 ? (kR == 8 ? 4 : 3)
-                                           : (HD == 128 ? (kR == 8 ? 3 : 2) : 1));
+constexpr int kMinBlocks =
+    cmax(kv_value_bits(DK), kv_value_bits(DV)) > 8
+        ? 1
+        : (HD == 64 ? (kR == 8 ? 4 : 3)
+                    : (HD == 128 ? (kR == 8 ? (DK == KvDtype::kNvfp4 || DV == KvDtype::kNvfp4
+                                                   ? 3
+                                                   : KVQ_ONEQ_BLOCKS)
+                                            : 2)
+                                 : 1));
 
 // kR rows per warp: 8 (rows g; rows 8..15 of the MMAs are zero) or 16 (rows g and g + 8,
 // head_dim <= 128): the rows of decode_params.h, r = hc * kR + row. kMulti: several queries
@@ -780,10 +803,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     // ---- O^T += V^T P^T: m-tile i is n-tiles 2i (rows g) and 2i + 1 (rows g + 8) of V ----
 #pragma unroll
     for (int i = 0; i < kOA; ++i) {
-      const uint32_t a0 = v_pair<DV, HD>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], 2 * i);
-      const uint32_t a1 = v_pair<DV, HD>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], 2 * i + 1);
-      const uint32_t a2 = v_pair<DV, HD>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], 2 * i);
-      const uint32_t a3 = v_pair<DV, HD>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], 2 * i + 1);
+      // int4 V: dims of odd n-tiles (entries 2, 3 of o[i]) accumulate 16x (v_pair's kX16).
+      constexpr bool kX = SV::kInt4 && kDecodeV16;
+      const uint32_t a0 = v_pair<DV, HD, kX>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], 2 * i);
+      const uint32_t a1 = v_pair<DV, HD, kX>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], 2 * i + 1);
+      const uint32_t a2 = v_pair<DV, HD, kX>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], 2 * i);
+      const uint32_t a3 = v_pair<DV, HD, kX>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], 2 * i + 1);
       mma16<SV::kBf16>(oo[i], {a0, a1, a2, a3}, pb[0], pb[1]);
     }
   };
@@ -1011,13 +1036,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
                                           HD
                              : p.part_o + row * HD;
       float4* d4 = reinterpret_cast<float4*>(dst + x.g * (HD / 8));
+      const float scale_hi = SV::kInt4 && kDecodeV16 ? scale_o * 0.0625f : scale_o;
 #pragma unroll
       for (int i = 0; i < kOA; i += 2) {
         float4 v;
         v.x = ((o[i][e] - bterm) * scale_o + zterm) * inv_l;
-        v.y = ((o[i][2 + e] - bterm) * scale_o + zterm) * inv_l;
+        v.y = ((o[i][2 + e] - bterm) * scale_hi + zterm) * inv_l;
         v.z = ((o[i + 1][e] - bterm) * scale_o + zterm) * inv_l;
-        v.w = ((o[i + 1][2 + e] - bterm) * scale_o + zterm) * inv_l;
+        v.w = ((o[i + 1][2 + e] - bterm) * scale_hi + zterm) * inv_l;
         d4[i / 2] = v;
       }
       if (x.g == 0 && !direct)
