@@ -18,9 +18,13 @@
 // Kernel-lab switches (docs/notes/decode-tuning.md version 23). KVQ_ONEQ_BLOCKS: the blocks
 // per SM one-query warps at head_dim 128 budget registers for (3: version 22's).
 // KVQ_DECODE_TRANSPOSED=0: one-query warps keep the 8-row product (rows 8..15 of the MMAs zero).
-// KVQ_DECODE_V16=0: transposed int4 V pairs all shifted into place (v_pair's kX16 off).
+// KVQ_DECODE_V16=0 / KVQ_DECODE_K16=0: transposed int4 V / K pairs all shifted into place
+// (v_pair's / k_pair's kX16 off).
 #ifndef KVQ_ONEQ_BLOCKS
 #define KVQ_ONEQ_BLOCKS 4
+#endif
+#ifndef KVQ_DECODE_K16
+#define KVQ_DECODE_K16 1
 #endif
 #ifndef KVQ_DECODE_V16
 #define KVQ_DECODE_V16 1
@@ -34,6 +38,7 @@ namespace decode_detail {
 
 constexpr bool kDecodeTransposed = KVQ_DECODE_TRANSPOSED != 0;
 constexpr bool kDecodeV16 = KVQ_DECODE_V16 != 0;
+constexpr bool kDecodeK16 = KVQ_DECODE_K16 != 0;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // D = A * B + D on the tensor cores, m16n8k16, fp32 accumulators. Only the upper 8 rows of A
@@ -291,7 +296,9 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w, int high_half) {
 
 // K operand pair i of one token (pair 2s -> B reg 0 of k-step s, pair 2s + 1 -> B reg 1).
 // Called with constant i inside unrolled loops, so each conversion sits next to its MMA.
-template <KvDtype D, int HD>
+// kX16 (int4_per_token_head): odd pairs as code x 16 + 1024 (as v_pair's kX16); the caller
+// scales the Q operands of the even pairs by 16 to match.
+template <KvDtype D, int HD, bool kX16 = false>
 __device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb, int i) {
   using S = Shape<D, HD>;
   if constexpr (S::kBits == 16) {
@@ -303,6 +310,9 @@ __device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb
     return int8_pair_biased(x);
   } else if constexpr (S::kBits == 8) {
     return fp8x2_to_f16x2<D == KvDtype::kFp8E5M2>(w[i / 2], i & 1);
+  } else if constexpr (S::kInt4 && kX16) {
+    const uint32_t t = (i & 2) ? (w[i / 4] >> 8) : w[i / 4];
+    return (i & 1) ? ((t & 0x00F000F0u) | 0x64006400u) : uint4_pair_biased(t);
   } else if constexpr (S::kInt4) {
     const uint32_t t = w[i / 4] >> (4 * (i % 4));
     return uint4_pair_biased(t);
@@ -656,6 +666,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   // of tokens g and g + 8; o[i] is O^T's m-tile i: dims g (HD / 8) + 2i (entries 0, 1) and
   // g (HD / 8) + 2i + 1 (entries 2, 3) of rows 2c, 2c + 1.
   constexpr bool kT = kDecodeTransposed && !kMulti && kR == 8 && !P::kLateV;
+  // int4 K in the transposed product: odd K pairs masked in place at 16x (k_pair's kX16).
+  constexpr bool kK16 = kT && SK::kInt4 && kDecodeK16;
+  [[maybe_unused]] float2 kzb[2];
   constexpr int kE = kT ? 2 : kH;  // rows per lane
   constexpr int kOA = kT ? SV::kNTiles / 2 : SV::kNTiles, kOB = kT ? 4 : 2 * kH;
   if constexpr (kT) {
@@ -664,6 +677,24 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
       const float2 qm = p.qmeta[qbase * kR + 2 * x.c + e];
       qfactor_t[e] = qm.x;
       qsum_t[e] = qm.y;
+    }
+    if constexpr (kK16) {
+      // Row g's Q operands of the even K pairs (B register 0 of each k-step) x 16, exact in
+      // fp16 (|q| < 2); their sum E over the row, sent to the lanes holding row g's logits.
+      float ev = 0.0f;
+#pragma unroll
+      for (int s = 0; s < SK::kKSteps; ++s) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&qa[s][0]));
+        ev += f.x + f.y;
+        qa[s][0] = hmul2_bits(qa[s][0], 0x4C004C00u);  // 16.0 in half
+      }
+      ev = quad_sum(ev);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float er = __shfl_sync(kFullMask, ev, (2 * x.c + e) * 4);
+        kzb[e] = make_float2(-SK::kBias * (15.0f * er + qsum_t[e]), 16.0f * qsum_t[e]);
+        qfactor_t[e] *= 0.0625f;
+      }
     }
   }
   float o[kOA][kOB];
@@ -693,20 +724,21 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int s = 0; s < SK::kKSteps; ++s) {
-      const uint32_t a0 = k_pair<DK, HD>(cur.k[0], cur.kb[0], 2 * s);
-      const uint32_t a1 = k_pair<DK, HD>(cur.k[1], cur.kb[1], 2 * s);
-      const uint32_t a2 = k_pair<DK, HD>(cur.k[0], cur.kb[0], 2 * s + 1);
-      const uint32_t a3 = k_pair<DK, HD>(cur.k[1], cur.kb[1], 2 * s + 1);
+      const uint32_t a0 = k_pair<DK, HD, kK16>(cur.k[0], cur.kb[0], 2 * s);
+      const uint32_t a1 = k_pair<DK, HD, kK16>(cur.k[1], cur.kb[1], 2 * s);
+      const uint32_t a2 = k_pair<DK, HD, kK16>(cur.k[0], cur.kb[0], 2 * s + 1);
+      const uint32_t a3 = k_pair<DK, HD, kK16>(cur.k[1], cur.kb[1], 2 * s + 1);
       mma16<SK::kBf16>(st, {a0, a1, a2, a3}, qa[s][0], qa[s][1]);
     }
     float corr[2], pr[2][2];  // pr[e][n]: row 2c + e, token g + 8 n
     float xs[2][2];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
-      [[maybe_unused]] float sz_scale = 1.0f, sz_add = 0.0f;
+      [[maybe_unused]] float sz_scale = 1.0f, sz_add = 0.0f, sz_zero = 0.0f;
       if constexpr (SK::kInt4) {
         const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.ks[n]));
         sz_scale = sz.x;
+        sz_zero = sz.y;
         sz_add = fmaf(-SK::kBias, sz.x, sz.y);
       } else if constexpr (SK::kRowScale) {
         sz_scale = __uint_as_float(cur.ks[n]);
@@ -716,7 +748,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float r = st[2 * n + e];
-        if constexpr (SK::kInt4) {
+        if constexpr (kK16) {
+          // raw = 16 q.code + 1024 (sum of the operands); kzb = (-1024 x that sum, 16 sum q).
+          r = fmaf(r, sz_scale, fmaf(kzb[e].x, sz_scale, sz_zero * kzb[e].y));
+        } else if constexpr (SK::kInt4) {
           r = fmaf(r, sz_scale, sz_add * qsum_t[e]);
         } else if constexpr (SK::kRowScale) {
           if constexpr (SK::kBias != 0.0f) r = fmaf(-SK::kBias, qsum_t[e], r);
