@@ -23,6 +23,12 @@
 #ifndef KVQ_ONEQ_BLOCKS
 #define KVQ_ONEQ_BLOCKS 4
 #endif
+#ifndef KVQ_FP8_HALVES
+#define KVQ_FP8_HALVES 1
+#endif
+#ifndef KVQ_INT8_PRMT
+#define KVQ_INT8_PRMT 1
+#endif
 #ifndef KVQ_DECODE_K16
 #define KVQ_DECODE_K16 1
 #endif
@@ -283,14 +289,30 @@ __device__ __forceinline__ void load_tile(TileRaw<DK, DV, HD>& r, const DecodeKe
 }
 
 // One fp8 code pair (a 16-bit half) -> half2 (exact).
+// The half is split off with a vector mov, not masked or shifted first: ptxas can then read it
+// in place (KVQ_FP8_HALVES=0: the masked form of version 22).
 template <bool kE5M2>
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w, int high_half) {
-  const uint32_t h16 = high_half ? (w >> 16) : (w & 0xFFFFu);
   uint32_t r;
+#if KVQ_FP8_HALVES
+  if (high_half) {
+    if constexpr (kE5M2)
+      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, h;}\n" : "=r"(r) : "r"(w));
+    else
+      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;}\n" : "=r"(r) : "r"(w));
+  } else {
+    if constexpr (kE5M2)
+      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, l;}\n" : "=r"(r) : "r"(w));
+    else
+      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;}\n" : "=r"(r) : "r"(w));
+  }
+#else
+  const uint32_t h16 = high_half ? (w >> 16) : (w & 0xFFFFu);
   if constexpr (kE5M2)
     asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e5m2x2 %0, t;}\n" : "=r"(r) : "r"(h16));
   else
     asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;}\n" : "=r"(r) : "r"(h16));
+#endif
   return r;
 }
 
@@ -306,8 +328,15 @@ __device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb
   } else if constexpr (S::kBits == 32) {
     return f32x2_to_bf16x2(w[2 * i], w[2 * i + 1]);
   } else if constexpr (D == KvDtype::kInt8PerTokenHead) {
+#if KVQ_INT8_PRMT
+    // q + 128 for the word's four codes at once, then each pair's two bytes placed under
+    // 0x64 exponent bytes by one byte permute: 1024 + q + 128, as int8_pair_biased gives.
+    const uint32_t t = w[i / 2] ^ 0x80808080u;
+    return __byte_perm(t, 0x64646464u, (i & 1) ? 0x4342 : 0x4140);
+#else
     const uint32_t x = __byte_perm(w[i / 2], 0u, (i & 1) ? 0x0302 : 0x0100);
     return int8_pair_biased(x);
+#endif
   } else if constexpr (S::kBits == 8) {
     return fp8x2_to_f16x2<D == KvDtype::kFp8E5M2>(w[i / 2], i & 1);
   } else if constexpr (S::kInt4 && kX16) {
