@@ -393,6 +393,19 @@ __device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b,
   }
 }
 
+// A V row's per-token metadata word: int4 (scale, zero) as half2, else the fp32 scale.
+template <bool kInt4>
+__device__ __forceinline__ void v_row_meta(uint32_t w, float& scale, float& zero) {
+  if constexpr (kInt4) {
+    const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&w));
+    scale = sz.x;
+    zero = sz.y;
+  } else {
+    scale = __uint_as_float(w);
+    zero = 0.0f;
+  }
+}
+
 __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 1));
   return fmaxf(v, __shfl_xor_sync(kFullMask, v, 2));
@@ -806,16 +819,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     if constexpr (SV::kRowScale) {
       float sv[2], zv[2];
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        if constexpr (SV::kInt4) {
-          const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.vs[n]));
-          sv[n] = sz.x;
-          zv[n] = sz.y;
-        } else {
-          sv[n] = __uint_as_float(cur.vs[n]);
-          zv[n] = 0.0f;
-        }
-      }
+      for (int n = 0; n < 2; ++n) v_row_meta<SV::kInt4>(cur.vs[n], sv[n], zv[n]);
       const float smax = col_max(fmaxf(sv[0], sv[1]));
       const float s_new = fmaxf(s_run, smax);
       const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
@@ -942,16 +946,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     if constexpr (SV::kRowScale) {
       float sv[4], zv[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (SV::kInt4) {
-          const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.vs[i]));
-          sv[i] = sz.x;
-          zv[i] = sz.y;
-        } else {
-          sv[i] = __uint_as_float(cur.vs[i]);
-          zv[i] = 0.0f;
-        }
-      }
+      for (int i = 0; i < 4; ++i) v_row_meta<SV::kInt4>(cur.vs[i], sv[i], zv[i]);
       const float smax = quad_max(fmaxf(fmaxf(sv[0], sv[1]), fmaxf(sv[2], sv[3])));
       const float s_new = fmaxf(s_run, smax);
       const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
