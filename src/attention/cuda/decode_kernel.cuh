@@ -17,23 +17,10 @@
 
 // Kernel-lab switches (docs/notes/decode-tuning.md version 23). KVQ_ONEQ_BLOCKS: the blocks
 // per SM one-query warps at head_dim 128 budget registers for (3: version 22's).
-// KVQ_DECODE_TRANSPOSED=0: one-query warps keep the 8-row product (rows 8..15 of the MMAs zero).
-// KVQ_DECODE_V16=0 / KVQ_DECODE_K16=0: transposed int4 V / K pairs all shifted into place
-// (v_pair's / k_pair's kX16 off).
+// KVQ_DECODE_TRANSPOSED=0 (with KVQ_ONEQ_BLOCKS=3): one-query warps keep the 8-row product
+// (rows 8..15 of the MMAs zero).
 #ifndef KVQ_ONEQ_BLOCKS
 #define KVQ_ONEQ_BLOCKS 4
-#endif
-#ifndef KVQ_FP8_HALVES
-#define KVQ_FP8_HALVES 1
-#endif
-#ifndef KVQ_INT8_PRMT
-#define KVQ_INT8_PRMT 1
-#endif
-#ifndef KVQ_DECODE_K16
-#define KVQ_DECODE_K16 1
-#endif
-#ifndef KVQ_DECODE_V16
-#define KVQ_DECODE_V16 1
 #endif
 #ifndef KVQ_DECODE_TRANSPOSED
 #define KVQ_DECODE_TRANSPOSED 1
@@ -43,8 +30,6 @@ namespace kvq::cuda {
 namespace decode_detail {
 
 constexpr bool kDecodeTransposed = KVQ_DECODE_TRANSPOSED != 0;
-constexpr bool kDecodeV16 = KVQ_DECODE_V16 != 0;
-constexpr bool kDecodeK16 = KVQ_DECODE_K16 != 0;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // D = A * B + D on the tensor cores, m16n8k16, fp32 accumulators. Only the upper 8 rows of A
@@ -125,9 +110,7 @@ struct Shape {
   // exponent trick without its subtraction): a logit is corrected by kBias x the sum of its
   // Q operands, a row of O by kBias x the sum of its P operands (version 22 of
   // docs/notes/decode-tuning.md).
-  static constexpr float kBias = D == KvDtype::kInt8PerTokenHead ? 1152.0f
-                                 : kInt4                           ? 1024.0f
-                                                                   : 0.0f;
+  static constexpr float kBias = D == KvDtype::kInt8PerTokenHead ? 1152.0f : kInt4 ? 1024.0f : 0.0f;
   static constexpr bool kNvfp4 = D == KvDtype::kNvfp4;
   static constexpr bool kTensorScale =
       D == KvDtype::kFp8E4M3 || D == KvDtype::kFp8E5M2 || D == KvDtype::kNvfp4;
@@ -289,30 +272,30 @@ __device__ __forceinline__ void load_tile(TileRaw<DK, DV, HD>& r, const DecodeKe
 }
 
 // One fp8 code pair (a 16-bit half) -> half2 (exact).
-// The half is split off with a vector mov, not masked or shifted first: ptxas can then read it
-// in place (KVQ_FP8_HALVES=0: the masked form of version 22).
+// The half is split off with a vector mov, not masked or shifted first: ptxas then reads it in
+// place (version 23).
 template <bool kE5M2>
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w, int high_half) {
   uint32_t r;
-#if KVQ_FP8_HALVES
   if (high_half) {
     if constexpr (kE5M2)
-      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, h;}\n" : "=r"(r) : "r"(w));
+      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, h;}\n"
+          : "=r"(r)
+          : "r"(w));
     else
-      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;}\n" : "=r"(r) : "r"(w));
+      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;}\n"
+          : "=r"(r)
+          : "r"(w));
   } else {
     if constexpr (kE5M2)
-      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, l;}\n" : "=r"(r) : "r"(w));
+      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, l;}\n"
+          : "=r"(r)
+          : "r"(w));
     else
-      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;}\n" : "=r"(r) : "r"(w));
+      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;}\n"
+          : "=r"(r)
+          : "r"(w));
   }
-#else
-  const uint32_t h16 = high_half ? (w >> 16) : (w & 0xFFFFu);
-  if constexpr (kE5M2)
-    asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e5m2x2 %0, t;}\n" : "=r"(r) : "r"(h16));
-  else
-    asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;}\n" : "=r"(r) : "r"(h16));
-#endif
   return r;
 }
 
@@ -328,15 +311,10 @@ __device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb
   } else if constexpr (S::kBits == 32) {
     return f32x2_to_bf16x2(w[2 * i], w[2 * i + 1]);
   } else if constexpr (D == KvDtype::kInt8PerTokenHead) {
-#if KVQ_INT8_PRMT
     // q + 128 for the word's four codes at once, then each pair's two bytes placed under
     // 0x64 exponent bytes by one byte permute: 1024 + q + 128, as int8_pair_biased gives.
     const uint32_t t = w[i / 2] ^ 0x80808080u;
     return __byte_perm(t, 0x64646464u, (i & 1) ? 0x4342 : 0x4140);
-#else
-    const uint32_t x = __byte_perm(w[i / 2], 0u, (i & 1) ? 0x0302 : 0x0100);
-    return int8_pair_biased(x);
-#endif
   } else if constexpr (S::kBits == 8) {
     return fp8x2_to_f16x2<D == KvDtype::kFp8E5M2>(w[i / 2], i & 1);
   } else if constexpr (S::kInt4 && kX16) {
@@ -464,7 +442,9 @@ struct ClusterSmem {
     extern __shared__ float4 decode_cluster_smem[];
     return reinterpret_cast<float*>(decode_cluster_smem);
   }
-  __device__ static float2* ml() { return reinterpret_cast<float2*>(o() + kDecodeWarps * kR * kStride); }
+  __device__ static float2* ml() {
+    return reinterpret_cast<float2*>(o() + kDecodeWarps * kR * kStride);
+  }
 };
 
 // After every warp wrote its partials: a cluster barrier, then warp w of the cluster merges
@@ -540,8 +520,8 @@ __device__ __noinline__ void cluster_merge(const ClusterMergeArgs p, int seq, in
     for (int e = 0; e < E; ++e) acc[e] *= inv;
     if (p.unrotate) warp_hadamard_unrotate<E>(acc, lane, p.signs);
     const int t = r / p.ratio, head = r - t * p.ratio;
-    float* out =
-        p.out + (static_cast<size_t>(q0 + t) * p.num_q_heads + kvh * p.ratio + head) * HD + lane * E;
+    float* out = p.out + (static_cast<size_t>(q0 + t) * p.num_q_heads + kvh * p.ratio + head) * HD +
+                 lane * E;
 #pragma unroll
     for (int e = 0; e < E; ++e) out[e] = acc[e];
   }
@@ -555,15 +535,15 @@ __device__ __noinline__ void cluster_merge(const ClusterMergeArgs p, int seq, in
 // but with an nvfp4 side (int4 / int8: 7-8% faster at 24-40 bytes of spill; nvfp4 6% slower;
 // fp8 fits 128 registers unasked; docs/notes/decode-tuning.md version 23).
 template <KvDtype DK, KvDtype DV, int HD, int kR>
-constexpr int kMinBlocks =
-    cmax(kv_value_bits(DK), kv_value_bits(DV)) > 8
-        ? 1
-        : (HD == 64 ? (kR == 8 ? 4 : 3)
-                    : (HD == 128 ? (kR == 8 ? (DK == KvDtype::kNvfp4 || DV == KvDtype::kNvfp4
-                                                   ? 3
-                                                   : KVQ_ONEQ_BLOCKS)
-                                            : 2)
-                                 : 1));
+constexpr int kMinBlocks = cmax(kv_value_bits(DK), kv_value_bits(DV)) > 8
+                               ? 1
+                               : (HD == 64 ? (kR == 8 ? 4 : 3)
+                                           : (HD == 128 ? (kR == 8 ? (DK == KvDtype::kNvfp4 ||
+                                                                              DV == KvDtype::kNvfp4
+                                                                          ? 3
+                                                                          : KVQ_ONEQ_BLOCKS)
+                                                                   : 2)
+                                                        : 1));
 
 // kR rows per warp: 8 (rows g; rows 8..15 of the MMAs are zero) or 16 (rows g and g + 8,
 // head_dim <= 128): the rows of decode_params.h, r = hc * kR + row. kMulti: several queries
@@ -709,7 +689,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   // g (HD / 8) + 2i + 1 (entries 2, 3) of rows 2c, 2c + 1.
   constexpr bool kT = kDecodeTransposed && !kMulti && kR == 8 && !P::kLateV;
   // int4 K in the transposed product: odd K pairs masked in place at 16x (k_pair's kX16).
-  constexpr bool kK16 = kT && SK::kInt4 && kDecodeK16;
+  constexpr bool kK16 = kT && SK::kInt4;
   [[maybe_unused]] float2 kzb[2];
   constexpr int kE = kT ? 2 : kH;  // rows per lane
   constexpr int kOA = kT ? SV::kNTiles / 2 : SV::kNTiles, kOB = kT ? 4 : 2 * kH;
@@ -776,12 +756,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     float xs[2][2];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
-      [[maybe_unused]] float sz_scale = 1.0f, sz_add = 0.0f, sz_zero = 0.0f;
+      [[maybe_unused]] float sz_scale = 1.0f, sz_zero = 0.0f;
       if constexpr (SK::kInt4) {
         const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.ks[n]));
         sz_scale = sz.x;
         sz_zero = sz.y;
-        sz_add = fmaf(-SK::kBias, sz.x, sz.y);
       } else if constexpr (SK::kRowScale) {
         sz_scale = __uint_as_float(cur.ks[n]);
       }
@@ -793,8 +772,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
         if constexpr (kK16) {
           // raw = 16 q.code + 1024 (sum of the operands); kzb = (-1024 x that sum, 16 sum q).
           r = fmaf(r, sz_scale, fmaf(kzb[e].x, sz_scale, sz_zero * kzb[e].y));
-        } else if constexpr (SK::kInt4) {
-          r = fmaf(r, sz_scale, sz_add * qsum_t[e]);
         } else if constexpr (SK::kRowScale) {
           if constexpr (SK::kBias != 0.0f) r = fmaf(-SK::kBias, qsum_t[e], r);
           r *= sz_scale;
@@ -872,7 +849,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
 #pragma unroll
     for (int i = 0; i < kOA; ++i) {
       // int4 V: dims of odd n-tiles (entries 2, 3 of o[i]) accumulate 16x (v_pair's kX16).
-      constexpr bool kX = SV::kInt4 && kDecodeV16;
+      constexpr bool kX = SV::kInt4;
       const uint32_t a0 = v_pair<DV, HD, kX>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], 2 * i);
       const uint32_t a1 = v_pair<DV, HD, kX>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], 2 * i + 1);
       const uint32_t a2 = v_pair<DV, HD, kX>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], 2 * i);
@@ -1089,13 +1066,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
               kR +
           rloc;
       const int slot = warp * kR + rloc;
-      float* dst = clustered ? ClusterSmem<HD, kR>::o() + slot * ClusterSmem<HD, kR>::kStride
-                   : direct  ? p.out + (static_cast<size_t>(q0) * p.num_q_heads +
-                                       kvh * p.ratio + head) *
-                                          HD
-                             : p.part_o + row * HD;
+      float* dst =
+          clustered ? ClusterSmem<HD, kR>::o() + slot * ClusterSmem<HD, kR>::kStride
+          : direct  ? p.out + (static_cast<size_t>(q0) * p.num_q_heads + kvh * p.ratio + head) * HD
+                    : p.part_o + row * HD;
       float4* d4 = reinterpret_cast<float4*>(dst + x.g * (HD / 8));
-      const float scale_hi = SV::kInt4 && kDecodeV16 ? scale_o * 0.0625f : scale_o;
+      const float scale_hi = SV::kInt4 ? scale_o * 0.0625f : scale_o;
 #pragma unroll
       for (int i = 0; i < kOA; i += 2) {
         float4 v;
