@@ -15,8 +15,9 @@
 //
 // --verify: the speculative verification shape instead. B sequences (B in 1, 8, 32, 64) of C
 // cached tokens (C in 1024, 4096, 8192) each with the last Q = 8 positions as queries (1 + 7 drafts),
-// split-KV planned like the model does (num_sms); timed with the small-q block shape and with
-// the default one and through the decode kernel (the Q queries as rows of its warps), and
+// split-KV planned like the model does (num_sms); timed on the plan's kernel (the wgmma one
+// where it is built), on the mma.sync kernel's small-q block and through the decode kernel
+// (the Q queries as rows of its warps), and
 // beside them the decode kernel on the same batch (one query per sequence).
 // Reported: time, KV bytes read / time as % of the measured device copy bandwidth (bytes read
 // + written of a 1 GiB cudaMemcpy), and verify / decode.
@@ -173,9 +174,9 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
   KVQ_CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
   nlohmann::json results = nlohmann::json::array();
   std::printf("%-20s %3s %5s | %28s | %28s | %26s | %20s | %s\n", "dtype", "B", "ctx",
-              "verify small-q: us (% bw)", "verify default: us (% bw)",
+              "verify, plan: us (% bw)", "verify, mma small-q: us (% bw)",
               "verify decode-k.: us (% bw)", "decode: us (% bw)",
-              "verify/decode small, default, decode-k.");
+              "verify/decode plan, mma small-q, decode-k.");
   for (KvDtype dtype : dtypes) {
     const LayerKvSpec spec = bench_spec(dtype);
     DeviceKvCache cache({spec}, num_blocks);
@@ -235,12 +236,15 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
         a.cache = cache.layer_view(0);
         a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHd));
         a.workspace = ws;
+        // [1]: the plan's choice (what the model runs: the wgmma kernel where it is built);
+        // [0]: the small-q block of the mma.sync kernel.
         double verify_us[2] = {0, 0};
         int rows_per_block[2] = {0, 0}, splits[2] = {0, 0};
+        std::string kernel[2];
         for (int small = 1; small >= 0; --small) {
           cuda::PrefillOptions po;
           po.num_sms = prop.multiProcessorCount;
-          po.small_q = small != 0;
+          if (small == 0) po.kernel = cuda::PrefillOptions::Kernel::kMma;
           const cuda::PrefillPlan plan = cuda::plan_prefill(spec, q_indptr, lens, po);
           KVQ_CHECK(plan.workspace_bytes <= ws_bytes, "verify bench: workspace too small");
           const auto ms =
@@ -248,6 +252,7 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
           verify_us[small] = ms[ms.size() / 2] * 1e3;
           rows_per_block[small] = plan.rows_per_block;
           splits[small] = plan.num_splits;
+          kernel[small] = plan.kernel_name();
         }
         cuda::DecodeOptions dopt;
         dopt.num_sms = prop.multiProcessorCount;
@@ -286,11 +291,13 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
                            {"context", C},
                            {"q_per_seq", kQ},
                            {"kv_bytes", bytes},
-                           {"verify_small_q_us", verify_us[1]},
-                           {"verify_small_q_rows_per_block", rows_per_block[1]},
-                           {"verify_small_q_splits", splits[1]},
-                           {"verify_default_us", verify_us[0]},
-                           {"verify_default_splits", splits[0]},
+                           {"verify_plan_us", verify_us[1]},
+                           {"verify_plan_kernel", kernel[1]},
+                           {"verify_plan_rows_per_block", rows_per_block[1]},
+                           {"verify_plan_splits", splits[1]},
+                           {"verify_mma_small_q_us", verify_us[0]},
+                           {"verify_mma_small_q_rows_per_block", rows_per_block[0]},
+                           {"verify_mma_small_q_splits", splits[0]},
                            {"verify_decode_kernel_us", multi_us},
                            {"verify_decode_kernel_splits", mplan.max_splits},
                            {"decode_us", decode_us},

@@ -239,6 +239,9 @@ TEST(CudaPrefill, SmallQueryBlockShapeMatchesCpuReference) {
         for (bool small : {true, false}) {
           cuda::PrefillOptions o;
           o.small_q = small;
+          // The small-q block is the mma.sync kernel's; where the wgmma kernel is built it
+          // takes these batches unless the mma.sync kernel is asked for.
+          if (small) o.kernel = cuda::PrefillOptions::Kernel::kMma;
           if (split == 1) {
             o.num_sms = 132;
             o.max_kv_len = 2048;
@@ -352,6 +355,71 @@ TEST(CudaPrefillWgmma, MatchesCpuReference) {
   std::printf("  wgmma: largest |error| / allowed error %.2f over %d runs\n", worst, cases);
 }
 
+// The verification shape on the wgmma kernel, which the plan now gives it: each sequence's
+// rows (8 query tokens x a GQA group of 2, 4 or 8) within one consumer's 64, the other idle;
+// odd and even tile counts, a one-tile sequence, narrow sliding windows, soft-cap, with and
+// without split-KV, against cpu_reference.
+TEST(CudaPrefillWgmma, VerificationShapeMatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                 AttentionKind::kNonCausal};
+  int index = 0, cases = 0;
+  double worst = 0.0;
+  for (const auto& [kd, vd] : supported_pairs()) {
+    for (int hd : {64, 128}) {
+      if (!cuda::prefill_wgmma_pair(kd, vd, hd)) continue;
+      for (int rep = 0; rep < 3; ++rep, ++index) {
+        CudaAttnCase c;
+        c.k_dtype = kd;
+        c.v_dtype = vd;
+        c.set_head_dim(hd);
+        c.block_tokens = index % 2 == 0 ? 16 : 32;
+        const int ratios[] = {8, 4, 2};
+        c.ratio = ratios[(index + static_cast<int>(seed % 3)) % 3];
+        c.num_kv_heads = 8 / c.ratio;
+        c.kind = kinds[rep];
+        c.window = std::uniform_int_distribution<int>(3, 90)(rng);
+        c.soft_cap = index % 2 == 1 ? 5.0f : 0.0f;
+        c.outliers = index % 4 == 3;
+        std::uniform_int_distribution<int> len(65, 1400);
+        c.q_lens = {8, 8, 8, 8, 8, 8};
+        c.kv_lens = {len(rng),
+                     len(rng),
+                     64 * std::uniform_int_distribution<int>(2, 9)(rng) + 1,
+                     std::uniform_int_distribution<int>(8, 64)(rng),
+                     64 * 3,
+                     len(rng)};
+        const unsigned case_seed = seed + static_cast<unsigned>(index) + 1;
+        const CudaAttnProblem problem(c, case_seed);
+        const std::vector<float> want = problem.reference();
+        for (int split = 0; split < 2; ++split) {
+          cuda::PrefillOptions o;
+          o.kernel = cuda::PrefillOptions::Kernel::kWgmma;
+          if (split == 1) {
+            o.num_sms = 132;
+            o.max_kv_len = 2048;
+          }
+          const cuda::PrefillPlan plan =
+              cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
+          EXPECT_TRUE(plan.wgmma) << plan.kernel_reason;
+          int splits = 0;
+          EXPECT_TRUE(problem.check(run_device_api(problem, c.soft_cap, o, &splits), want,
+                                    prefill_tolerance(c)))
+              << c.describe() << ", wgmma, " << splits << " splits, seed " << seed << " (case seed "
+              << case_seed << ")";
+          worst = std::max(worst, problem.worst());
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_GT(cases, 0);
+  std::printf("  wgmma verification rows: largest |error| / allowed error %.2f over %d runs\n",
+              worst, cases);
+}
+
 // Which kernel a plan takes, and why (no device needed): wgmma for the pairs and head dims it
 // is built for, the mma.sync kernel for the rest, when asked, and for small-q batches.
 TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
@@ -369,9 +437,18 @@ TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
   const cuda::PrefillPlan mma_plan = cuda::plan_prefill(bf16, q_indptr, seq_lens, mma);
   EXPECT_FALSE(mma_plan.wgmma);
   EXPECT_NE(mma_plan.kernel_reason.find("asked"), std::string::npos) << mma_plan.kernel_reason;
+  // A small-q batch (8 queries x 4 heads): the wgmma kernel where it is built, the small-q
+  // block of the mma.sync kernel when that is asked for or the pair is not built.
   const cuda::PrefillPlan small = cuda::plan_prefill(bf16, small_q, small_len);
-  EXPECT_FALSE(small.wgmma);
-  EXPECT_STREQ(small.kernel_name(), "mma small-q");
+  EXPECT_TRUE(small.wgmma);
+  EXPECT_NE(small.kernel_reason.find("small-q"), std::string::npos) << small.kernel_reason;
+  EXPECT_STREQ(cuda::plan_prefill(bf16, small_q, small_len, mma).kernel_name(), "mma small-q");
+  {
+    CudaAttnCase i8 = c;
+    i8.k_dtype = i8.v_dtype = KvDtype::kInt8PerTokenHead;
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(i8), small_q, small_len).kernel_name(),
+                 "mma small-q");
+  }
   cuda::PrefillOptions force;
   force.kernel = cuda::PrefillOptions::Kernel::kWgmma;
   EXPECT_TRUE(cuda::plan_prefill(bf16, small_q, small_len, force).wgmma);
@@ -672,9 +749,11 @@ TEST(CudaPrefill, SmallForSanitizers) {
                               prefill_tolerance(c)))
         << c.describe() << ", split, seed " << seed;
     EXPECT_GT(splits, 1);
-    // The small-q block shape: 16 + 3 queries x 4 heads fit one 64-row block.
+    // The small-q block shape: 16 + 3 queries x 4 heads fit one 64-row block (the mma.sync
+    // kernel's; the fp8 pair would otherwise take the wgmma kernel).
     c.q_lens = {16, 3};
     const CudaAttnProblem small(c, seed + static_cast<unsigned>(index++));
+    o.kernel = cuda::PrefillOptions::Kernel::kMma;
     EXPECT_EQ(
         cuda::plan_prefill(small.spec(), small.q_indptr(), small.seq_lens(), o).rows_per_block,
         cuda::prefill_small_q_rows(64));
@@ -700,6 +779,7 @@ TEST(CudaPrefill, SmallQSplitsFillWholeWaves) {
   }
   cuda::PrefillOptions o;
   o.num_sms = 132;
+  o.kernel = cuda::PrefillOptions::Kernel::kMma;  // the small-q block (bf16 is wgmma-built)
   const cuda::PrefillPlan plan = cuda::plan_prefill(spec, q_indptr, seq_lens, o);
   EXPECT_EQ(plan.rows_per_block, cuda::prefill_small_q_rows(128));
   EXPECT_EQ(plan.num_splits, 6);
@@ -713,6 +793,18 @@ TEST(CudaPrefill, SmallQSplitsFillWholeWaves) {
     big_len.push_back(1024);
   }
   EXPECT_EQ(cuda::plan_prefill(spec, big_q, big_len, o).num_splits, 2);
+  // The wgmma kernel (one block an SM, 132 slots) on the same batches: batch 8 (64 blocks,
+  // 32 kv tiles) 2 splits (one wave of 16-tile blocks; 4 splits would make two waves of 8);
+  // batch 64 (512 blocks) and batch 32 (256) unsplit; batch 1 (8 blocks) 8 splits.
+  cuda::PrefillOptions w;
+  w.num_sms = 132;
+  const cuda::PrefillPlan wplan = cuda::plan_prefill(spec, q_indptr, seq_lens, w);
+  EXPECT_TRUE(wplan.wgmma);
+  EXPECT_EQ(wplan.num_splits, 2);
+  EXPECT_EQ(cuda::plan_prefill(spec, big_q, big_len, w).num_splits, 1);
+  std::vector<int32_t> q32(big_q.begin(), big_q.begin() + 33), len32(32, 4096);
+  EXPECT_EQ(cuda::plan_prefill(spec, q32, len32, w).num_splits, 1);
+  EXPECT_EQ(cuda::plan_prefill(spec, one_q, one_len, w).num_splits, 8);
 }
 
 TEST(CudaPrefill, PlanRejectsBadBatches) {

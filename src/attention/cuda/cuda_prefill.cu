@@ -264,7 +264,11 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   if (choice == PrefillOptions::Kernel::kAuto) choice = env_kernel();
   const bool wgmma_built = prefill_wgmma_pair(spec.k_dtype, spec.v_dtype, spec.head_dim_k) &&
                            spec.head_dim_v == spec.head_dim_k;
-  const int small = options.small_q && choice != PrefillOptions::Kernel::kWgmma
+  // Where the wgmma kernel is built for the layer it also takes the small-q batches (the
+  // verification shape): measured faster than the small-q mma.sync block at batch >= 8, about
+  // even at batch 1 (docs/notes/prefill-tuning.md v16); KVQ_PREFILL_KERNEL=mma keeps small-q.
+  const bool wgmma_auto = choice == PrefillOptions::Kernel::kAuto && wgmma_built;
+  const int small = options.small_q && choice != PrefillOptions::Kernel::kWgmma && !wgmma_auto
                         ? prefill_small_q_rows(spec.head_dim_k)
                         : 0;
   const int64_t rows_per_block =
@@ -282,6 +286,8 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   } else {
     plan.wgmma = true;
     plan.kernel_reason = "warpgroup MMA: the wgmma kernel is built for this layer";
+    if (wgmma_auto && options.small_q && max_rows <= prefill_small_q_rows(spec.head_dim_k))
+      plan.kernel_reason += " (also for small-q batches: faster than the small-q block)";
   }
   const int64_t max_tiles = (max_rows + rows_per_block - 1) / rows_per_block;
   KVQ_CHECK(max_tiles < (int64_t{1} << 31), "plan_prefill: too many queries in one sequence");
@@ -304,17 +310,26 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
     const int64_t per_split = int64_t{plan.total_q} * spec.num_q_heads * (spec.head_dim_v * 4 + 8);
     const int64_t cap = std::min(
         {int64_t{32}, kv_tiles / 4, static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
-    const int64_t slots = int64_t{options.num_sms} *
-                          prefill_blocks_per_sm(spec.head_dim_k, static_cast<int>(rows_per_block));
+    const int64_t slots =
+        int64_t{options.num_sms} *
+        (plan.wgmma ? 1 : prefill_blocks_per_sm(spec.head_dim_k, static_cast<int>(rows_per_block)));
     int64_t splits = (4 * int64_t{options.num_sms} + blocks - 1) / blocks;
-    if (rows_per_block == small && blocks <= slots && split_by_waves()) {
+    // The same for the wgmma kernel (one block an SM) where every sequence is one row block,
+    // over grids of up to two waves or the unsplit grid (verification at batch 32 x 4k: 256
+    // blocks, 1 split, where the older rule's 3 made 6 waves of blocks that each pay the
+    // pipeline's fill: 196.7 -> 172.3 us; docs/notes/prefill-tuning.md v16).
+    const bool wgmma_waves = plan.wgmma && max_tiles == 1;
+    if (((rows_per_block == small && blocks <= slots) || wgmma_waves) && split_by_waves()) {
       splits = 1;
       int64_t best = -1;
-      for (int64_t s = 1; s <= cap && blocks * s <= 2 * slots; ++s) {
+      for (int64_t s = 1; s <= cap && (s == 1 || blocks * s <= 2 * slots); ++s) {
         const int64_t cost = (blocks * s + slots - 1) / slots * ((kv_tiles + s - 1) / s);
         if (best < 0 || cost < best) best = cost, splits = s;
       }
     }
+    // Kernel lab: KVQ_PREFILL_SPLITS_LAB=n forces n splits (within the caps) on wgmma plans.
+    if (const int forced = lab_env("KVQ_PREFILL_SPLITS_LAB"); forced > 0 && plan.wgmma)
+      splits = forced;
     splits = std::min(splits, cap);
     if (splits > 1) {
       plan.num_splits = static_cast<int32_t>(splits);

@@ -485,50 +485,67 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<HD, kRowsPerBlock>)
     constexpr int E = HD / 32;
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem + C::kQs);
     const float kscale = p.k.tensor_scale[kvh];
-    for (int i = 0; i < kWarpRows; ++i) {
-      const int lr = warp * kWarpRows + i;
-      const int r = r0 + lr;
-      const bool valid = r < rows_total;
-      float x[E];
-      if (valid) {
-        const int t = r / p.ratio, h = r - (r / p.ratio) * p.ratio;
-        const float* src =
-            p.q + (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
-            lane * E;
+    // Eight rows' loads at a time, then their conversions: one round trip to memory per eight
+    // rows instead of per row (a row's loads used to wait for the previous row's shared-memory
+    // stores; docs/notes/prefill-tuning.md v16).
+    constexpr int kChunk = 8;
+    static_assert(kWarpRows % kChunk == 0 && E % 2 == 0);
+#pragma unroll 1
+    for (int i0 = 0; i0 < kWarpRows; i0 += kChunk) {
+      float xs[kChunk][E];
 #pragma unroll
-        for (int e = 0; e < E; ++e) x[e] = src[e];
-      } else {
+      for (int j = 0; j < kChunk; ++j) {
+        const int r = r0 + warp * kWarpRows + i0 + j;
+        if (r < rows_total) {
+          const int t = r / p.ratio, h = r - (r / p.ratio) * p.ratio;
+          const float* src =
+              p.q + (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
+              lane * E;
 #pragma unroll
-        for (int e = 0; e < E; ++e) x[e] = 0.0f;
-      }
-      if constexpr (C::kRotK) warp_hadamard_rotate<E>(x, lane, p.signs);
-      float amax = 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const float a = fabsf(x[e]);
-        if (is_finite_f32(a) && a > amax) amax = a;
-      }
-      amax = warp_max(amax);
-      // fp16: a power-of-two scale a with |q a| < 2 keeps Q's precision whatever its range.
-      const float a = (!C::kBf16K && amax > 0.0f) ? ldexpf(1.0f, -ilogbf(amax)) : 1.0f;
-      float qsum = 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; e += 2) {
-        const uint32_t pr = pack2<C::kBf16K>(x[e] * a, x[e + 1] * a);
-        if constexpr (C::kBf16K) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pr));
-          qsum += f.x + f.y;
+          for (int e = 0; e < E; e += 2) {
+            const float2 f = __ldg(reinterpret_cast<const float2*>(src + e));
+            xs[j][e] = f.x;
+            xs[j][e + 1] = f.y;
+          }
         } else {
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pr));
-          qsum += f.x + f.y;
+#pragma unroll
+          for (int e = 0; e < E; ++e) xs[j][e] = 0.0f;
         }
-        const int col = kReg8K ? q_col_reg8(lane * E + e) : lane * E + e;
-        *reinterpret_cast<uint32_t*>(qs + lr * C::kStride + col) = pr;
       }
-      qsum = warp_sum(qsum);
-      if (lane == 0) {
-        rfac[lr] = valid ? p.softmax_scale * kscale / a : 0.0f;
-        rqsum[lr] = qsum;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const int lr = warp * kWarpRows + i0 + j;
+        const bool valid = r0 + lr < rows_total;
+        float(&x)[E] = xs[j];
+        if constexpr (C::kRotK) warp_hadamard_rotate<E>(x, lane, p.signs);
+        float amax = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float a = fabsf(x[e]);
+          if (is_finite_f32(a) && a > amax) amax = a;
+        }
+        amax = warp_max(amax);
+        // fp16: a power-of-two scale a with |q a| < 2 keeps Q's precision whatever its range.
+        const float a = (!C::kBf16K && amax > 0.0f) ? ldexpf(1.0f, -ilogbf(amax)) : 1.0f;
+        float qsum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+          const uint32_t pr = pack2<C::kBf16K>(x[e] * a, x[e + 1] * a);
+          if constexpr (C::kBf16K) {
+            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pr));
+            qsum += f.x + f.y;
+          } else {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pr));
+            qsum += f.x + f.y;
+          }
+          const int col = kReg8K ? q_col_reg8(lane * E + e) : lane * E + e;
+          *reinterpret_cast<uint32_t*>(qs + lr * C::kStride + col) = pr;
+        }
+        qsum = warp_sum(qsum);
+        if (lane == 0) {
+          rfac[lr] = valid ? p.softmax_scale * kscale / a : 0.0f;
+          rqsum[lr] = qsum;
+        }
       }
     }
     __syncwarp();

@@ -370,23 +370,36 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     constexpr int E = HD / 32;
     uint8_t* qs = smem + C::kQ + cw * C::kQBytes;
     const float kscale = p.k.tensor_scale[kvh];
+    // All 16 rows' loads first, then each row's conversion: one round trip to memory instead of
+    // 16 (a row's loads used to wait for the previous row's shared-memory stores), which every
+    // block pays before its first tile (docs/notes/prefill-tuning.md v16).
+    float xs[16][E];
+#pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const int wr = 16 * warp + i;  // row within the warpgroup's tile
-      const int lr = 64 * cw + wr;
-      const int r = r0 + lr;
-      const bool valid = r < rows_total;
-      float x[E];
-      if (valid) {
+      const int r = wg_r0 + 16 * warp + i;
+      if (r < rows_total) {
         const int t = r / p.ratio, h = r - (r / p.ratio) * p.ratio;
         const float* src =
             p.q + (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
             lane * E;
+        static_assert(E % 2 == 0);
 #pragma unroll
-        for (int e = 0; e < E; ++e) x[e] = src[e];
+        for (int e = 0; e < E; e += 2) {
+          const float2 f = __ldg(reinterpret_cast<const float2*>(src + e));
+          xs[i][e] = f.x;
+          xs[i][e + 1] = f.y;
+        }
       } else {
 #pragma unroll
-        for (int e = 0; e < E; ++e) x[e] = 0.0f;
+        for (int e = 0; e < E; ++e) xs[i][e] = 0.0f;
       }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int wr = 16 * warp + i;  // row within the warpgroup's tile
+      const int lr = 64 * cw + wr;
+      const bool valid = wg_r0 + wr < rows_total;
+      const float(&x)[E] = xs[i];
       float amax = 0.0f;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
