@@ -291,6 +291,36 @@ TEST(CudaPrefill, LongSequencesAndOddGroups) {
   }
 }
 
+// Case c (fresh data from case_seed) on the wgmma kernel, unsplit and split over the kv range
+// (planned for longer sequences), against cpu_reference; `must_split`: the second run splits.
+// Counts the runs and keeps the largest error ratio.
+void check_wgmma(const CudaAttnCase& c, unsigned seed, unsigned case_seed, bool must_split,
+                 double& worst, int& cases) {
+  const CudaAttnProblem problem(c, case_seed);
+  const std::vector<float> want = problem.reference();
+  for (int split = 0; split < 2; ++split) {
+    cuda::PrefillOptions o;
+    o.kernel = cuda::PrefillOptions::Kernel::kWgmma;
+    if (split == 1) {
+      o.num_sms = 132;
+      o.max_kv_len = 2048;
+    }
+    const cuda::PrefillPlan plan =
+        cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
+    EXPECT_TRUE(plan.wgmma) << plan.kernel_reason;
+    int splits = 0;
+    EXPECT_TRUE(
+        problem.check(run_device_api(problem, c.soft_cap, o, &splits), want, prefill_tolerance(c)))
+        << c.describe() << ", wgmma, " << splits << " splits, seed " << seed << " (case seed "
+        << case_seed << ")";
+    if (split == 1 && must_split) {
+      EXPECT_GT(splits, 1) << c.describe();
+    }
+    worst = std::max(worst, problem.worst());
+    ++cases;
+  }
+}
+
 // The warpgroup-MMA kernel (PrefillOptions::Kernel::kWgmma) on every pair and head dim it is
 // built for x mask kind x GQA ratio, soft-cap on / off, with and without split-KV, on sequences
 // long enough for many kv tiles and several row blocks (a pure prefill, chunks after cached
@@ -324,30 +354,7 @@ TEST(CudaPrefillWgmma, MatchesCpuReference) {
         c.q_lens = {pure, chunk, 1, 33};
         c.kv_lens = {pure, chunk + std::uniform_int_distribution<int>(1, 900)(rng), 77,
                      33 + std::uniform_int_distribution<int>(0, 150)(rng)};
-        const unsigned case_seed = seed + static_cast<unsigned>(index) + 1;
-        const CudaAttnProblem problem(c, case_seed);
-        const std::vector<float> want = problem.reference();
-        for (int split = 0; split < 2; ++split) {
-          cuda::PrefillOptions o;
-          o.kernel = cuda::PrefillOptions::Kernel::kWgmma;
-          if (split == 1) {
-            o.num_sms = 132;
-            o.max_kv_len = 2048;
-          }
-          const cuda::PrefillPlan plan =
-              cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
-          EXPECT_TRUE(plan.wgmma) << plan.kernel_reason;
-          int splits = 0;
-          EXPECT_TRUE(problem.check(run_device_api(problem, c.soft_cap, o, &splits), want,
-                                    prefill_tolerance(c)))
-              << c.describe() << ", wgmma, " << splits << " splits, seed " << seed << " (case seed "
-              << case_seed << ")";
-          if (split == 1) {
-            EXPECT_GT(splits, 1) << c.describe();
-          }
-          worst = std::max(worst, problem.worst());
-          ++cases;
-        }
+        check_wgmma(c, seed, seed + static_cast<unsigned>(index) + 1, true, worst, cases);
       }
     }
   }
@@ -391,27 +398,7 @@ TEST(CudaPrefillWgmma, VerificationShapeMatchesCpuReference) {
                      std::uniform_int_distribution<int>(8, 64)(rng),
                      64 * 3,
                      len(rng)};
-        const unsigned case_seed = seed + static_cast<unsigned>(index) + 1;
-        const CudaAttnProblem problem(c, case_seed);
-        const std::vector<float> want = problem.reference();
-        for (int split = 0; split < 2; ++split) {
-          cuda::PrefillOptions o;
-          o.kernel = cuda::PrefillOptions::Kernel::kWgmma;
-          if (split == 1) {
-            o.num_sms = 132;
-            o.max_kv_len = 2048;
-          }
-          const cuda::PrefillPlan plan =
-              cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
-          EXPECT_TRUE(plan.wgmma) << plan.kernel_reason;
-          int splits = 0;
-          EXPECT_TRUE(problem.check(run_device_api(problem, c.soft_cap, o, &splits), want,
-                                    prefill_tolerance(c)))
-              << c.describe() << ", wgmma, " << splits << " splits, seed " << seed << " (case seed "
-              << case_seed << ")";
-          worst = std::max(worst, problem.worst());
-          ++cases;
-        }
+        check_wgmma(c, seed, seed + static_cast<unsigned>(index) + 1, false, worst, cases);
       }
     }
   }
@@ -446,8 +433,7 @@ TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
   {
     CudaAttnCase i8 = c;
     i8.k_dtype = i8.v_dtype = KvDtype::kInt8PerTokenHead;
-    EXPECT_STREQ(cuda::plan_prefill(spec_for(i8), small_q, small_len).kernel_name(),
-                 "mma small-q");
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(i8), small_q, small_len).kernel_name(), "mma small-q");
   }
   cuda::PrefillOptions force;
   force.kernel = cuda::PrefillOptions::Kernel::kWgmma;

@@ -414,6 +414,66 @@ __device__ __forceinline__ bool prefill_block(const PrefillKernelParams& p, int 
   return true;
 }
 
+// Q rows r_first .. r_first + N - 1 of a block (row r: query token r / ratio, query head
+// kvh * ratio + r % ratio), HD / 32 values a lane, zeros past rows_total. Every row's loads are
+// issued before any row is used: one round trip to memory instead of N (a row's loads used to
+// wait behind the previous row's shared-memory stores; docs/notes/prefill-tuning.md v16).
+template <int HD, int N>
+__device__ __forceinline__ void load_q_rows(float (&xs)[N][HD / 32], const PrefillKernelParams& p,
+                                            int q_start, int kvh, int r_first, int rows_total,
+                                            int lane) {
+  constexpr int E = HD / 32;
+  static_assert(E % 2 == 0);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int r = r_first + j;
+    if (r < rows_total) {
+      const int t = r / p.ratio, h = r - t * p.ratio;
+      const float* src =
+          p.q + (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
+          lane * E;
+#pragma unroll
+      for (int e = 0; e < E; e += 2) {
+        const float2 f = __ldg(reinterpret_cast<const float2*>(src + e));
+        xs[j][e] = f.x;
+        xs[j][e + 1] = f.y;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) xs[j][e] = 0.0f;
+    }
+  }
+}
+
+// One Q row (E values a lane) as 16-bit MMA operands: fp16 operands take a power-of-two scale a
+// with |q a| < 2, which keeps Q's precision whatever its range (bf16: a = 1); each packed pair
+// of values e, e + 1 goes to store(e, pair). Returns a and the warp's sum of the operands.
+template <bool kBf16, int E, typename Store>
+__device__ __forceinline__ float2 pack_q_row(const float (&x)[E], Store&& store) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float v = fabsf(x[e]);
+    if (is_finite_f32(v) && v > amax) amax = v;
+  }
+  amax = warp_max(amax);
+  const float a = (!kBf16 && amax > 0.0f) ? ldexpf(1.0f, -ilogbf(amax)) : 1.0f;
+  float qsum = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; e += 2) {
+    const uint32_t pr = pack2<kBf16>(x[e] * a, x[e + 1] * a);
+    if constexpr (kBf16) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pr));
+      qsum += f.x + f.y;
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pr));
+      qsum += f.x + f.y;
+    }
+    store(e, pr);
+  }
+  return make_float2(a, warp_sum(qsum));
+}
+
 template <int HD, int kRowsPerBlock>
 constexpr int kMinBlocks = prefill_blocks_per_sm(HD, kRowsPerBlock);
 
@@ -485,66 +545,26 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<HD, kRowsPerBlock>)
     constexpr int E = HD / 32;
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem + C::kQs);
     const float kscale = p.k.tensor_scale[kvh];
-    // Eight rows' loads at a time, then their conversions: one round trip to memory per eight
-    // rows instead of per row (a row's loads used to wait for the previous row's shared-memory
-    // stores; docs/notes/prefill-tuning.md v16).
+    // Eight rows' loads at a time (load_q_rows), then their conversions.
     constexpr int kChunk = 8;
-    static_assert(kWarpRows % kChunk == 0 && E % 2 == 0);
+    static_assert(kWarpRows % kChunk == 0);
 #pragma unroll 1
     for (int i0 = 0; i0 < kWarpRows; i0 += kChunk) {
       float xs[kChunk][E];
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        const int r = r0 + warp * kWarpRows + i0 + j;
-        if (r < rows_total) {
-          const int t = r / p.ratio, h = r - (r / p.ratio) * p.ratio;
-          const float* src =
-              p.q + (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
-              lane * E;
-#pragma unroll
-          for (int e = 0; e < E; e += 2) {
-            const float2 f = __ldg(reinterpret_cast<const float2*>(src + e));
-            xs[j][e] = f.x;
-            xs[j][e + 1] = f.y;
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < E; ++e) xs[j][e] = 0.0f;
-        }
-      }
+      load_q_rows<HD, kChunk>(xs, p, q_start, kvh, r0 + warp * kWarpRows + i0, rows_total, lane);
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
         const int lr = warp * kWarpRows + i0 + j;
         const bool valid = r0 + lr < rows_total;
         float(&x)[E] = xs[j];
         if constexpr (C::kRotK) warp_hadamard_rotate<E>(x, lane, p.signs);
-        float amax = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          const float a = fabsf(x[e]);
-          if (is_finite_f32(a) && a > amax) amax = a;
-        }
-        amax = warp_max(amax);
-        // fp16: a power-of-two scale a with |q a| < 2 keeps Q's precision whatever its range.
-        const float a = (!C::kBf16K && amax > 0.0f) ? ldexpf(1.0f, -ilogbf(amax)) : 1.0f;
-        float qsum = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; e += 2) {
-          const uint32_t pr = pack2<C::kBf16K>(x[e] * a, x[e + 1] * a);
-          if constexpr (C::kBf16K) {
-            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pr));
-            qsum += f.x + f.y;
-          } else {
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pr));
-            qsum += f.x + f.y;
-          }
+        const float2 aq = pack_q_row<C::kBf16K>(x, [&](int e, uint32_t pr) {
           const int col = kReg8K ? q_col_reg8(lane * E + e) : lane * E + e;
           *reinterpret_cast<uint32_t*>(qs + lr * C::kStride + col) = pr;
-        }
-        qsum = warp_sum(qsum);
+        });
         if (lane == 0) {
-          rfac[lr] = valid ? p.softmax_scale * kscale / a : 0.0f;
-          rqsum[lr] = qsum;
+          rfac[lr] = valid ? p.softmax_scale * kscale / aq.x : 0.0f;
+          rqsum[lr] = aq.y;
         }
       }
     }

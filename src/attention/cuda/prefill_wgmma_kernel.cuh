@@ -370,64 +370,22 @@ __global__ void __launch_bounds__(kThreadsW, 1)
     constexpr int E = HD / 32;
     uint8_t* qs = smem + C::kQ + cw * C::kQBytes;
     const float kscale = p.k.tensor_scale[kvh];
-    // All 16 rows' loads first, then each row's conversion: one round trip to memory instead of
-    // 16 (a row's loads used to wait for the previous row's shared-memory stores), which every
-    // block pays before its first tile (docs/notes/prefill-tuning.md v16).
     float xs[16][E];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int r = wg_r0 + 16 * warp + i;
-      if (r < rows_total) {
-        const int t = r / p.ratio, h = r - (r / p.ratio) * p.ratio;
-        const float* src =
-            p.q + (static_cast<size_t>(q_start + t) * p.num_q_heads + kvh * p.ratio + h) * HD +
-            lane * E;
-        static_assert(E % 2 == 0);
-#pragma unroll
-        for (int e = 0; e < E; e += 2) {
-          const float2 f = __ldg(reinterpret_cast<const float2*>(src + e));
-          xs[i][e] = f.x;
-          xs[i][e + 1] = f.y;
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) xs[i][e] = 0.0f;
-      }
-    }
+    load_q_rows<HD, 16>(xs, p, q_start, kvh, wg_r0 + 16 * warp, rows_total, lane);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int wr = 16 * warp + i;  // row within the warpgroup's tile
       const int lr = 64 * cw + wr;
       const bool valid = wg_r0 + wr < rows_total;
-      const float(&x)[E] = xs[i];
-      float amax = 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const float a = fabsf(x[e]);
-        if (is_finite_f32(a) && a > amax) amax = a;
-      }
-      amax = warp_max(amax);
-      const float a = (!C::kBf16K && amax > 0.0f) ? ldexpf(1.0f, -ilogbf(amax)) : 1.0f;
-      float qsum = 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; e += 2) {
-        const uint32_t pr = pack2<C::kBf16K>(x[e] * a, x[e + 1] * a);
-        if constexpr (C::kBf16K) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pr));
-          qsum += f.x + f.y;
-        } else {
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pr));
-          qsum += f.x + f.y;
-        }
+      const float2 aq = pack_q_row<C::kBf16K>(xs[i], [&](int e, uint32_t pr) {
         const int d = lane * E + e;
         *reinterpret_cast<uint32_t*>(qs + (d >> 6) * 8192 + sm90::swizzle128(wr, (d & 63) >> 3) +
                                      2 * (d & 7)) = pr;
-      }
-      qsum = warp_sum(qsum);
+      });
       if (lane == 0) {
         // A row past the last one has Q = 0: factor 1 keeps its (unused) logits finite.
-        rfac[lr] = valid ? p.softmax_scale * kscale / a : 1.0f;
-        rqsum[lr] = qsum;
+        rfac[lr] = valid ? p.softmax_scale * kscale / aq.x : 1.0f;
+        rqsum[lr] = aq.y;
       }
     }
   }
