@@ -215,13 +215,7 @@ __global__ void __launch_bounds__(32) decode_prep_kernel(const __grid_constant__
 #pragma unroll
   for (int e = 0; e < E; ++e) x[e] = valid ? src[e] : 0.0f;
   if (p.rotate) warp_hadamard_rotate<E>(x, lane, p.signs);
-  float amax = 0.0f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const float a = fabsf(x[e]);
-    if (is_finite_f32(a) && a > amax) amax = a;
-  }
-  amax = warp_max(amax);
+  const float amax = warp_finite_amax(x);
   float a = 1.0f;
   if (!p.bf16 && amax > 0.0f) a = ldexpf(1.0f, -ilogbf(amax));
   float qs = 0.0f;

@@ -312,7 +312,7 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
         {int64_t{32}, kv_tiles / 4, static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
     const int64_t slots =
         int64_t{options.num_sms} *
-        (plan.wgmma ? 1 : prefill_blocks_per_sm(spec.head_dim_k, static_cast<int>(rows_per_block)));
+        prefill_blocks_per_sm(spec.head_dim_k, static_cast<int>(rows_per_block), plan.wgmma);
     int64_t splits = (4 * int64_t{options.num_sms} + blocks - 1) / blocks;
     // The same for the wgmma kernel (one block an SM) where every sequence is one row block,
     // over grids of up to two waves or the unsplit grid (verification at batch 32 x 4k: 256
@@ -328,8 +328,8 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
       }
     }
     // Kernel lab: KVQ_PREFILL_SPLITS_LAB=n forces n splits (within the caps) on wgmma plans.
-    if (const int forced = lab_env("KVQ_PREFILL_SPLITS_LAB"); forced > 0 && plan.wgmma)
-      splits = forced;
+    static const int forced = lab_env("KVQ_PREFILL_SPLITS_LAB");
+    if (forced > 0 && plan.wgmma) splits = forced;
     splits = std::min(splits, cap);
     if (splits > 1) {
       plan.num_splits = static_cast<int32_t>(splits);

@@ -55,9 +55,11 @@ constexpr int prefill_rows_per_block(int head_dim) {
 constexpr int prefill_small_q_rows(int head_dim) {
   return head_dim <= 128 ? 64 : 0;
 }
-// Blocks per SM the kernel is built for (its launch bounds; shared memory fits them too): 3 for
-// the small-q block, 2 for the full one, 1 at head_dim 256. The split planner counts waves with it.
-constexpr int prefill_blocks_per_sm(int head_dim, int rows_per_block) {
+// Blocks per SM the kernel is built for (its launch bounds; shared memory fits them too): the
+// mma.sync kernel 3 for the small-q block, 2 for the full one, 1 at head_dim 256; the wgmma
+// kernel 1. The split planner counts waves with it.
+constexpr int prefill_blocks_per_sm(int head_dim, int rows_per_block, bool wgmma = false) {
+  if (wgmma) return 1;
   return head_dim == 256 ? 1 : (rows_per_block < prefill_rows_per_block(head_dim) ? 3 : 2);
 }
 inline constexpr int kPrefillMaxKvHeads = 128;

@@ -450,13 +450,7 @@ __device__ __forceinline__ void load_q_rows(float (&xs)[N][HD / 32], const Prefi
 // of values e, e + 1 goes to store(e, pair). Returns a and the warp's sum of the operands.
 template <bool kBf16, int E, typename Store>
 __device__ __forceinline__ float2 pack_q_row(const float (&x)[E], Store&& store) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const float v = fabsf(x[e]);
-    if (is_finite_f32(v) && v > amax) amax = v;
-  }
-  amax = warp_max(amax);
+  const float amax = warp_finite_amax(x);
   const float a = (!kBf16 && amax > 0.0f) ? ldexpf(1.0f, -ilogbf(amax)) : 1.0f;
   float qsum = 0.0f;
 #pragma unroll

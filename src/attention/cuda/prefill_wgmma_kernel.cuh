@@ -129,7 +129,7 @@ __device__ __forceinline__ void staged_chunk(int ch, int& t, int& rc) {
 }
 
 template <KvDtype DK, KvDtype DV, int HD, int BC>
-__global__ void __launch_bounds__(kThreadsW, 1)
+__global__ void __launch_bounds__(kThreadsW, prefill_blocks_per_sm(HD, kRowsW, true))
     prefill_wgmma_kernel(const __grid_constant__ PrefillKernelParams p) {
   using C = WCfg<DK, DV, HD, BC>;
   constexpr int kS = C::kStages;

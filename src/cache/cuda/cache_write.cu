@@ -149,13 +149,7 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
     pack_codes<E, 8>(c, w);
     store_bytes<E>(vals + lane * E, w);
   } else if constexpr (D == KvDtype::kInt8PerTokenHead || D == KvDtype::kFp8PerTokenHead) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const float a = fabsf(x[e]);
-      if (is_finite_f32(a) && a > amax) amax = a;
-    }
-    amax = warp_max(amax);
+    const float amax = warp_finite_amax(x);
     constexpr bool kInt8 = D == KvDtype::kInt8PerTokenHead;
     float s = __fdiv_rn(amax, kInt8 ? 127.0f : 448.0f);
     const float cap = kInt8 ? kInt8MaxScale : kFp8MaxScale;

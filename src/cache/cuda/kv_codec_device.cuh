@@ -135,6 +135,19 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The largest finite |x[e]| over a lane's E values and the whole warp (0 where there is none):
+// the scale search of the per-token-head codecs and of Q's fp16 operands.
+template <int E>
+__device__ __forceinline__ float warp_finite_amax(const float (&x)[E]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float a = fabsf(x[e]);
+    if (is_finite_f32(a) && a > amax) amax = a;
+  }
+  return warp_max(amax);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
