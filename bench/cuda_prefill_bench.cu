@@ -14,12 +14,12 @@
 // the causal work only: 4 * head_dim * (sum over queries of visible keys) * query heads.
 //
 // --verify: the speculative verification shape instead. B sequences (B in 1, 8, 32, 64) of C
-// cached tokens (C in 1024, 4096, 8192) each with the last Q = 8 positions as queries (1 + 7 drafts),
-// split-KV planned like the model does (num_sms); timed on the plan's kernel (the wgmma one
-// where it is built), on the mma.sync kernel's small-q block and through the decode kernel
-// (the Q queries as rows of its warps), and
-// beside them the decode kernel on the same batch (one query per sequence).
-// Reported: time, KV bytes read / time as % of the measured device copy bandwidth (bytes read
+// cached tokens (C in 1024, 4096, 8192) each with the last Q = 8 positions as queries (1 + 7
+// drafts), split-KV planned like the model does (num_sms); timed on the plan's kernel (the wgmma
+// one where it is built), on the mma.sync kernel's small-q block and through the decode kernel (the
+// Q queries as rows of its warps), and beside them the decode kernel on the same batch (one query
+// per sequence). Reported: time, KV bytes read / time as % of the measured device copy bandwidth
+// (bytes read
 // + written of a 1 GiB cudaMemcpy), and verify / decode.
 //
 // Usage: cuda_prefill_bench [--json FILE] [--dtypes a,b,...] [--quick] [--verify]
@@ -173,8 +173,8 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
       std::max(cuda::kPrefillSplitWorkspaceBytes, size_t{256} << 20);  // decode's too
   KVQ_CUDA_CHECK(cudaMalloc(&ws, ws_bytes));
   nlohmann::json results = nlohmann::json::array();
-  std::printf("%-20s %3s %5s | %28s | %28s | %26s | %20s | %s\n", "dtype", "B", "ctx",
-              "verify, plan: us (% bw)", "verify, mma small-q: us (% bw)",
+  std::printf("%-20s %3s %5s | %34s | %28s | %13s | %26s | %20s | %s\n", "dtype", "B", "ctx",
+              "verify, plan: kernel us (% bw)", "verify, mma small-q: us (% bw)", "wgmma: us",
               "verify decode-k.: us (% bw)", "decode: us (% bw)",
               "verify/decode plan, mma small-q, decode-k.");
   for (KvDtype dtype : dtypes) {
@@ -236,16 +236,19 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
         a.cache = cache.layer_view(0);
         a.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHd));
         a.workspace = ws;
-        // [1]: the plan's choice (what the model runs: the wgmma kernel where it is built);
-        // [0]: the small-q block of the mma.sync kernel.
-        double verify_us[2] = {0, 0};
-        int rows_per_block[2] = {0, 0}, splits[2] = {0, 0};
-        std::string kernel[2];
-        for (int small = 1; small >= 0; --small) {
+        // [1]: the plan's choice (what the model runs: the verification kernel where it is
+        // built); [0]: the small-q block of the mma.sync kernel; [2]: the wgmma kernel (where
+        // it is built; 0 elsewhere).
+        double verify_us[3] = {0, 0, 0};
+        int rows_per_block[3] = {0, 0, 0}, splits[3] = {0, 0, 0};
+        std::string kernel[3];
+        for (int small : {1, 0, 2}) {
           cuda::PrefillOptions po;
           po.num_sms = prop.multiProcessorCount;
           if (small == 0) po.kernel = cuda::PrefillOptions::Kernel::kMma;
+          if (small == 2) po.kernel = cuda::PrefillOptions::Kernel::kWgmma;
           const cuda::PrefillPlan plan = cuda::plan_prefill(spec, q_indptr, lens, po);
+          if (small == 2 && !plan.wgmma) continue;
           KVQ_CHECK(plan.workspace_bytes <= ws_bytes, "verify bench: workspace too small");
           const auto ms =
               time_ms([&] { cuda::run_prefill(spec, plan, a, nullptr); }, iters, e0, e1);
@@ -279,12 +282,12 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
         const double bytes = kv_bytes(spec, static_cast<int64_t>(B) * C);
         auto pct = [&](double us) { return 100.0 * bytes / (us * 1e-6) / bw; };
         std::printf(
-            "%-20s %3d %5d | %12.1f (%5.1f%%) s%-3d | %12.1f (%5.1f%%) s%-3d | %10.1f (%5.1f%%) "
-            "s%-3d | %10.1f (%5.1f%%) | %.2fx, %.2fx, %.2fx\n",
-            std::string(to_string(dtype)).c_str(), B, C, verify_us[1], pct(verify_us[1]), splits[1],
-            verify_us[0], pct(verify_us[0]), splits[0], multi_us, pct(multi_us), mplan.max_splits,
-            decode_us, pct(decode_us), verify_us[1] / decode_us, verify_us[0] / decode_us,
-            multi_us / decode_us);
+            "%-20s %3d %5d | %7s %8.1f (%5.1f%%) s%-3d | %12.1f (%5.1f%%) s%-3d | %8.1f s%-3d | "
+            "%10.1f (%5.1f%%) s%-3d | %10.1f (%5.1f%%) | %.2fx, %.2fx, %.2fx\n",
+            std::string(to_string(dtype)).c_str(), B, C, kernel[1].c_str(), verify_us[1],
+            pct(verify_us[1]), splits[1], verify_us[0], pct(verify_us[0]), splits[0], verify_us[2],
+            splits[2], multi_us, pct(multi_us), mplan.max_splits, decode_us, pct(decode_us),
+            verify_us[1] / decode_us, verify_us[0] / decode_us, multi_us / decode_us);
         std::fflush(stdout);
         results.push_back({{"dtype", std::string(to_string(dtype))},
                            {"batch", B},
@@ -298,6 +301,8 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
                            {"verify_mma_small_q_us", verify_us[0]},
                            {"verify_mma_small_q_rows_per_block", rows_per_block[0]},
                            {"verify_mma_small_q_splits", splits[0]},
+                           {"verify_wgmma_us", verify_us[2]},
+                           {"verify_wgmma_splits", splits[2]},
                            {"verify_decode_kernel_us", multi_us},
                            {"verify_decode_kernel_splits", mplan.max_splits},
                            {"decode_us", decode_us},

@@ -407,6 +407,119 @@ TEST(CudaPrefillWgmma, VerificationShapeMatchesCpuReference) {
               worst, cases);
 }
 
+// Case c (fresh data from case_seed) on the verification kernel, unsplit and split over the kv
+// range (planned for longer sequences), against cpu_reference.
+void check_verify(const CudaAttnCase& c, unsigned seed, unsigned case_seed, double& worst,
+                  int& cases) {
+  const CudaAttnProblem problem(c, case_seed);
+  const std::vector<float> want = problem.reference();
+  for (int split = 0; split < 2; ++split) {
+    cuda::PrefillOptions o;
+    o.kernel = cuda::PrefillOptions::Kernel::kVerify;
+    if (split == 1) {
+      o.num_sms = 132;
+      o.max_kv_len = 4096;
+    }
+    const cuda::PrefillPlan plan =
+        cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
+    EXPECT_STREQ(plan.kernel_name(), "verify") << plan.kernel_reason;
+    int splits = 0;
+    EXPECT_TRUE(
+        problem.check(run_device_api(problem, c.soft_cap, o, &splits), want, prefill_tolerance(c)))
+        << c.describe() << ", verify, " << splits << " splits, seed " << seed << " (case seed "
+        << case_seed << ")";
+    if (split == 1) {
+      EXPECT_GT(splits, 1) << c.describe();
+    }
+    worst = std::max(worst, problem.worst());
+    ++cases;
+  }
+}
+
+// The verification kernel (tokens as MMA rows, a sequence's <= 32 query rows as its columns) on
+// every pair and head dim it is built for: 1-32 query tokens x GQA 8 / 4 / 2 / 1 (ragged within
+// a batch, some blocks with unused columns), sequences of one slice to 1500 tokens (edge slices
+// at both ends of sliding windows), every mask, narrow windows, soft-cap, outliers, with and
+// without split-KV, against cpu_reference.
+TEST(CudaPrefillVerify, MatchesCpuReference) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  std::mt19937 rng(seed);
+  const AttentionKind kinds[] = {AttentionKind::kCausal, AttentionKind::kSlidingWindow,
+                                 AttentionKind::kNonCausal};
+  int index = 0, cases = 0;
+  double worst = 0.0;
+  for (const auto& [kd, vd] : supported_pairs()) {
+    for (int hd : {64, 128}) {
+      if (!cuda::prefill_verify_pair(kd, vd, hd)) continue;
+      for (int rep = 0; rep < 3; ++rep, ++index) {
+        CudaAttnCase c;
+        c.k_dtype = kd;
+        c.v_dtype = vd;
+        c.set_head_dim(hd);
+        c.block_tokens = index % 2 == 0 ? 16 : 32;
+        const int ratios[] = {8, 4, 2, 1};
+        c.ratio = ratios[(index + static_cast<int>(seed % 4)) % 4];
+        c.num_kv_heads = c.ratio == 1 ? 3 : 8 / c.ratio;
+        c.kind = kinds[rep];
+        c.window = std::uniform_int_distribution<int>(3, 90)(rng);
+        c.soft_cap = index % 2 == 1 ? 5.0f : 0.0f;
+        c.outliers = index % 4 == 3;
+        const int max_q = 32 / c.ratio;
+        std::uniform_int_distribution<int> ql(1, max_q), len(65, 1500);
+        c.q_lens = {max_q, ql(rng), 1, max_q, ql(rng), max_q};
+        c.kv_lens = {len(rng),
+                     len(rng),
+                     64 * std::uniform_int_distribution<int>(2, 9)(rng) + 1,
+                     std::uniform_int_distribution<int>(max_q, 64)(rng),
+                     64 * 3,
+                     len(rng)};
+        for (size_t i = 0; i < c.q_lens.size(); ++i)
+          c.kv_lens[i] = std::max(c.kv_lens[i], c.q_lens[i]);
+        check_verify(c, seed, seed + static_cast<unsigned>(index) + 1, worst, cases);
+      }
+    }
+  }
+  EXPECT_GT(cases, 0);
+  std::printf("  verify kernel: largest |error| / allowed error %.2f over %d runs\n", worst, cases);
+}
+
+// Small shapes of the verification kernel for compute-sanitizer memcheck / racecheck: each
+// warp's ring reused, edge slices, the merge, split-KV with empty splits.
+TEST(CudaPrefillVerify, SmallForSanitizers) {
+  KVQ_REQUIRE_GPU();
+  const unsigned seed = test::fresh_seed();
+  const std::pair<KvDtype, KvDtype> pairs[] = {
+      {KvDtype::kBFloat16, KvDtype::kBFloat16},
+      {KvDtype::kFp8E4M3, KvDtype::kFp8E4M3},
+      {KvDtype::kInt8PerTokenHead, KvDtype::kBFloat16},
+      {KvDtype::kFp8PerTokenHead, KvDtype::kFp8PerTokenHead}};
+  int index = 0;
+  for (const auto& [kd, vd] : pairs) {
+    CudaAttnCase c;
+    c.k_dtype = kd;
+    c.v_dtype = vd;
+    c.set_head_dim(index % 2 == 0 ? 64 : 128);
+    c.ratio = 4;
+    c.kind = index == 1 ? AttentionKind::kSlidingWindow : AttentionKind::kCausal;
+    c.window = 40;
+    c.q_lens = {8, 3};
+    c.kv_lens = {390, 20};  // 7 tiles: every warp's ring reused
+    const CudaAttnProblem problem(c, seed + static_cast<unsigned>(index++));
+    for (int split = 0; split < 2; ++split) {
+      cuda::PrefillOptions o;
+      o.kernel = cuda::PrefillOptions::Kernel::kVerify;
+      if (split == 1) {
+        o.num_sms = 132;
+        o.max_kv_len = 2048;
+      }
+      EXPECT_TRUE(problem.check(run_device_api(problem, 0.0f, o), problem.reference(),
+                                prefill_tolerance(c)))
+          << c.describe() << (split ? ", split" : "") << ", seed " << seed;
+    }
+  }
+}
+
 // Which kernel a plan takes, and why (no device needed): wgmma for the pairs and head dims it
 // is built for, the mma.sync kernel for the rest, when asked, and for small-q batches.
 TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
@@ -424,16 +537,39 @@ TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
   const cuda::PrefillPlan mma_plan = cuda::plan_prefill(bf16, q_indptr, seq_lens, mma);
   EXPECT_FALSE(mma_plan.wgmma);
   EXPECT_NE(mma_plan.kernel_reason.find("asked"), std::string::npos) << mma_plan.kernel_reason;
-  // A small-q batch (8 queries x 4 heads): the wgmma kernel where it is built, the small-q
-  // block of the mma.sync kernel when that is asked for or the pair is not built.
+  // A small-q batch (8 queries x 4 heads = 32 rows): the verification kernel where it is built
+  // and a side is 8-bit, the wgmma kernel for 16-bit caches, when asked, or past 32 rows (where
+  // it is built), the small-q block of the mma.sync kernel when that is asked for or for the
+  // 4-bit caches.
   const cuda::PrefillPlan small = cuda::plan_prefill(bf16, small_q, small_len);
   EXPECT_TRUE(small.wgmma);
   EXPECT_NE(small.kernel_reason.find("small-q"), std::string::npos) << small.kernel_reason;
   EXPECT_STREQ(cuda::plan_prefill(bf16, small_q, small_len, mma).kernel_name(), "mma small-q");
   {
+    CudaAttnCase f8 = c;
+    f8.k_dtype = f8.v_dtype = KvDtype::kFp8E4M3;
+    const cuda::PrefillPlan vp = cuda::plan_prefill(spec_for(f8), small_q, small_len);
+    EXPECT_STREQ(vp.kernel_name(), "verify") << vp.kernel_reason;
+    EXPECT_EQ(vp.rows_per_block, cuda::prefill_verify_rows());
+    EXPECT_NE(vp.kernel_reason.find("verification kernel"), std::string::npos) << vp.kernel_reason;
+    const std::vector<int32_t> q9 = {0, 9};  // 36 rows
+    const cuda::PrefillPlan p9 = cuda::plan_prefill(spec_for(f8), q9, small_len);
+    EXPECT_TRUE(p9.wgmma);
+    EXPECT_NE(p9.kernel_reason.find("small-q"), std::string::npos) << p9.kernel_reason;
     CudaAttnCase i8 = c;
     i8.k_dtype = i8.v_dtype = KvDtype::kInt8PerTokenHead;
-    EXPECT_STREQ(cuda::plan_prefill(spec_for(i8), small_q, small_len).kernel_name(), "mma small-q");
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(i8), small_q, small_len).kernel_name(), "verify");
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(i8), q9, small_len).kernel_name(), "mma small-q");
+    CudaAttnCase i4 = c;
+    i4.k_dtype = i4.v_dtype = KvDtype::kInt4PerTokenHead;
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(i4), small_q, small_len).kernel_name(), "mma small-q");
+    cuda::PrefillOptions verify;
+    verify.kernel = cuda::PrefillOptions::Kernel::kVerify;
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(i4), small_q, small_len, verify).kernel_name(),
+                 "mma small-q");
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(i8), small_q, small_len, verify).kernel_name(),
+                 "verify");
+    EXPECT_STREQ(cuda::plan_prefill(bf16, small_q, small_len, verify).kernel_name(), "verify");
   }
   cuda::PrefillOptions force;
   force.kernel = cuda::PrefillOptions::Kernel::kWgmma;
@@ -784,6 +920,7 @@ TEST(CudaPrefill, SmallQSplitsFillWholeWaves) {
   // batch 64 (512 blocks) and batch 32 (256) unsplit; batch 1 (8 blocks) 8 splits.
   cuda::PrefillOptions w;
   w.num_sms = 132;
+  w.kernel = cuda::PrefillOptions::Kernel::kWgmma;
   const cuda::PrefillPlan wplan = cuda::plan_prefill(spec, q_indptr, seq_lens, w);
   EXPECT_TRUE(wplan.wgmma);
   EXPECT_EQ(wplan.num_splits, 2);
@@ -791,6 +928,20 @@ TEST(CudaPrefill, SmallQSplitsFillWholeWaves) {
   std::vector<int32_t> q32(big_q.begin(), big_q.begin() + 33), len32(32, 4096);
   EXPECT_EQ(cuda::plan_prefill(spec, q32, len32, w).num_splits, 1);
   EXPECT_EQ(cuda::plan_prefill(spec, one_q, one_len, w).num_splits, 8);
+  // The verification kernel (two blocks an SM, 264 slots, 64-token tiles): batch 8 x 1k (64
+  // blocks, 16 tiles) 4 splits, the most its tiles allow (one wave of 4-tile blocks); batch 32
+  // x 4k (256 blocks) unsplit; batch 1 x 1k 4.
+  cuda::PrefillOptions v;
+  v.num_sms = 132;
+  v.kernel = cuda::PrefillOptions::Kernel::kVerify;
+  const cuda::PrefillPlan vplan = cuda::plan_prefill(spec, q_indptr, seq_lens, v);
+  EXPECT_STREQ(vplan.kernel_name(), "verify");
+  EXPECT_EQ(vplan.num_splits, 4);
+  EXPECT_EQ(cuda::plan_prefill(spec, q32, len32, v).num_splits, 1);
+  EXPECT_EQ(cuda::plan_prefill(spec, one_q, one_len, v).num_splits, 4);
+  // Batch 64 (512 blocks, two waves unsplit): unsplit, where the older rule made 2 splits (four
+  // waves; H100 fp8 64 x 4k 302.9 us against ...).
+  EXPECT_EQ(cuda::plan_prefill(spec, big_q, big_len, v).num_splits, 1);
 }
 
 TEST(CudaPrefill, PlanRejectsBadBatches) {

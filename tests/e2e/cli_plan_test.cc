@@ -143,7 +143,7 @@ TEST(CliBadInput, CpuKernelEnvironmentSwitches) {
   std::vector<Case> cases = {Case{"KVQ_CPU_ISA", "avx3", "avx2", "portable"},
                              Case{"KVQ_CPU_INT_DOT", "yes", "maddubs", "maddubs"}};
 #ifdef KVQ_WITH_CUDA
-  cases.push_back(Case{"KVQ_PREFILL_KERNEL", "fast", "mma", "auto, mma, wgmma"});
+  cases.push_back(Case{"KVQ_PREFILL_KERNEL", "fast", "mma", "auto, mma, wgmma, verify"});
   cases.push_back(Case{"KVQ_PREFILL_STAGING", "on", "off", "auto, off, force"});
   cases.push_back(Case{"KVQ_GEMV", "on", "0", "auto, 0, force"});
   cases.push_back(Case{"KVQ_GEMV_SILU", "yes", "0", "1, 0"});

@@ -41,22 +41,25 @@ std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec) {
 namespace {
 // The value of a three-way switch `name` (unset: the first choice), parsed once per process
 // by the caller's static; an InputError names the accepted values.
-template <class E>
-E env_choice(const char* name, const std::pair<const char*, E> (&choices)[3]) {
+template <class E, size_t N>
+E env_choice(const char* name, const std::pair<const char*, E> (&choices)[N]) {
   const char* e = std::getenv(name);
   const std::string v = e == nullptr ? choices[0].first : e;
-  for (const auto& [text, value] : choices)
+  std::string accepted;
+  for (const auto& [text, value] : choices) {
     if (v == text) return value;
-  throw InputError(std::string(name) + "=" + v + " is not one of: " + choices[0].first + ", " +
-                   choices[1].first + ", " + choices[2].first);
+    accepted += (accepted.empty() ? "" : ", ") + std::string(text);
+  }
+  throw InputError(std::string(name) + "=" + v + " is not one of: " + accepted);
 }
 
-// KVQ_PREFILL_KERNEL=auto (default) | mma | wgmma: the PrefillOptions::Kernel of plans made with
-// kAuto (an A/B switch for whole-model runs).
+// KVQ_PREFILL_KERNEL=auto (default) | mma | wgmma | verify: the PrefillOptions::Kernel of plans
+// made with kAuto (an A/B switch for whole-model runs).
 PrefillOptions::Kernel env_kernel() {
   using K = PrefillOptions::Kernel;
-  static const K k = env_choice<K>("KVQ_PREFILL_KERNEL",
-                                   {{"auto", K::kAuto}, {"mma", K::kMma}, {"wgmma", K::kWgmma}});
+  static const K k = env_choice<K>(
+      "KVQ_PREFILL_KERNEL",
+      {{"auto", K::kAuto}, {"mma", K::kMma}, {"wgmma", K::kWgmma}, {"verify", K::kVerify}});
   return k;
 }
 
@@ -267,14 +270,31 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   // Where the wgmma kernel is built for the layer it also takes the small-q batches (the
   // verification shape): measured faster than the small-q mma.sync block at batch >= 8, about
   // even at batch 1 (docs/notes/prefill-tuning.md v16); KVQ_PREFILL_KERNEL=mma keeps small-q.
+  // Every sequence's rows within the verification kernel's 32, where it is built: that kernel
+  // (each K / V value converted once for all the rows), except for 16-bit caches, which the
+  // wgmma kernel reads without conversions and measured faster (H100, batch 1-64 x 1k-8k:
+  // 3-25%; docs/notes/prefill-tuning.md v17). kVerify takes it wherever it is built.
+  const bool verify_built = prefill_verify_pair(spec.k_dtype, spec.v_dtype, spec.head_dim_k) &&
+                            spec.head_dim_v == spec.head_dim_k;
+  const bool sixteen = traits(spec.k_dtype).bits == 16 && traits(spec.v_dtype).bits == 16;
+  const bool verify = options.small_q && max_rows <= prefill_verify_rows() && verify_built &&
+                      (choice == PrefillOptions::Kernel::kVerify ||
+                       (choice == PrefillOptions::Kernel::kAuto && !(sixteen && wgmma_built)));
   const bool wgmma_auto = choice == PrefillOptions::Kernel::kAuto && wgmma_built;
   const int small = options.small_q && choice != PrefillOptions::Kernel::kWgmma && !wgmma_auto
                         ? prefill_small_q_rows(spec.head_dim_k)
                         : 0;
-  const int64_t rows_per_block =
-      small > 0 && max_rows <= small ? small : prefill_rows_per_block(spec.head_dim_k);
+  const int64_t rows_per_block = verify ? prefill_verify_rows()
+                                 : small > 0 && max_rows <= small
+                                     ? small
+                                     : prefill_rows_per_block(spec.head_dim_k);
   plan.rows_per_block = static_cast<int32_t>(rows_per_block);
-  if (rows_per_block == small) {
+  if (verify) {
+    plan.kernel_reason =
+        "every sequence's rows fit the verification kernel's " +
+        std::to_string(prefill_verify_rows()) +
+        " (tokens as MMA rows, each K / V value converted once for all query rows)";
+  } else if (rows_per_block == small) {
     plan.kernel_reason = "every sequence's rows fit one small-q block";
   } else if (choice == PrefillOptions::Kernel::kMma) {
     plan.kernel_reason = "the mma.sync kernel was asked for";
@@ -292,7 +312,7 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
   const int64_t max_tiles = (max_rows + rows_per_block - 1) / rows_per_block;
   KVQ_CHECK(max_tiles < (int64_t{1} << 31), "plan_prefill: too many queries in one sequence");
   plan_staging(plan, spec, q_indptr, seq_lens, options,
-               rows_per_block != small && choice != PrefillOptions::Kernel::kMma);
+               !verify && rows_per_block != small && choice != PrefillOptions::Kernel::kMma);
   plan.max_q_tiles = static_cast<int32_t>(max_tiles);
   plan.total_q = q_indptr.empty() ? 0 : q_indptr.back();
   plan.workspace_bytes = 0;
@@ -305,7 +325,7 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
     // waves takes as long as 2 (Llama-3-8B verification, batch 8 x 8 queries x 8 kv heads: 9
     // splits made 576 blocks for 396 slots; 6 make one wave; docs/notes/prefill-tuning.md).
     const int64_t blocks = max_tiles * spec.num_kv_heads * plan.num_seqs;
-    const int64_t kv_tile = spec.head_dim_k <= 64 ? 64 : 32;
+    const int64_t kv_tile = verify || spec.head_dim_k <= 64 ? 64 : 32;
     const int64_t kv_tiles = (max_kv + kv_tile - 1) / kv_tile;
     const int64_t per_split = int64_t{plan.total_q} * spec.num_q_heads * (spec.head_dim_v * 4 + 8);
     const int64_t cap = std::min(
@@ -319,7 +339,8 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
     // blocks, 1 split, where the older rule's 3 made 6 waves of blocks that each pay the
     // pipeline's fill: 196.7 -> 172.3 us; docs/notes/prefill-tuning.md v16).
     const bool wgmma_waves = plan.wgmma && max_tiles == 1;
-    if (((rows_per_block == small && blocks <= slots) || wgmma_waves) && split_by_waves()) {
+    if (((rows_per_block == small && blocks <= slots) || wgmma_waves || verify) &&
+        split_by_waves()) {
       splits = 1;
       int64_t best = -1;
       for (int64_t s = 1; s <= cap && (s == 1 || blocks * s <= 2 * slots); ++s) {
@@ -327,9 +348,10 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
         if (best < 0 || cost < best) best = cost, splits = s;
       }
     }
-    // Kernel lab: KVQ_PREFILL_SPLITS_LAB=n forces n splits (within the caps) on wgmma plans.
+    // Kernel lab: KVQ_PREFILL_SPLITS_LAB=n forces n splits (within the caps) on wgmma and
+    // verification plans.
     static const int forced = lab_env("KVQ_PREFILL_SPLITS_LAB");
-    if (forced > 0 && plan.wgmma) splits = forced;
+    if (forced > 0 && (plan.wgmma || verify)) splits = forced;
     splits = std::min(splits, cap);
     if (splits > 1) {
       plan.num_splits = static_cast<int32_t>(splits);

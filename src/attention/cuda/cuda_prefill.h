@@ -55,11 +55,18 @@ constexpr int prefill_rows_per_block(int head_dim) {
 constexpr int prefill_small_q_rows(int head_dim) {
   return head_dim <= 128 ? 64 : 0;
 }
+// Query rows per block of the verification kernel (prefill_verify_kernel.cuh): every
+// sequence's rows (q_len x GQA group) within 32, the speculative verification shape; the kv
+// tokens are its MMA rows and the 32 query rows its columns.
+constexpr int prefill_verify_rows() {
+  return 32;
+}
 // Blocks per SM the kernel is built for (its launch bounds; shared memory fits them too): the
 // mma.sync kernel 3 for the small-q block, 2 for the full one, 1 at head_dim 256; the wgmma
-// kernel 1. The split planner counts waves with it.
+// kernel 1, the verification kernel 2. The split planner counts waves with it.
 constexpr int prefill_blocks_per_sm(int head_dim, int rows_per_block, bool wgmma = false) {
   if (wgmma) return 1;
+  if (rows_per_block == prefill_verify_rows()) return 2;
   return head_dim == 256 ? 1 : (rows_per_block < prefill_rows_per_block(head_dim) ? 3 : 2);
 }
 inline constexpr int kPrefillMaxKvHeads = 128;
@@ -75,9 +82,21 @@ constexpr bool prefill_wgmma_pair(KvDtype k, KvDtype v, int head_dim) {
   return prefill_wgmma_side(k) && prefill_wgmma_side(v) && (head_dim == 64 || head_dim == 128);
 }
 
-// Reads KVQ_PREFILL_KERNEL (auto | mma | wgmma) and KVQ_PREFILL_STAGING (auto | off | force):
-// an InputError for any other value. The command line calls it first, so a typo fails before
-// any work.
+// The (K, V) pairs and head dims the verification kernel is built for: 16-bit and 8-bit sides
+// (per-tensor or per-token-head scales), head_dim 64 / 128. The 4-bit and fp32 caches keep the
+// small-q block of the mma.sync kernel.
+constexpr bool prefill_verify_side(KvDtype d) {
+  return d == KvDtype::kBFloat16 || d == KvDtype::kFloat16 || d == KvDtype::kFp8E4M3 ||
+         d == KvDtype::kFp8E5M2 || d == KvDtype::kInt8PerTokenHead ||
+         d == KvDtype::kFp8PerTokenHead;
+}
+constexpr bool prefill_verify_pair(KvDtype k, KvDtype v, int head_dim) {
+  return prefill_verify_side(k) && prefill_verify_side(v) && (head_dim == 64 || head_dim == 128);
+}
+
+// Reads KVQ_PREFILL_KERNEL (auto | mma | wgmma | verify) and KVQ_PREFILL_STAGING (auto | off |
+// force): an InputError for any other value. The command line calls it first, so a typo fails
+// before any work.
 void check_prefill_kernel_env();
 
 // Empty when the kernels can run `spec`: a (K, V) pair of kv_pairs.h, head_dim 64 / 128 / 256
@@ -107,9 +126,12 @@ struct PrefillPlan {
   int32_t staged_blocks = 0;
   size_t staging_bytes = 0;
   std::string staging_reason;
-  // "wgmma", "mma" or "mma small-q".
+  // "wgmma", "verify", "mma" or "mma small-q".
   const char* kernel_name() const {
-    return wgmma ? "wgmma" : (rows_per_block == 64 ? "mma small-q" : "mma");
+    return wgmma                                     ? "wgmma"
+           : rows_per_block == prefill_verify_rows() ? "verify"
+           : rows_per_block == 64                    ? "mma small-q"
+                                                     : "mma";
   }
 };
 
@@ -129,7 +151,10 @@ struct PrefillOptions {
   // Which kernel runs the default (non-small-q) shape: kAuto takes the wgmma kernel where it is
   // built for the layer (prefill_wgmma_pair) unless KVQ_PREFILL_KERNEL=mma says otherwise;
   // kMma never does; kWgmma takes it wherever it is built, also instead of the small-q block.
-  enum class Kernel { kAuto, kMma, kWgmma };
+  // Small-q batches whose rows fit the verification kernel's 32 (prefill_verify_rows) take it
+  // under kAuto where it is built (prefill_verify_pair), and under kVerify; kMma and kWgmma
+  // never do.
+  enum class Kernel { kAuto, kMma, kWgmma, kVerify };
   Kernel kernel = Kernel::kAuto;
   // Bytes of the staging buffer the caller passes to run_prefill (PrefillArgs::staging); 0:
   // none, never stage. kAuto stages where the plan predicts a gain and the kernel choice allows

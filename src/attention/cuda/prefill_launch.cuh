@@ -1,9 +1,10 @@
 // The launcher of the prefill kernels for one (K, V) pair (included only by the
-// prefill_<k>[__<v>].cu files): the warpgroup-MMA kernel where the plan chose it, else the
-// mma.sync kernel in the block shape the plan chose.
+// prefill_<k>[__<v>].cu files): the warpgroup-MMA kernel or the verification kernel where the
+// plan chose it, else the mma.sync kernel in the block shape the plan chose.
 #pragma once
 
 #include "attention/cuda/prefill_kernel.cuh"
+#include "attention/cuda/prefill_verify_kernel.cuh"
 #include "attention/cuda/prefill_wgmma_kernel.cuh"
 
 namespace kvq::cuda {
@@ -13,6 +14,12 @@ void launch_prefill(const PrefillKernelParams& p, int head_dim, dim3 grid, cudaS
   if (p.wgmma) {
     const bool launched = launch_prefill_wgmma<DK, DV>(p, head_dim, grid, stream);
     KVQ_CHECK(launched, "cuda prefill: the plan chose the wgmma kernel, not built for this layer");
+    return;
+  }
+  if (p.rows_per_block == prefill_verify_rows()) {
+    const bool launched = launch_prefill_verify<DK, DV>(p, head_dim, grid, stream);
+    KVQ_CHECK(launched,
+              "cuda prefill: the plan chose the verification kernel, not built for this layer");
     return;
   }
   switch (head_dim) {

@@ -30,6 +30,7 @@ struct PrefillKernelParams {
   int num_q_heads, num_kv_heads, ratio, block_tokens, attention_kind, window;
   int rows_per_block;  // the plan's block shape (picks the kernel; its Cfg has it too)
   int wgmma;           // 1: the warpgroup-MMA kernel (PrefillPlan::wgmma)
+                       // (rows_per_block == prefill_verify_rows(): the verification kernel)
   // KVQ_PREFILL_LAB (timing experiments only, bits): 1 the wgmma producer copies nothing, 2 its
   // consumers skip the softmax, 4 no ping-pong, 8 two tiles in flight for 16-bit caches
   // instead of three (8-bit sides always keep two), 16 no TMA; 0 in use.

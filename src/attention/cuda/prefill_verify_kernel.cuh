@@ -1,0 +1,472 @@
+// The verification kernel: attention of a few query tokens per sequence over a long cached
+// context (speculative decoding's k + 1 tokens), where every (sequence, kv head) has at most 32
+// query rows (tokens x the GQA group). Included only by prefill_launch.cuh;
+// docs/notes/prefill-tuning.md (v17) has the design and what it measured.
+//
+// The prefill kernels put query rows on the MMA rows: with 32 live rows a 64-row tile is half
+// padding, and every warp that owns rows converts each K / V value again. Here the product is
+// transposed, as in the one-query decode kernel: S^T = K Q^T and O^T = V^T P^T, so the kv tokens
+// are the MMA rows (16 a slice) and all 32 query rows are the MMA columns (4 n-tiles of 8).
+// Block: 4 warps own (sequence, kv head, 32 rows, a split's kv tiles); per 64-token kv tile
+// warp w takes tokens 16w .. 16w + 15. Each warp converts its slice once for all 32 rows and
+// runs its own online softmax over its slices with its own cp.async ring (no block barrier in
+// the loop); at the end the four warps' (max, sum, O) merge through shared memory, and with
+// split-KV the block writes the same partials as the other prefill kernels.
+//
+// Operands as in the other kernels: bf16 where a side is bf16, else fp16 (Q with a per-row
+// power-of-two scale; 8-bit codes exact in fp16); fp32 accumulation; Q and P never fp8.
+// Per-tensor K scales fold into the per-row logit factor, per-token K scales multiply the
+// logits (the slice's rows), per-token V scales multiply P (normalized by the warp's running
+// maximum V scale so fp16 P stays in [0, 1]), per-tensor V scales the output. Built for 16-bit
+// and 8-bit sides (prefill_verify_pair); the 4-bit and fp32 caches keep the small-q block.
+#pragma once
+
+#include "attention/cuda/prefill_kernel.cuh"
+
+namespace kvq::cuda {
+namespace prefill_verify {
+
+using namespace prefill_detail;  // PTX wrappers, unpacking helpers, PrefillBlock, Q rows
+
+inline constexpr int kVWarps = 4;
+inline constexpr int kVThreads = 32 * kVWarps;
+inline constexpr int kVRows = prefill_verify_rows();  // MMA columns: 4 n-tiles of 8
+inline constexpr int kVNT = kVRows / 8;
+inline constexpr int kVSlice = 16;                // kv tokens of one warp per tile
+inline constexpr int kVTile = kVWarps * kVSlice;  // kv tokens per block tile
+static_assert(kVRows == 32 && kVTile == 64);
+
+// The 8 x 8 matrix of 16-bit pairs a warp holds as a C fragment (lane: row lane / 4, columns
+// 2 (lane % 4), + 1), transposed in place of the same layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+// 4-byte cp.async (per-token metadata: a slice's edge tokens are copied one by one).
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+template <KvDtype DK, KvDtype DV, int HD>
+struct VCfg {
+  static_assert(prefill_verify_pair(DK, DV, HD));
+  static constexpr bool kReg8K = value_bits(DK) == 8;
+  static constexpr bool kReg8V = value_bits(DV) == 8;
+  static constexpr bool kBf16K = bf16_operands(DK);
+  static constexpr bool kBf16V = bf16_operands(DV);
+  static constexpr bool kMetaK = row_scaled(DK);
+  static constexpr bool kMetaV = row_scaled(DV);
+  static constexpr int kRowK = row_bytes(DK, HD);
+  static constexpr int kRowV = row_bytes(DV, HD);
+  // +16 B a row: the 8 rows an ldmatrix reads fall in distinct banks.
+  static constexpr int kPitchK = kRowK + 16;
+  static constexpr int kPitchV = kRowV + 16;
+  static constexpr int kQStride = HD + 8;  // 16-bit elements per Q row (ldmatrix, as above)
+  // One warp's slice in its ring: K rows, V rows, K scales, V scales.
+  static constexpr int kSliceV = kVSlice * kPitchK;
+  static constexpr int kSliceMetaK = kSliceV + kVSlice * kPitchV;
+  static constexpr int kSliceMetaV = kSliceMetaK + (kMetaK ? 4 * kVSlice : 0);
+  static constexpr int kSlice = kSliceMetaV + (kMetaV ? 4 * kVSlice : 0);
+  static constexpr int kQ = 0;
+  static constexpr int kRowFac = kQ + kVRows * kQStride * 2;  // per row: the logit factor
+  static constexpr int kRing = kRowFac + 4 * kVRows;
+  // Four slices a warp in flight where two blocks an SM still fit, else three.
+  static constexpr int kStages = kRing + kVWarps * 4 * kSlice <= 110 * 1024 ? 4 : 3;
+  static constexpr int kMain = kRing + kVWarps * kStages * kSlice;
+  // The merge (reuses everything): each warp's O^T as [row][HD + 4] fp32, then (max, sum).
+  static constexpr int kOStride = HD + 4;
+  static constexpr int kMergeMl = kVWarps * kVRows * kOStride * 4;
+  static constexpr int kMerge = kMergeMl + kVWarps * kVRows * 8;
+  static constexpr int kSmem = cmax(kMain, kMerge);
+  static_assert(kRowFac % 16 == 0 && kRing % 16 == 0 && kSlice % 16 == 0 && kSliceV % 16 == 0);
+  static_assert(kSmem <= 113 * 1024, "two blocks an SM");
+};
+
+// Copies the kVSlice rows (kRow bytes each, kPitch apart in shared memory) of one warp's slice
+// starting at row `row` of a cache block (`block`: that block's rows of one kv head); rows of
+// tokens outside [lo, hi) are zeroed instead.
+template <int kRow, int kPitch>
+__device__ __forceinline__ void copy_slice_rows(uint32_t dst, const uint8_t* block, int row, int t0,
+                                                int lo, int hi, bool whole, int lane) {
+  constexpr int kPer = kRow / 16;
+  static_assert(kRow % 16 == 0 && kVSlice * kPer % 32 == 0);
+  const uint8_t* src = block + static_cast<uint64_t>(row) * kRow;
+#pragma unroll
+  for (int k = 0; k < kVSlice * kPer / 32; ++k) {
+    const int ch = lane + 32 * k, t = ch / kPer, w = ch - t * kPer;
+    const uint32_t d = dst + t * kPitch + 16 * w;
+    if (whole || (t0 + t >= lo && t0 + t < hi))
+      cp_async16(d, src + t * kRow + 16 * w);
+    else
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(d), "r"(0u) : "memory");
+  }
+}
+
+template <KvDtype DK, KvDtype DV, int HD>
+__global__ void __launch_bounds__(kVThreads, 2)
+    prefill_verify_kernel(const __grid_constant__ PrefillKernelParams p) {
+  using C = VCfg<DK, DV, HD>;
+  constexpr int kS = C::kStages;
+  constexpr int kMT = HD / 16;  // m-tiles of O^T (16 dims each)
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  PrefillBlock blk;
+  if (!prefill_block(p, kVRows, kVTile, kVThreads, blk)) return;
+  const int kvh = blk.kvh, r0 = blk.r0, rows_total = blk.rows_total;
+  const int lo = blk.lo, hi = blk.hi, all_lo = blk.all_lo, all_hi = blk.all_hi;
+  const int tile_b = blk.tile_b, tile_e = blk.tile_e;
+
+  const int32_t* blocks = p.indices + p.indptr[blk.seq];
+  const uint8_t* k_head = p.k.base + static_cast<uint64_t>(kvh) * p.k.head_stride;
+  const uint8_t* v_head = p.v.base + static_cast<uint64_t>(kvh) * p.v.head_stride;
+  const uint32_t s_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t ring_s = s_base + C::kRing + warp * kS * C::kSlice;
+  float* rfac = reinterpret_cast<float*>(smem + C::kRowFac);
+
+  // This warp's slice of tile `tile` into ring stage (tile - tile_b) % kS: rows outside
+  // [lo, hi) are zeroed (P is 0 there, but 0 x NaN is not); one cp.async group a call.
+  auto issue = [&](int tile) {
+    const int t0 = tile * kVTile + kVSlice * warp;
+    if (tile < tile_e && t0 < hi && t0 + kVSlice > lo) {
+      const uint32_t dst = ring_s + ((tile - tile_b) % kS) * C::kSlice;
+      const int b = t0 / p.block_tokens;
+      const int row = t0 - b * p.block_tokens;  // a slice never crosses a cache block
+      const uint64_t block = static_cast<uint64_t>(__ldg(blocks + b));
+      const bool whole = t0 >= lo && t0 + kVSlice <= hi;
+      copy_slice_rows<C::kRowK, C::kPitchK>(dst, k_head + block * p.k.block_bytes, row, t0, lo, hi,
+                                            whole, lane);
+      copy_slice_rows<C::kRowV, C::kPitchV>(dst + C::kSliceV, v_head + block * p.v.block_bytes, row,
+                                            t0, lo, hi, whole, lane);
+      auto meta = [&](const uint8_t* head, uint64_t block_bytes, uint64_t values_bytes,
+                      uint32_t at) {
+        if (lane < kVSlice) {
+          const int tok = t0 + lane;
+          if (tok >= lo && tok < hi)
+            cp_async4(at + 4 * lane, head + values_bytes + block * block_bytes +
+                                         static_cast<uint64_t>(row + lane) * 4);
+          else
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at + 4 * lane), "r"(0u) : "memory");
+        }
+      };
+      if constexpr (C::kMetaK)
+        meta(k_head, p.k.block_bytes, p.k.values_bytes, dst + C::kSliceMetaK);
+      if constexpr (C::kMetaV)
+        meta(v_head, p.v.block_bytes, p.v.values_bytes, dst + C::kSliceMetaV);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int st = 0; st < kS - 1; ++st) issue(tile_b + st);
+
+  // ---- Q: 8 rows a warp as 16-bit operands (an 8-bit K's dim permutation, q_col_reg8) ----
+  {
+    constexpr int E = HD / 32;
+    constexpr int kWarpRows = kVRows / kVWarps;
+    uint16_t* qs = reinterpret_cast<uint16_t*>(smem + C::kQ);
+    const float kscale = p.k.tensor_scale[kvh];
+    float xs[kWarpRows][E];
+    load_q_rows<HD, kWarpRows>(xs, p, blk.q_start, kvh, r0 + warp * kWarpRows, rows_total, lane);
+#pragma unroll
+    for (int j = 0; j < kWarpRows; ++j) {
+      const int lr = warp * kWarpRows + j;
+      const float2 aq = pack_q_row<C::kBf16K>(xs[j], [&](int e, uint32_t pr) {
+        const int col = C::kReg8K ? q_col_reg8(lane * E + e) : lane * E + e;
+        *reinterpret_cast<uint32_t*>(qs + lr * C::kQStride + col) = pr;
+      });
+      if (lane == 0) rfac[lr] = r0 + lr < rows_total ? p.softmax_scale * kscale / aq.x : 0.0f;
+    }
+  }
+  __syncthreads();
+
+  // Per lane: the columns (query rows) 8 nt + 2c + b of its accumulators, index j = 2 nt + b.
+  const bool capped = p.soft_cap != 0.0f;
+  const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
+  float fac[2 * kVNT], m[2 * kVNT], l[2 * kVNT];
+#pragma unroll
+  for (int j = 0; j < 2 * kVNT; ++j) {
+    fac[j] = rfac[8 * (j >> 1) + 2 * c + (j & 1)] * (capped ? 1.0f : kLog2e);
+    m[j] = -__uint_as_float(kF32Inf);
+    l[j] = 0.0f;
+  }
+  // The visible range of column j, recomputed where a slice needs masking.
+  auto col_pos = [&](int j) {
+    const int col = 8 * (j >> 1) + 2 * c + (j & 1);
+    return blk.first_pos + min(r0 + col, rows_total - 1) / p.ratio;
+  };
+  float s_run = 0.0f;  // running maximum of the per-token V scales (row-scaled V)
+  float o[kMT][kVNT][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kVNT; ++nt)
+      o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
+
+  // ldmatrix lane addresses: Q rows as B (n-tile pairs), K rows as A, V rows as A^T.
+  constexpr int kQRow = C::kQStride * 2;
+  const uint32_t q_addr =
+      s_base + C::kQ + ((lane & 7) + 8 * (lane >> 4)) * kQRow + 16 * ((lane >> 3) & 1);
+  const uint32_t k_off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * C::kPitchK + 16 * (lane >> 4);
+  const uint32_t v_off = C::kReg8V
+                             ? ((lane & 7) + 8 * ((lane >> 3) & 1)) * C::kPitchV + 16 * (lane >> 4)
+                             : ((lane & 7) + 8 * (lane >> 4)) * C::kPitchV + 16 * ((lane >> 3) & 1);
+
+#pragma unroll 1
+  for (int tile = tile_b; tile < tile_e; ++tile) {
+    cp_async_wait<kS - 2>();
+    __syncwarp();  // this slice's bytes landed for the whole warp; the last slice is read
+    issue(tile + kS - 1);
+    const int t0 = tile * kVTile + kVSlice * warp;
+    if (!(t0 < hi && t0 + kVSlice > lo)) continue;  // warp-uniform
+    const uint32_t buf = ring_s + ((tile - tile_b) % kS) * C::kSlice;
+    const uint8_t* bufp = smem + (buf - s_base);
+
+    // ---- S^T = K Q^T: 16 tokens x 32 rows ----
+    float s[kVNT][4];
+#pragma unroll
+    for (int nt = 0; nt < kVNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int kp = 0; kp < HD / 32; ++kp) {
+      uint32_t ka[2][4];
+      if constexpr (C::kReg8K) {
+        // One ldmatrix of bytes: tokens g / g + 8, bytes 4c .. 4c + 3 of two 16-dim groups.
+        uint32_t w[4];
+        ldsm_x4(buf + k_off + 32 * kp, w[0], w[1], w[2], w[3]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          ka[h][0] = cvt8_pair01<DK>(w[2 * h]);
+          ka[h][1] = cvt8_pair01<DK>(w[2 * h + 1]);
+          ka[h][2] = cvt8_pair01<DK>(w[2 * h] >> 16);
+          ka[h][3] = cvt8_pair01<DK>(w[2 * h + 1] >> 16);
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          ldsm_x4(buf + k_off + 32 * (2 * kp + h), ka[h][0], ka[h][1], ka[h][2], ka[h][3]);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int ks = 2 * kp + h;
+#pragma unroll
+        for (int np = 0; np < kVNT / 2; ++np) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(q_addr + np * 16 * kQRow + 32 * ks, b0, b1, b2, b3);
+          mma<C::kBf16K>(s[2 * np], ka[h][0], ka[h][1], ka[h][2], ka[h][3], b0, b1);
+          mma<C::kBf16K>(s[2 * np + 1], ka[h][0], ka[h][1], ka[h][2], ka[h][3], b2, b3);
+        }
+      }
+    }
+
+    // ---- logits (log2 units), mask, online softmax per column ----
+    float ksc[2] = {1.0f, 1.0f}, vsc[2] = {1.0f, 1.0f};
+    if constexpr (C::kMetaK) {
+      const float* mk = reinterpret_cast<const float*>(bufp + C::kSliceMetaK);
+      ksc[0] = mk[g];
+      ksc[1] = mk[g + 8];
+    }
+#pragma unroll
+    for (int nt = 0; nt < kVNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[nt][e];
+        if constexpr (C::kMetaK) x *= ksc[e >> 1];
+        x *= fac[2 * nt + (e & 1)];
+        if (capped) x = cap * tanhf(x * inv_cap) * kLog2e;
+        s[nt][e] = x;
+      }
+    if (!(t0 >= all_lo && t0 + kVSlice <= all_hi)) {
+#pragma unroll
+      for (int j = 0; j < 2 * kVNT; ++j) {
+        const int pos = col_pos(j);
+        const int rlo = blk.sliding ? pos - p.window + 1 : 0;
+        const int rhi = blk.noncausal ? blk.kv_len : pos + 1;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int tok = t0 + g + 8 * hf;
+          if (!(tok >= rlo && tok < rhi)) s[j >> 1][2 * hf + (j & 1)] = -__uint_as_float(kF32Inf);
+        }
+      }
+    }
+    float corr[2 * kVNT], mu[2 * kVNT];
+#pragma unroll
+    for (int j = 0; j < 2 * kVNT; ++j) {
+      float mx = fmaxf(s[j >> 1][j & 1], s[j >> 1][2 + (j & 1)]);
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 16));
+      const float m_new = fmaxf(m[j], mx);
+      mu[j] = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
+      corr[j] = fast_exp2(m[j] - mu[j]);
+      m[j] = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < 2 * kVNT; ++j) {
+      float& a = s[j >> 1][j & 1];
+      float& b = s[j >> 1][2 + (j & 1)];
+      a = fast_exp2(a - mu[j]);
+      b = fast_exp2(b - mu[j]);
+      l[j] = l[j] * corr[j] + (a + b);
+    }
+    if constexpr (C::kMetaV) {
+      // P *= s_v(token) / (running max of s_v): fp16 P stays in [0, 1].
+      const float* mv = reinterpret_cast<const float*>(bufp + C::kSliceMetaV);
+      vsc[0] = mv[g];
+      vsc[1] = mv[g + 8];
+      float vmx = fmaxf(vsc[0], vsc[1]);
+      vmx = fmaxf(vmx, __shfl_xor_sync(kFullMask, vmx, 4));
+      vmx = fmaxf(vmx, __shfl_xor_sync(kFullMask, vmx, 8));
+      vmx = fmaxf(vmx, __shfl_xor_sync(kFullMask, vmx, 16));
+      const float s_new = fmaxf(s_run, vmx);
+      const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < kVNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= vsc[e >> 1] * inv_s;
+      const float rescale = s_new > 0.0f && s_new != s_run ? s_run * inv_s : 1.0f;
+#pragma unroll
+      for (int j = 0; j < 2 * kVNT; ++j) corr[j] *= rescale;
+      s_run = s_new;
+    }
+
+    // ---- O^T = O^T * corr + V^T P^T ----
+    bool rescale_o = false;
+#pragma unroll
+    for (int j = 0; j < 2 * kVNT; ++j) rescale_o |= corr[j] != 1.0f;
+    if (__any_sync(kFullMask, rescale_o)) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kVNT; ++nt) {
+          o[mt][nt][0] *= corr[2 * nt];
+          o[mt][nt][1] *= corr[2 * nt + 1];
+          o[mt][nt][2] *= corr[2 * nt];
+          o[mt][nt][3] *= corr[2 * nt + 1];
+        }
+    }
+    // P^T as B operands: the C fragment of tokens 0-7 (8-15) transposed.
+    uint32_t pb[kVNT][2];
+#pragma unroll
+    for (int nt = 0; nt < kVNT; ++nt) {
+      pb[nt][0] = movmatrix_trans(pack2<C::kBf16V>(s[nt][0], s[nt][1]));
+      pb[nt][1] = movmatrix_trans(pack2<C::kBf16V>(s[nt][2], s[nt][3]));
+    }
+    if constexpr (C::kReg8V) {
+      // One transposed ldmatrix of bytes: tokens (2c, 2c + 1) x dims (2g, 2g + 1) of two 16-dim
+      // groups for tokens 0-7 and 8-15. m-tile mt's rows g / g + 8 are dims 16 mt + 2g / + 1.
+#pragma unroll
+      for (int jp = 0; jp < HD / 32; ++jp) {
+        uint32_t w[4];
+        ldsm_x4_trans(buf + C::kSliceV + v_off + 32 * jp, w[0], w[1], w[2], w[3]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t a0 = cvt8_pair02<DV>(w[2 * h]), a1 = cvt8_pair02<DV>(w[2 * h] >> 8);
+          const uint32_t a2 = cvt8_pair02<DV>(w[2 * h + 1]);
+          const uint32_t a3 = cvt8_pair02<DV>(w[2 * h + 1] >> 8);
+#pragma unroll
+          for (int nt = 0; nt < kVNT; ++nt)
+            mma<false>(o[2 * jp + h][nt], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
+        }
+      }
+    } else {
+      // m-tile mt's rows g / g + 8 are dims 16 mt + g / + 8.
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        uint32_t a0, a1, a2, a3;
+        ldsm_x4_trans(buf + C::kSliceV + v_off + 32 * mt, a0, a1, a2, a3);
+#pragma unroll
+        for (int nt = 0; nt < kVNT; ++nt)
+          mma<C::kBf16V>(o[mt][nt], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
+      }
+    }
+  }
+
+  // ---- merge the four warps' states, then normalize (or write this split's partials) ----
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its ring, which the merge reuses
+  float scale_o = 1.0f;
+  if constexpr (tensor_scaled(DV)) scale_o = p.v.tensor_scale[kvh];
+  if constexpr (C::kMetaV) scale_o = s_run;
+  float* ob = reinterpret_cast<float*>(smem) + warp * kVRows * C::kOStride;
+  float2* ml = reinterpret_cast<float2*>(smem + C::kMergeMl) + warp * kVRows;
+#pragma unroll
+  for (int j = 0; j < 2 * kVNT; ++j) {
+    float lsum = l[j];
+    lsum += __shfl_xor_sync(kFullMask, lsum, 4);
+    lsum += __shfl_xor_sync(kFullMask, lsum, 8);
+    lsum += __shfl_xor_sync(kFullMask, lsum, 16);
+    if (g == 0) ml[8 * (j >> 1) + 2 * c + (j & 1)] = make_float2(m[j], lsum);
+  }
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kVNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * nt + 2 * c + (e & 1), hf = e >> 1;
+        const int dim = C::kReg8V ? 16 * mt + 2 * g + hf : 16 * mt + g + 8 * hf;
+        ob[col * C::kOStride + dim] = o[mt][nt][e] * scale_o;
+      }
+  __syncthreads();
+  const bool partial = p.num_splits > 1;
+  const float* obase = reinterpret_cast<const float*>(smem);
+  const float2* mlbase = reinterpret_cast<const float2*>(smem + C::kMergeMl);
+  constexpr int E = HD / 32;
+#pragma unroll 1
+  for (int col = warp; col < kVRows; col += kVWarps) {
+    const int r = r0 + col;
+    if (r >= rows_total) break;  // warp-uniform; columns past the end are the last ones
+    float mx = -__uint_as_float(kF32Inf);
+#pragma unroll
+    for (int w = 0; w < kVWarps; ++w) {
+      const float2 v = mlbase[w * kVRows + col];
+      if (v.y > 0.0f) mx = fmaxf(mx, v.x);
+    }
+    float wt[kVWarps], lsum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kVWarps; ++w) {
+      const float2 v = mlbase[w * kVRows + col];
+      wt[w] = v.y > 0.0f ? exp2f(v.x - mx) : 0.0f;
+      lsum += wt[w] * v.y;
+    }
+    const float inv = partial ? 1.0f : (lsum > 0.0f ? 1.0f / lsum : 0.0f);
+    const int ri = blk.row_index(p, r);
+    float* dst = partial ? p.part_o + (static_cast<size_t>(blk.split) * p.part_rows + ri) * HD
+                         : p.out + static_cast<size_t>(ri) * HD;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int dim = lane + 32 * e;
+      float acc = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kVWarps; ++w)
+        acc = fmaf(wt[w], obase[(w * kVRows + col) * C::kOStride + dim], acc);
+      dst[dim] = acc * inv;
+    }
+    if (partial && lane == 0)
+      p.part_ml[static_cast<size_t>(blk.split) * p.part_rows + ri] = make_float2(mx, lsum);
+  }
+}
+
+template <KvDtype DK, KvDtype DV, int HD>
+void launch(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
+  constexpr int kSmem = VCfg<DK, DV, HD>::kSmem;
+  auto* kernel = &prefill_verify_kernel<DK, DV, HD>;
+  KVQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<grid, kVThreads, kSmem, stream>>>(p);
+  KVQ_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace prefill_verify
+
+// The verification kernel for this pair at head_dim hd; false where it is not built.
+template <KvDtype DK, KvDtype DV>
+bool launch_prefill_verify(const PrefillKernelParams& p, int hd, dim3 grid, cudaStream_t stream) {
+  if constexpr (prefill_verify_pair(DK, DV, 128)) {
+    if (hd == 128) return prefill_verify::launch<DK, DV, 128>(p, grid, stream), true;
+    if (hd == 64) return prefill_verify::launch<DK, DV, 64>(p, grid, stream), true;
+  }
+  return false;
+}
+
+}  // namespace kvq::cuda
