@@ -28,7 +28,9 @@ std::string notes(const AttentionBackend& b) {
            format_dtype_pairs(mixed) +
            "; every other pair and head_dim runs the generic kernel; prefill of more than one "
            "small-q block on warpgroup MMA (wgmma) where both sides are bf16/float16/fp8_e4m3/"
-           "fp8_e5m2 at head_dim 64/128 (KVQ_PREFILL_KERNEL=mma: the mma.sync kernel); long "
+           "fp8_e5m2 at head_dim 64/128 (KVQ_PREFILL_KERNEL=mma: the mma.sync kernel); "
+           "verification batches (<= 32 query rows a sequence and kv head) over 8-bit caches "
+           "on the verification kernel (tokens as MMA rows); long "
            "prefill steps of the CUDA model stage the step's cache once to 16 bits and run "
            "wgmma on it (fp8: the exact fp16 codes; per-token-head, 4-bit, fp32: dequantized "
            "to bf16; KVQ_PREFILL_STAGING=off: never)";
