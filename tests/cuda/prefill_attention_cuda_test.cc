@@ -940,7 +940,7 @@ TEST(CudaPrefill, SmallQSplitsFillWholeWaves) {
   EXPECT_EQ(cuda::plan_prefill(spec, q32, len32, v).num_splits, 1);
   EXPECT_EQ(cuda::plan_prefill(spec, one_q, one_len, v).num_splits, 4);
   // Batch 64 (512 blocks, two waves unsplit): unsplit, where the older rule made 2 splits (four
-  // waves; H100 fp8 64 x 4k 302.9 us against ...).
+  // waves; H100 fp8 64 x 4k at 2 splits: 302.9 us, 1.47x the decode kernel).
   EXPECT_EQ(cuda::plan_prefill(spec, big_q, big_len, v).num_splits, 1);
 }
 
