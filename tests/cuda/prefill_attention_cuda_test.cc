@@ -291,34 +291,42 @@ TEST(CudaPrefill, LongSequencesAndOddGroups) {
   }
 }
 
-// Case c (fresh data from case_seed) on the wgmma kernel, unsplit and split over the kv range
-// (planned for longer sequences), against cpu_reference; `must_split`: the second run splits.
-// Counts the runs and keeps the largest error ratio.
-void check_wgmma(const CudaAttnCase& c, unsigned seed, unsigned case_seed, bool must_split,
-                 double& worst, int& cases) {
+// Case c (fresh data from case_seed) on `kernel` (kWgmma or kVerify; the plan must take it),
+// unsplit and split over the kv range (planned for sequences of max_kv_len), against
+// cpu_reference; `must_split`: the second run splits. Counts the runs and keeps the largest
+// error ratio.
+void check_kernel(const CudaAttnCase& c, cuda::PrefillOptions::Kernel kernel, unsigned seed,
+                  unsigned case_seed, bool must_split, int max_kv_len, double& worst, int& cases) {
+  const bool wgmma = kernel == cuda::PrefillOptions::Kernel::kWgmma;
+  const char* name = wgmma ? "wgmma" : "verify";
   const CudaAttnProblem problem(c, case_seed);
   const std::vector<float> want = problem.reference();
   for (int split = 0; split < 2; ++split) {
     cuda::PrefillOptions o;
-    o.kernel = cuda::PrefillOptions::Kernel::kWgmma;
+    o.kernel = kernel;
     if (split == 1) {
       o.num_sms = 132;
-      o.max_kv_len = 2048;
+      o.max_kv_len = max_kv_len;
     }
     const cuda::PrefillPlan plan =
         cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
-    EXPECT_TRUE(plan.wgmma) << plan.kernel_reason;
+    EXPECT_STREQ(plan.kernel_name(), name) << plan.kernel_reason;
     int splits = 0;
     EXPECT_TRUE(
         problem.check(run_device_api(problem, c.soft_cap, o, &splits), want, prefill_tolerance(c)))
-        << c.describe() << ", wgmma, " << splits << " splits, seed " << seed << " (case seed "
-        << case_seed << ")";
+        << c.describe() << ", " << name << ", " << splits << " splits, seed " << seed
+        << " (case seed " << case_seed << ")";
     if (split == 1 && must_split) {
       EXPECT_GT(splits, 1) << c.describe();
     }
     worst = std::max(worst, problem.worst());
     ++cases;
   }
+}
+void check_wgmma(const CudaAttnCase& c, unsigned seed, unsigned case_seed, bool must_split,
+                 double& worst, int& cases) {
+  check_kernel(c, cuda::PrefillOptions::Kernel::kWgmma, seed, case_seed, must_split, 2048, worst,
+               cases);
 }
 
 // The warpgroup-MMA kernel (PrefillOptions::Kernel::kWgmma) on every pair and head dim it is
@@ -407,35 +415,6 @@ TEST(CudaPrefillWgmma, VerificationShapeMatchesCpuReference) {
               worst, cases);
 }
 
-// Case c (fresh data from case_seed) on the verification kernel, unsplit and split over the kv
-// range (planned for longer sequences), against cpu_reference.
-void check_verify(const CudaAttnCase& c, unsigned seed, unsigned case_seed, double& worst,
-                  int& cases) {
-  const CudaAttnProblem problem(c, case_seed);
-  const std::vector<float> want = problem.reference();
-  for (int split = 0; split < 2; ++split) {
-    cuda::PrefillOptions o;
-    o.kernel = cuda::PrefillOptions::Kernel::kVerify;
-    if (split == 1) {
-      o.num_sms = 132;
-      o.max_kv_len = 4096;
-    }
-    const cuda::PrefillPlan plan =
-        cuda::plan_prefill(problem.spec(), problem.q_indptr(), problem.seq_lens(), o);
-    EXPECT_STREQ(plan.kernel_name(), "verify") << plan.kernel_reason;
-    int splits = 0;
-    EXPECT_TRUE(
-        problem.check(run_device_api(problem, c.soft_cap, o, &splits), want, prefill_tolerance(c)))
-        << c.describe() << ", verify, " << splits << " splits, seed " << seed << " (case seed "
-        << case_seed << ")";
-    if (split == 1) {
-      EXPECT_GT(splits, 1) << c.describe();
-    }
-    worst = std::max(worst, problem.worst());
-    ++cases;
-  }
-}
-
 // The verification kernel (tokens as MMA rows, a sequence's <= 32 query rows as its columns) on
 // every pair and head dim it is built for: 1-32 query tokens x GQA 8 / 4 / 2 / 1 (ragged within
 // a batch, some blocks with unused columns), sequences of one slice to 1500 tokens (edge slices
@@ -476,7 +455,8 @@ TEST(CudaPrefillVerify, MatchesCpuReference) {
                      len(rng)};
         for (size_t i = 0; i < c.q_lens.size(); ++i)
           c.kv_lens[i] = std::max(c.kv_lens[i], c.q_lens[i]);
-        check_verify(c, seed, seed + static_cast<unsigned>(index) + 1, worst, cases);
+        check_kernel(c, cuda::PrefillOptions::Kernel::kVerify, seed,
+                     seed + static_cast<unsigned>(index) + 1, true, 4096, worst, cases);
       }
     }
   }
