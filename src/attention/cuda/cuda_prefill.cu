@@ -39,7 +39,7 @@ std::vector<std::string> prefill_unsupported_reasons(const LayerKvSpec& spec) {
 }
 
 namespace {
-// The value of a three-way switch `name` (unset: the first choice), parsed once per process
+// The value of a switch `name` among `choices` (unset: the first), parsed once per process
 // by the caller's static; an InputError names the accepted values.
 template <class E, size_t N>
 E env_choice(const char* name, const std::pair<const char*, E> (&choices)[N]) {
