@@ -35,6 +35,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/cuda/cuda_decode.h"
@@ -146,7 +147,9 @@ double kv_bytes(const LayerKvSpec& spec, int64_t tokens) {
   return static_cast<double>(spec.bytes_per_token()) * static_cast<double>(tokens);
 }
 
-int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string& json_path) {
+// `shapes`: the (batch, context) points to run; empty = all of them.
+int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string& json_path,
+               const std::vector<std::pair<int, int>>& shapes) {
   cudaDeviceProp prop{};
   KVQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   cudaEvent_t e0, e1;
@@ -210,6 +213,9 @@ int run_verify(const std::vector<KvDtype>& dtypes, bool quick, const std::string
     }
     for (int C : {1024, 4096, 8192}) {
       for (int B : {1, 8, 32, 64}) {
+        if (!shapes.empty() &&
+            std::find(shapes.begin(), shapes.end(), std::make_pair(B, C)) == shapes.end())
+          continue;
         // Sequence i: its first C / kBlock blocks of its stripe of ids.
         std::vector<int32_t> indptr{0}, indices, lens(static_cast<size_t>(B), C), q_indptr{0};
         for (int i = 0; i < B; ++i) {
@@ -333,6 +339,7 @@ int main(int argc, char** argv) {
   std::string json_path;
   std::vector<std::string> dtype_names;
   bool quick = false, verify = false;
+  std::vector<std::pair<int, int>> shapes;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) {
@@ -343,9 +350,25 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (a == "--verify") {
       verify = true;
+    } else if (a == "--shapes" && i + 1 < argc) {
+      for (const auto& sh : split_csv(argv[++i])) {
+        int b = 0, c = 0;
+        char x = 0, rest = 0;
+        if (std::sscanf(sh.c_str(), "%d%c%d%c", &b, &x, &c, &rest) != 3 || x != 'x' || b <= 0 ||
+            c <= 0) {
+          std::fprintf(
+              stderr,
+              "cuda_prefill_bench: --shapes: bad shape '%s' (accepted: BxC, e.g. 32x4096)\n",
+              sh.c_str());
+          return 2;
+        }
+        shapes.emplace_back(b, c);
+      }
     } else {
-      std::fprintf(stderr, "usage: %s [--json FILE] [--dtypes a,b] [--quick] [--verify]\n",
-                   argv[0]);
+      std::fprintf(
+          stderr,
+          "usage: %s [--json FILE] [--dtypes a,b] [--quick] [--verify [--shapes BxC,...]]\n",
+          argv[0]);
       return 2;
     }
   }
@@ -361,7 +384,7 @@ int main(int argc, char** argv) {
     } else {
       for (const auto& n : dtype_names) dtypes.push_back(parse_kv_dtype_or_throw(n, "--dtypes"));
     }
-    if (verify) return run_verify(dtypes, quick, json_path);
+    if (verify) return run_verify(dtypes, quick, json_path, shapes);
     cudaDeviceProp prop{};
     KVQ_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);

@@ -473,7 +473,9 @@ TEST(CudaPrefillVerify, SmallForSanitizers) {
       {KvDtype::kBFloat16, KvDtype::kBFloat16},
       {KvDtype::kFp8E4M3, KvDtype::kFp8E4M3},
       {KvDtype::kInt8PerTokenHead, KvDtype::kBFloat16},
-      {KvDtype::kFp8PerTokenHead, KvDtype::kFp8PerTokenHead}};
+      {KvDtype::kFp8PerTokenHead, KvDtype::kFp8PerTokenHead},
+      {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead},
+      {KvDtype::kFp8E4M3, KvDtype::kInt4PerTokenHead}};
   int index = 0;
   for (const auto& [kd, vd] : pairs) {
     CudaAttnCase c;
@@ -518,9 +520,9 @@ TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
   EXPECT_FALSE(mma_plan.wgmma);
   EXPECT_NE(mma_plan.kernel_reason.find("asked"), std::string::npos) << mma_plan.kernel_reason;
   // A small-q batch (8 queries x 4 heads = 32 rows): the verification kernel where it is built
-  // and a side is 8-bit, the wgmma kernel for 16-bit caches, when asked, or past 32 rows (where
-  // it is built), the small-q block of the mma.sync kernel when that is asked for or for the
-  // 4-bit caches.
+  // and a side is 8-bit or int4, the wgmma kernel for 16-bit caches, when asked, or past 32 rows
+  // (where it is built), the small-q block of the mma.sync kernel when that is asked for or for
+  // nvfp4 caches.
   const cuda::PrefillPlan small = cuda::plan_prefill(bf16, small_q, small_len);
   EXPECT_TRUE(small.wgmma);
   EXPECT_NE(small.kernel_reason.find("small-q"), std::string::npos) << small.kernel_reason;
@@ -542,10 +544,13 @@ TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
     EXPECT_STREQ(cuda::plan_prefill(spec_for(i8), q9, small_len).kernel_name(), "mma small-q");
     CudaAttnCase i4 = c;
     i4.k_dtype = i4.v_dtype = KvDtype::kInt4PerTokenHead;
-    EXPECT_STREQ(cuda::plan_prefill(spec_for(i4), small_q, small_len).kernel_name(), "mma small-q");
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(i4), small_q, small_len).kernel_name(), "verify");
+    CudaAttnCase f4 = c;
+    f4.k_dtype = f4.v_dtype = KvDtype::kNvfp4;
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(f4), small_q, small_len).kernel_name(), "mma small-q");
     cuda::PrefillOptions verify;
     verify.kernel = cuda::PrefillOptions::Kernel::kVerify;
-    EXPECT_STREQ(cuda::plan_prefill(spec_for(i4), small_q, small_len, verify).kernel_name(),
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(f4), small_q, small_len, verify).kernel_name(),
                  "mma small-q");
     EXPECT_STREQ(cuda::plan_prefill(spec_for(i8), small_q, small_len, verify).kernel_name(),
                  "verify");

@@ -328,8 +328,9 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
     const int64_t kv_tile = verify || spec.head_dim_k <= 64 ? 64 : 32;
     const int64_t kv_tiles = (max_kv + kv_tile - 1) / kv_tile;
     const int64_t per_split = int64_t{plan.total_q} * spec.num_q_heads * (spec.head_dim_v * 4 + 8);
-    const int64_t cap = std::min(
-        {int64_t{32}, kv_tiles / 4, static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
+    const int64_t cap =
+        std::min({int64_t{32} /* prefill_merge_kernel: a split a lane */, kv_tiles / 4,
+                  static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
     const int64_t slots =
         int64_t{options.num_sms} *
         prefill_blocks_per_sm(spec.head_dim_k, static_cast<int>(rows_per_block), plan.wgmma);
@@ -364,29 +365,38 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
 namespace {
 
 // One warp per query row: out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s over the splits
-// that saw anything (l_s > 0).
+// that saw anything (l_s > 0). Lane s holds split s's (m, l) (at most 32 splits), so the weights
+// take one load and a few shuffles, and the loop over the splits' O rows has no load that waits
+// on another (batch-1 verification has up to 32 splits, whose serial loads cost ~0.8 us each).
 __global__ void prefill_merge_kernel(PrefillKernelParams p, int head_dim, int num_seqs) {
   const int rows = min(p.q_indptr[num_seqs] * p.num_q_heads, p.part_rows);
   const int warps = static_cast<int>(blockDim.x) / 32, lane = static_cast<int>(threadIdx.x) & 31;
   for (int row = static_cast<int>(blockIdx.x) * warps + static_cast<int>(threadIdx.x) / 32;
        row < rows; row += static_cast<int>(gridDim.x) * warps) {
-    float mx = -__int_as_float(0x7f800000);
-    for (int sp = 0; sp < p.num_splits; ++sp) {
-      const float2 ml = p.part_ml[static_cast<size_t>(sp) * p.part_rows + row];
-      if (ml.y > 0.0f) mx = fmaxf(mx, ml.x);
-    }
-    float sum = 0.0f, acc[8];
+    float2 ml = make_float2(-__int_as_float(0x7f800000), 0.0f);
+    if (lane < p.num_splits) ml = p.part_ml[static_cast<size_t>(lane) * p.part_rows + row];
+    const bool seen = ml.y > 0.0f;
+    float mx = seen ? ml.x : -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+    const float w_lane = seen ? exp2f(ml.x - mx) : 0.0f;
+    float sum = w_lane * (seen ? ml.y : 0.0f);
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+    float acc[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+#pragma unroll 4
     for (int sp = 0; sp < p.num_splits; ++sp) {
-      const float2 ml = p.part_ml[static_cast<size_t>(sp) * p.part_rows + row];
-      if (!(ml.y > 0.0f)) continue;
-      const float w = exp2f(ml.x - mx);
-      sum += w * ml.y;
+      const float w = __shfl_sync(0xffffffffu, w_lane, sp);
+      // A split that saw nothing may not have written its row: its values are never used.
       const float* src = p.part_o + (static_cast<size_t>(sp) * p.part_rows + row) * head_dim;
 #pragma unroll
       for (int e = 0; e < 8; ++e)
-        if (32 * e < head_dim) acc[e] = fmaf(w, src[lane + 32 * e], acc[e]);
+        if (32 * e < head_dim) {
+          const float x = src[lane + 32 * e];
+          acc[e] = w != 0.0f ? fmaf(w, x, acc[e]) : acc[e];
+        }
     }
     const float inv = 1.0f / sum;
     float* dst = p.out + static_cast<size_t>(row) * head_dim;

@@ -344,6 +344,42 @@ __device__ __forceinline__ uint32_t cvt8_pair01(uint32_t w) {
     return fp8x2_to_f16x2<D == KvDtype::kFp8E5M2>(w);
 }
 
+// Two of the four 8-bit codes of a word as an f16x2 operand pair (exact), bytes kLo / kHi
+// (low / high half): int8 with one xor a word (the codes as q + 128) and a byte_perm and an hsub2
+// a pair; fp8 with one cvt a pair (bytes 2, 3 read from the upper half, others byte_perm'ed).
+template <KvDtype D>
+struct Cvt8Word {
+  uint32_t u;
+  __device__ __forceinline__ explicit Cvt8Word(uint32_t w)
+      : u(D == KvDtype::kInt8PerTokenHead ? w ^ 0x80808080u : w) {}
+  template <int kLo, int kHi>
+  __device__ __forceinline__ uint32_t pair() const {
+    static_assert(kLo >= 0 && kLo < 4 && kHi >= 0 && kHi < 4);
+    if constexpr (D == KvDtype::kInt8PerTokenHead) {
+      // 0x64 above each code: half 1024 + (q + 128); minus 1152 is q.
+      return hsub2_bits(__byte_perm(u, 0x64646464u, kLo | 4 << 4 | kHi << 8 | 5 << 12), 1152.0f);
+    } else {
+      constexpr bool kE5M2 = D == KvDtype::kFp8E5M2;
+      if constexpr (kLo == 0 && kHi == 1) {
+        return fp8x2_to_f16x2<kE5M2>(u);
+      } else if constexpr (kLo == 2 && kHi == 3) {
+        uint32_t r;
+        if constexpr (kE5M2)
+          asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, h;}\n"
+              : "=r"(r)
+              : "r"(u));
+        else
+          asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;}\n"
+              : "=r"(r)
+              : "r"(u));
+        return r;
+      } else {
+        return fp8x2_to_f16x2<kE5M2>(__byte_perm(u, 0u, kLo | kHi << 4));
+      }
+    }
+  }
+};
+
 // Reg8 K: one ldmatrix (b16 view of the byte rows) hands lane (g, c) bytes 4c .. 4c + 3 of a
 // 16-dim group of token g; they become MMA k indices 2c, 2c + 1, 2c + 8, 2c + 9. Q is stored
 // with that permutation of each 16-dim group, so the dot product is unchanged: the 16-bit

@@ -21,6 +21,8 @@
 // and 8-bit sides (prefill_verify_pair); the 4-bit and fp32 caches keep the small-q block.
 #pragma once
 
+#include <type_traits>
+
 #include "attention/cuda/prefill_kernel.cuh"
 
 namespace kvq::cuda {
@@ -53,6 +55,13 @@ struct VCfg {
   static_assert(prefill_verify_pair(DK, DV, HD));
   static constexpr bool kReg8K = value_bits(DK) == 8;
   static constexpr bool kReg8V = value_bits(DV) == 8;
+  // int4_per_token_head: codes ldmatrix'ed as 16-bit units and converted in registers, (scale,
+  // zero) as a half2 per token; Q rotated as K was, O un-rotated as V was.
+  static constexpr bool kInt4K = DK == KvDtype::kInt4PerTokenHead;
+  static constexpr bool kInt4V = DV == KvDtype::kInt4PerTokenHead;
+  static constexpr bool kRotK = traits(DK).rotated;
+  static constexpr bool kRotV = traits(DV).rotated;
+  static_assert(kRotK == kInt4K && kRotV == kInt4V);
   static constexpr bool kBf16K = bf16_operands(DK);
   static constexpr bool kBf16V = bf16_operands(DV);
   static constexpr bool kMetaK = row_scaled(DK);
@@ -70,7 +79,8 @@ struct VCfg {
   static constexpr int kSlice = kSliceMetaV + (kMetaV ? 4 * kVSlice : 0);
   static constexpr int kQ = 0;
   static constexpr int kRowFac = kQ + kVRows * kQStride * 2;  // per row: the logit factor
-  static constexpr int kRing = kRowFac + 4 * kVRows;
+  static constexpr int kRowQsum = kRowFac + 4 * kVRows;       // per row: the sum of its Q operands
+  static constexpr int kRing = kRowQsum + 4 * kVRows;
   // Four slices a warp in flight where two blocks an SM still fit, else three.
   static constexpr int kStages = kRing + kVWarps * 4 * kSlice <= 110 * 1024 ? 4 : 3;
   static constexpr int kMain = kRing + kVWarps * kStages * kSlice;
@@ -79,16 +89,17 @@ struct VCfg {
   static constexpr int kMergeMl = kVWarps * kVRows * kOStride * 4;
   static constexpr int kMerge = kMergeMl + kVWarps * kVRows * 8;
   static constexpr int kSmem = cmax(kMain, kMerge);
-  static_assert(kRowFac % 16 == 0 && kRing % 16 == 0 && kSlice % 16 == 0 && kSliceV % 16 == 0);
+  static_assert(kRowFac % 16 == 0 && kRowQsum % 16 == 0 && kRing % 16 == 0 && kSlice % 16 == 0 &&
+                kSliceV % 16 == 0);
   static_assert(kSmem <= 113 * 1024, "two blocks an SM");
 };
 
 // Copies the kVSlice rows (kRow bytes each, kPitch apart in shared memory) of one warp's slice
-// starting at row `row` of a cache block (`block`: that block's rows of one kv head); rows of
-// tokens outside [lo, hi) are zeroed instead.
-template <int kRow, int kPitch>
+// starting at row `row` of a cache block (`block`: that block's rows of one kv head). kWhole: every
+// token of the slice is in [lo, hi); else the rows of tokens outside it are zeroed instead.
+template <int kRow, int kPitch, bool kWhole>
 __device__ __forceinline__ void copy_slice_rows(uint32_t dst, const uint8_t* block, int row, int t0,
-                                                int lo, int hi, bool whole, int lane) {
+                                                int lo, int hi, int lane) {
   constexpr int kPer = kRow / 16;
   static_assert(kRow % 16 == 0 && kVSlice * kPer % 32 == 0);
   const uint8_t* src = block + static_cast<uint64_t>(row) * kRow;
@@ -96,11 +107,47 @@ __device__ __forceinline__ void copy_slice_rows(uint32_t dst, const uint8_t* blo
   for (int k = 0; k < kVSlice * kPer / 32; ++k) {
     const int ch = lane + 32 * k, t = ch / kPer, w = ch - t * kPer;
     const uint32_t d = dst + t * kPitch + 16 * w;
-    if (whole || (t0 + t >= lo && t0 + t < hi))
+    if (kWhole || (t0 + t >= lo && t0 + t < hi))
       cp_async16(d, src + t * kRow + 16 * w);
     else
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(d), "r"(0u) : "memory");
   }
+}
+
+// The kVSlice per-token scales (4 bytes each, `src`: the slice's first) into `at`: a whole
+// slice as four 16-byte copies, an edge slice token by token (zeros outside [lo, hi)).
+template <bool kWhole>
+__device__ __forceinline__ void copy_slice_meta(uint32_t at, const uint8_t* src, int t0, int lo,
+                                                int hi, int lane) {
+  if constexpr (kWhole) {
+    if (lane < kVSlice / 4) cp_async16(at + 16 * lane, src + 16 * lane);
+  } else if (lane < kVSlice) {
+    const int tok = t0 + lane;
+    if (tok >= lo && tok < hi)
+      cp_async4(at + 4 * lane, src + 4 * lane);
+    else
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at + 4 * lane), "r"(0u) : "memory");
+  }
+}
+
+// Online softmax with a lazy maximum: a column's reference maximum moves only where the slice's
+// maximum exceeds it by more than this (log2 units), so most slices skip the O^T rescale; P is
+// then at most 2^8, which fp16 / bf16 hold with the same relative precision.
+inline constexpr float kMaxSlack = 8.0f;
+
+// int4 K: the stored column of Q's dim d. An ldmatrix of K's rows as 16-bit units hands lane
+// (g, c) bytes 4c .. 4c + 3 of a 32-dim group, dims 8c + k (k = 0..7, low nibble first); the
+// masks of int4_nib_pair take them in the pairs (k, k + 4), k = 0..3, and pair k is k-step
+// k / 2 of the group, MMA k index 2c + 8 (k % 2) (+ 1 for k + 4).
+__device__ __forceinline__ int q_col_reg4(int d) {
+  const int k = d & 7, c = (d >> 3) & 3;
+  return (d & ~31) + 16 * ((k >> 1) & 1) + 2 * c + 8 * (k & 1) + (k >> 2);
+}
+// Nibbles j of both 16-bit halves of w (bits 4j .. 4j + 3 and 16 + 4j ..) -> f16x2 of the
+// unsigned codes (exact).
+template <int kJ>
+__device__ __forceinline__ uint32_t int4_nib_pair(uint32_t w) {
+  return hsub2_bits(((w >> (4 * kJ)) & 0x000F000Fu) | 0x64006400u, 1024.0f);
 }
 
 template <KvDtype DK, KvDtype DV, int HD>
@@ -126,42 +173,62 @@ __global__ void __launch_bounds__(kVThreads, 2)
   const uint32_t ring_s = s_base + C::kRing + warp * kS * C::kSlice;
   float* rfac = reinterpret_cast<float*>(smem + C::kRowFac);
 
-  // This warp's slice of tile `tile` into ring stage (tile - tile_b) % kS: rows outside
-  // [lo, hi) are zeroed (P is 0 there, but 0 x NaN is not); one cp.async group a call.
+  // The next slice this warp copies (its tiles are issued in order): its cache block's index in
+  // the table and row there, advanced by a tile a call without a division, and that block's id,
+  // loaded a call ahead so no copy waits on it. A slice never crosses a cache block.
+  int n_b, n_row;
+  {
+    const int t_first = tile_b * kVTile + kVSlice * warp;
+    n_b = t_first / p.block_tokens;
+    n_row = t_first - n_b * p.block_tokens;
+  }
+  auto id_of = [&](int tile) {
+    const int t0 = tile * kVTile + kVSlice * warp;
+    return tile < tile_e && t0 < hi ? __ldg(blocks + n_b) : 0;
+  };
+  int32_t n_id = id_of(tile_b);
+  int issue_stage = 0;
+  // This warp's slice of tile `tile` (the next in order) into ring stage (tile - tile_b) % kS:
+  // rows outside [lo, hi) are zeroed (P is 0 there, but 0 x NaN is not); one cp.async group a
+  // call.
   auto issue = [&](int tile) {
     const int t0 = tile * kVTile + kVSlice * warp;
     if (tile < tile_e && t0 < hi && t0 + kVSlice > lo) {
-      const uint32_t dst = ring_s + ((tile - tile_b) % kS) * C::kSlice;
-      const int b = t0 / p.block_tokens;
-      const int row = t0 - b * p.block_tokens;  // a slice never crosses a cache block
-      const uint64_t block = static_cast<uint64_t>(__ldg(blocks + b));
-      const bool whole = t0 >= lo && t0 + kVSlice <= hi;
-      copy_slice_rows<C::kRowK, C::kPitchK>(dst, k_head + block * p.k.block_bytes, row, t0, lo, hi,
-                                            whole, lane);
-      copy_slice_rows<C::kRowV, C::kPitchV>(dst + C::kSliceV, v_head + block * p.v.block_bytes, row,
-                                            t0, lo, hi, whole, lane);
-      auto meta = [&](const uint8_t* head, uint64_t block_bytes, uint64_t values_bytes,
-                      uint32_t at) {
-        if (lane < kVSlice) {
-          const int tok = t0 + lane;
-          if (tok >= lo && tok < hi)
-            cp_async4(at + 4 * lane, head + values_bytes + block * block_bytes +
-                                         static_cast<uint64_t>(row + lane) * 4);
-          else
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at + 4 * lane), "r"(0u) : "memory");
-        }
+      const uint32_t dst = ring_s + issue_stage * C::kSlice;
+      const uint64_t block = static_cast<uint64_t>(n_id);
+      const uint8_t* kb = k_head + block * p.k.block_bytes;
+      const uint8_t* vb = v_head + block * p.v.block_bytes;
+      const int row = n_row;
+      auto copy = [&](auto whole) {
+        constexpr bool kW = decltype(whole)::value;
+        copy_slice_rows<C::kRowK, C::kPitchK, kW>(dst, kb, row, t0, lo, hi, lane);
+        copy_slice_rows<C::kRowV, C::kPitchV, kW>(dst + C::kSliceV, vb, row, t0, lo, hi, lane);
+        if constexpr (C::kMetaK)
+          copy_slice_meta<kW>(dst + C::kSliceMetaK,
+                              kb + p.k.values_bytes + static_cast<uint64_t>(row) * 4, t0, lo, hi,
+                              lane);
+        if constexpr (C::kMetaV)
+          copy_slice_meta<kW>(dst + C::kSliceMetaV,
+                              vb + p.v.values_bytes + static_cast<uint64_t>(row) * 4, t0, lo, hi,
+                              lane);
       };
-      if constexpr (C::kMetaK)
-        meta(k_head, p.k.block_bytes, p.k.values_bytes, dst + C::kSliceMetaK);
-      if constexpr (C::kMetaV)
-        meta(v_head, p.v.block_bytes, p.v.values_bytes, dst + C::kSliceMetaV);
+      if (t0 >= lo && t0 + kVSlice <= hi)  // warp-uniform
+        copy(std::true_type{});
+      else
+        copy(std::false_type{});
     }
     cp_async_commit();
+    issue_stage = issue_stage + 1 == kS ? 0 : issue_stage + 1;
+    n_row += kVTile;
+    while (n_row >= p.block_tokens) n_row -= p.block_tokens, ++n_b;  // warp-uniform
+    n_id = id_of(tile + 1);
   };
 #pragma unroll
   for (int st = 0; st < kS - 1; ++st) issue(tile_b + st);
 
-  // ---- Q: 8 rows a warp as 16-bit operands (an 8-bit K's dim permutation, q_col_reg8) ----
+  // ---- Q: 8 rows a warp as 16-bit operands (rotated for a rotated K; an 8-bit K's dim
+  //      permutation q_col_reg8, a 4-bit K's q_col_reg4) ----
+  float* rqsum = reinterpret_cast<float*>(smem + C::kRowQsum);
   {
     constexpr int E = HD / 32;
     constexpr int kWarpRows = kVRows / kVWarps;
@@ -172,11 +239,21 @@ __global__ void __launch_bounds__(kVThreads, 2)
 #pragma unroll
     for (int j = 0; j < kWarpRows; ++j) {
       const int lr = warp * kWarpRows + j;
+      if constexpr (C::kRotK) warp_hadamard_rotate<E>(xs[j], lane, p.signs);
       const float2 aq = pack_q_row<C::kBf16K>(xs[j], [&](int e, uint32_t pr) {
-        const int col = C::kReg8K ? q_col_reg8(lane * E + e) : lane * E + e;
-        *reinterpret_cast<uint32_t*>(qs + lr * C::kQStride + col) = pr;
+        const int d = lane * E + e;
+        if constexpr (C::kInt4K) {  // a pair's dims are not adjacent columns
+          qs[lr * C::kQStride + q_col_reg4(d)] = static_cast<uint16_t>(pr);
+          qs[lr * C::kQStride + q_col_reg4(d + 1)] = static_cast<uint16_t>(pr >> 16);
+        } else {
+          const int col = C::kReg8K ? q_col_reg8(d) : d;
+          *reinterpret_cast<uint32_t*>(qs + lr * C::kQStride + col) = pr;
+        }
       });
-      if (lane == 0) rfac[lr] = r0 + lr < rows_total ? p.softmax_scale * kscale / aq.x : 0.0f;
+      if (lane == 0) {
+        rfac[lr] = r0 + lr < rows_total ? p.softmax_scale * kscale / aq.x : 0.0f;
+        rqsum[lr] = aq.y;
+      }
     }
   }
   __syncthreads();
@@ -185,9 +262,16 @@ __global__ void __launch_bounds__(kVThreads, 2)
   const bool capped = p.soft_cap != 0.0f;
   const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
   float fac[2 * kVNT], m[2 * kVNT], l[2 * kVNT];
+  // int4 K: per column the sum of its Q operands (the zero point's logit term); int4 V: per
+  // column sum_t P'(t) z(t) / s(t) over this lane's tokens (the zero point's output term, in the
+  // units of P' = P s / s_run, rescaled with O^T).
+  [[maybe_unused]] float qsm[C::kInt4K ? 2 * kVNT : 1], zacc[C::kInt4V ? 2 * kVNT : 1];
 #pragma unroll
   for (int j = 0; j < 2 * kVNT; ++j) {
-    fac[j] = rfac[8 * (j >> 1) + 2 * c + (j & 1)] * (capped ? 1.0f : kLog2e);
+    const int col = 8 * (j >> 1) + 2 * c + (j & 1);
+    fac[j] = rfac[col] * (capped ? 1.0f : kLog2e);
+    if constexpr (C::kInt4K) qsm[j] = rqsum[col];
+    if constexpr (C::kInt4V) zacc[j] = 0.0f;
     m[j] = -__uint_as_float(kF32Inf);
     l[j] = 0.0f;
   }
@@ -213,33 +297,50 @@ __global__ void __launch_bounds__(kVThreads, 2)
                              ? ((lane & 7) + 8 * ((lane >> 3) & 1)) * C::kPitchV + 16 * (lane >> 4)
                              : ((lane & 7) + 8 * (lane >> 4)) * C::kPitchV + 16 * ((lane >> 3) & 1);
 
+  int stage = 0;  // (tile - tile_b) % kS
 #pragma unroll 1
-  for (int tile = tile_b; tile < tile_e; ++tile) {
+  for (int tile = tile_b; tile < tile_e; ++tile, stage = stage + 1 == kS ? 0 : stage + 1) {
     cp_async_wait<kS - 2>();
     __syncwarp();  // this slice's bytes landed for the whole warp; the last slice is read
     issue(tile + kS - 1);
     const int t0 = tile * kVTile + kVSlice * warp;
     if (!(t0 < hi && t0 + kVSlice > lo)) continue;  // warp-uniform
-    const uint32_t buf = ring_s + ((tile - tile_b) % kS) * C::kSlice;
+    const uint32_t buf = ring_s + stage * C::kSlice;
     const uint8_t* bufp = smem + (buf - s_base);
 
     // ---- S^T = K Q^T: 16 tokens x 32 rows ----
     float s[kVNT][4];
 #pragma unroll
     for (int nt = 0; nt < kVNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    [[maybe_unused]] uint32_t k4[4];  // int4 K: the ldmatrix of two groups
 #pragma unroll
     for (int kp = 0; kp < HD / 32; ++kp) {
       uint32_t ka[2][4];
-      if constexpr (C::kReg8K) {
+      if constexpr (C::kInt4K) {
+        // One ldmatrix of 16-bit units for two 32-dim groups (kp, kp + 1): tokens g / g + 8,
+        // dims 8c .. 8c + 7 of each; group kp's pairs k = 0, 1 are k-step 2 kp, 2, 3 the next.
+        static_assert(HD % 64 == 0);
+        if (kp % 2 == 0) ldsm_x4(buf + k_off + 16 * kp, k4[0], k4[1], k4[2], k4[3]);
+        const uint32_t x = k4[2 * (kp % 2)], y = k4[2 * (kp % 2) + 1];
+        ka[0][0] = int4_nib_pair<0>(x);
+        ka[0][1] = int4_nib_pair<0>(y);
+        ka[0][2] = int4_nib_pair<1>(x);
+        ka[0][3] = int4_nib_pair<1>(y);
+        ka[1][0] = int4_nib_pair<2>(x);
+        ka[1][1] = int4_nib_pair<2>(y);
+        ka[1][2] = int4_nib_pair<3>(x);
+        ka[1][3] = int4_nib_pair<3>(y);
+      } else if constexpr (C::kReg8K) {
         // One ldmatrix of bytes: tokens g / g + 8, bytes 4c .. 4c + 3 of two 16-dim groups.
         uint32_t w[4];
         ldsm_x4(buf + k_off + 32 * kp, w[0], w[1], w[2], w[3]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          ka[h][0] = cvt8_pair01<DK>(w[2 * h]);
-          ka[h][1] = cvt8_pair01<DK>(w[2 * h + 1]);
-          ka[h][2] = cvt8_pair01<DK>(w[2 * h] >> 16);
-          ka[h][3] = cvt8_pair01<DK>(w[2 * h + 1] >> 16);
+          const Cvt8Word<DK> x(w[2 * h]), y(w[2 * h + 1]);
+          ka[h][0] = x.template pair<0, 1>();
+          ka[h][1] = y.template pair<0, 1>();
+          ka[h][2] = x.template pair<2, 3>();
+          ka[h][3] = y.template pair<2, 3>();
         }
       } else {
 #pragma unroll
@@ -260,22 +361,41 @@ __global__ void __launch_bounds__(kVThreads, 2)
     }
 
     // ---- logits (log2 units), mask, online softmax per column ----
-    float ksc[2] = {1.0f, 1.0f}, vsc[2] = {1.0f, 1.0f};
-    if constexpr (C::kMetaK) {
-      const float* mk = reinterpret_cast<const float*>(bufp + C::kSliceMetaK);
-      ksc[0] = mk[g];
-      ksc[1] = mk[g + 8];
-    }
+    // Per-token metadata of this lane's tokens g, g + 8 (int4: (scale, zero) as a half2).
+    float ksc[2] = {1.0f, 1.0f}, kzp[2] = {0.0f, 0.0f};
+    float vsc[2] = {1.0f, 1.0f}, vzp[2] = {0.0f, 0.0f};
+    auto token_meta = [&](int off, bool int4, float(&sc)[2], float(&zp)[2]) {
+      const uint32_t* mt = reinterpret_cast<const uint32_t*>(bufp + off);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const uint32_t w = mt[g + 8 * hf];
+        if (int4) {
+          const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&w));
+          sc[hf] = sz.x;
+          zp[hf] = sz.y;
+        } else {
+          sc[hf] = __uint_as_float(w);
+        }
+      }
+    };
+    if constexpr (C::kMetaK) token_meta(C::kSliceMetaK, C::kInt4K, ksc, kzp);
 #pragma unroll
     for (int nt = 0; nt < kVNT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[nt][e];
-        if constexpr (C::kMetaK) x *= ksc[e >> 1];
-        x *= fac[2 * nt + (e & 1)];
-        if (capped) x = cap * tanhf(x * inv_cap) * kLog2e;
-        s[nt][e] = x;
+        if constexpr (C::kInt4K)  // k = s q + z: s (Q . q) + z sum(Q)
+          x = fmaf(x, ksc[e >> 1], kzp[e >> 1] * qsm[2 * nt + (e & 1)]);
+        else if constexpr (C::kMetaK)
+          x *= ksc[e >> 1];
+        s[nt][e] = x * fac[2 * nt + (e & 1)];
       }
+    if (capped) {  // one branch for the slice (not one an element)
+#pragma unroll
+      for (int nt = 0; nt < kVNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = cap * tanhf(s[nt][e] * inv_cap) * kLog2e;
+    }
     if (!(t0 >= all_lo && t0 + kVSlice <= all_hi)) {
 #pragma unroll
       for (int j = 0; j < 2 * kVNT; ++j) {
@@ -296,9 +416,11 @@ __global__ void __launch_bounds__(kVThreads, 2)
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 4));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 8));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 16));
-      const float m_new = fmaxf(m[j], mx);
+      // m[j] = -inf (nothing seen yet) moves to any finite maximum.
+      const bool bump = mx > m[j] + kMaxSlack;
+      const float m_new = bump ? mx : m[j];
       mu[j] = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
-      corr[j] = fast_exp2(m[j] - mu[j]);
+      corr[j] = bump ? fast_exp2(m[j] - mu[j]) : 1.0f;
       m[j] = m_new;
     }
 #pragma unroll
@@ -311,22 +433,28 @@ __global__ void __launch_bounds__(kVThreads, 2)
     }
     if constexpr (C::kMetaV) {
       // P *= s_v(token) / (running max of s_v): fp16 P stays in [0, 1].
-      const float* mv = reinterpret_cast<const float*>(bufp + C::kSliceMetaV);
-      vsc[0] = mv[g];
-      vsc[1] = mv[g + 8];
+      token_meta(C::kSliceMetaV, C::kInt4V, vsc, vzp);
       float vmx = fmaxf(vsc[0], vsc[1]);
       vmx = fmaxf(vmx, __shfl_xor_sync(kFullMask, vmx, 4));
       vmx = fmaxf(vmx, __shfl_xor_sync(kFullMask, vmx, 8));
       vmx = fmaxf(vmx, __shfl_xor_sync(kFullMask, vmx, 16));
       const float s_new = fmaxf(s_run, vmx);
       const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
+      const float rescale = s_new > 0.0f && s_new != s_run ? s_run * inv_s : 1.0f;
+#pragma unroll
+      for (int j = 0; j < 2 * kVNT; ++j) corr[j] *= rescale;
+      if constexpr (C::kInt4V) {
+        // v = s q + z: the zeros' share of O is sum_t P(t) z(t), kept in units of s_run as
+        // O^T is (so rescaled with it).
+#pragma unroll
+        for (int j = 0; j < 2 * kVNT; ++j)
+          zacc[j] = fmaf(zacc[j], corr[j],
+                         fmaf(s[j >> 1][j & 1], vzp[0], s[j >> 1][2 + (j & 1)] * vzp[1]) * inv_s);
+      }
 #pragma unroll
       for (int nt = 0; nt < kVNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] *= vsc[e >> 1] * inv_s;
-      const float rescale = s_new > 0.0f && s_new != s_run ? s_run * inv_s : 1.0f;
-#pragma unroll
-      for (int j = 0; j < 2 * kVNT; ++j) corr[j] *= rescale;
       s_run = s_new;
     }
 
@@ -352,7 +480,28 @@ __global__ void __launch_bounds__(kVThreads, 2)
       pb[nt][0] = movmatrix_trans(pack2<C::kBf16V>(s[nt][0], s[nt][1]));
       pb[nt][1] = movmatrix_trans(pack2<C::kBf16V>(s[nt][2], s[nt][3]));
     }
-    if constexpr (C::kReg8V) {
+    if constexpr (C::kInt4V) {
+      // One transposed ldmatrix of 16-bit units (4 dims each) for 64 dims: tokens (2c, 2c + 1)
+      // (+ 8) x units g, g + 8. m-tile 4 jp + j's rows g / g + 8 are dims 64 jp + 4g + j /
+      // 64 jp + 32 + 4g + j: nibble j of both tokens' units.
+#pragma unroll
+      for (int jp = 0; jp < HD / 64; ++jp) {
+        uint32_t r[4];
+        ldsm_x4_trans(buf + C::kSliceV + v_off + 32 * jp, r[0], r[1], r[2], r[3]);
+        auto mt4 = [&](auto jc) {
+          constexpr int j = decltype(jc)::value;
+          const uint32_t a0 = int4_nib_pair<j>(r[0]), a1 = int4_nib_pair<j>(r[1]);
+          const uint32_t a2 = int4_nib_pair<j>(r[2]), a3 = int4_nib_pair<j>(r[3]);
+#pragma unroll
+          for (int nt = 0; nt < kVNT; ++nt)
+            mma<false>(o[4 * jp + j][nt], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
+        };
+        mt4(std::integral_constant<int, 0>{});
+        mt4(std::integral_constant<int, 1>{});
+        mt4(std::integral_constant<int, 2>{});
+        mt4(std::integral_constant<int, 3>{});
+      }
+    } else if constexpr (C::kReg8V) {
       // One transposed ldmatrix of bytes: tokens (2c, 2c + 1) x dims (2g, 2g + 1) of two 16-dim
       // groups for tokens 0-7 and 8-15. m-tile mt's rows g / g + 8 are dims 16 mt + 2g / + 1.
 #pragma unroll
@@ -361,9 +510,9 @@ __global__ void __launch_bounds__(kVThreads, 2)
         ldsm_x4_trans(buf + C::kSliceV + v_off + 32 * jp, w[0], w[1], w[2], w[3]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t a0 = cvt8_pair02<DV>(w[2 * h]), a1 = cvt8_pair02<DV>(w[2 * h] >> 8);
-          const uint32_t a2 = cvt8_pair02<DV>(w[2 * h + 1]);
-          const uint32_t a3 = cvt8_pair02<DV>(w[2 * h + 1] >> 8);
+          const Cvt8Word<DV> x(w[2 * h]), y(w[2 * h + 1]);
+          const uint32_t a0 = x.template pair<0, 2>(), a1 = x.template pair<1, 3>();
+          const uint32_t a2 = y.template pair<0, 2>(), a3 = y.template pair<1, 3>();
 #pragma unroll
           for (int nt = 0; nt < kVNT; ++nt)
             mma<false>(o[2 * jp + h][nt], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
@@ -397,6 +546,11 @@ __global__ void __launch_bounds__(kVThreads, 2)
     lsum += __shfl_xor_sync(kFullMask, lsum, 8);
     lsum += __shfl_xor_sync(kFullMask, lsum, 16);
     if (g == 0) ml[8 * (j >> 1) + 2 * c + (j & 1)] = make_float2(m[j], lsum);
+    if constexpr (C::kInt4V) {
+      zacc[j] += __shfl_xor_sync(kFullMask, zacc[j], 4);
+      zacc[j] += __shfl_xor_sync(kFullMask, zacc[j], 8);
+      zacc[j] += __shfl_xor_sync(kFullMask, zacc[j], 16);
+    }
   }
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -405,8 +559,12 @@ __global__ void __launch_bounds__(kVThreads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = 8 * nt + 2 * c + (e & 1), hf = e >> 1;
-        const int dim = C::kReg8V ? 16 * mt + 2 * g + hf : 16 * mt + g + 8 * hf;
-        ob[col * C::kOStride + dim] = o[mt][nt][e] * scale_o;
+        const int dim = C::kInt4V   ? 64 * (mt >> 2) + 32 * hf + 4 * g + (mt & 3)
+                        : C::kReg8V ? 16 * mt + 2 * g + hf
+                                    : 16 * mt + g + 8 * hf;
+        float x = o[mt][nt][e];
+        if constexpr (C::kInt4V) x += zacc[2 * nt + (e & 1)];
+        ob[col * C::kOStride + dim] = x * scale_o;
       }
   __syncthreads();
   const bool partial = p.num_splits > 1;
@@ -434,15 +592,21 @@ __global__ void __launch_bounds__(kVThreads, 2)
     const int ri = blk.row_index(p, r);
     float* dst = partial ? p.part_o + (static_cast<size_t>(blk.split) * p.part_rows + ri) * HD
                          : p.out + static_cast<size_t>(ri) * HD;
+    // A rotated V's output is un-rotated here (a linear map, so split partials may be too):
+    // warp_hadamard_unrotate takes dims lane E + e; others are written lane + 32 e (coalesced).
+    float x[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      const int dim = lane + 32 * e;
+      const int dim = C::kRotV ? lane * E + e : lane + 32 * e;
       float acc = 0.0f;
 #pragma unroll
       for (int w = 0; w < kVWarps; ++w)
         acc = fmaf(wt[w], obase[(w * kVRows + col) * C::kOStride + dim], acc);
-      dst[dim] = acc * inv;
+      x[e] = acc * inv;
     }
+    if constexpr (C::kRotV) warp_hadamard_unrotate<E>(x, lane, p.signs);
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[C::kRotV ? lane * E + e : lane + 32 * e] = x[e];
     if (partial && lane == 0)
       p.part_ml[static_cast<size_t>(blk.split) * p.part_rows + ri] = make_float2(mx, lsum);
   }
