@@ -924,6 +924,9 @@ TEST(CudaPrefill, SmallQSplitsFillWholeWaves) {
   EXPECT_EQ(vplan.num_splits, 4);
   EXPECT_EQ(cuda::plan_prefill(spec, q32, len32, v).num_splits, 1);
   EXPECT_EQ(cuda::plan_prefill(spec, one_q, one_len, v).num_splits, 4);
+  // Batch 1 x 8k (128 tiles): at most 16 splits, where the other kernels take up to 32.
+  const std::vector<int32_t> one_8k = {8192};
+  EXPECT_EQ(cuda::plan_prefill(spec, one_q, one_8k, v).num_splits, 16);
   // Batch 64 (512 blocks, two waves unsplit): unsplit, where the older rule made 2 splits (four
   // waves; H100 fp8 64 x 4k at 2 splits: 302.9 us, 1.47x the decode kernel).
   EXPECT_EQ(cuda::plan_prefill(spec, big_q, big_len, v).num_splits, 1);

@@ -328,9 +328,11 @@ PrefillPlan plan_prefill(const LayerKvSpec& spec, std::span<const int32_t> q_ind
     const int64_t kv_tile = verify || spec.head_dim_k <= 64 ? 64 : 32;
     const int64_t kv_tiles = (max_kv + kv_tile - 1) / kv_tile;
     const int64_t per_split = int64_t{plan.total_q} * spec.num_q_heads * (spec.head_dim_v * 4 + 8);
+    // The verification kernel at most 16 (each split's warps fill their rings once; H100 fp8
+    // batch 1 x 8k: 16 splits 32.0 us, 32 splits 36.8; docs/notes/prefill-tuning.md v18).
     const int64_t cap =
-        std::min({int64_t{32} /* prefill_merge_kernel: a split a lane */, kv_tiles / 4,
-                  static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
+        std::min({verify ? int64_t{16} : int64_t{32} /* prefill_merge_kernel: a split a lane */,
+                  kv_tiles / 4, static_cast<int64_t>(kPrefillSplitWorkspaceBytes) / per_split});
     const int64_t slots =
         int64_t{options.num_sms} *
         prefill_blocks_per_sm(spec.head_dim_k, static_cast<int>(rows_per_block), plan.wgmma);
