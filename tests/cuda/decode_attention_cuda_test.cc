@@ -153,10 +153,12 @@ TEST(CudaDecode, SplitCountsAndHeadChunksAgree) {
   std::mt19937 rng(seed);
   for (KvDtype dtype : {KvDtype::kFp8E4M3, KvDtype::kInt4PerTokenHead, KvDtype::kBFloat16}) {
     // fp8: causal with 4500 tokens (282 one-tile splits, more than one merge pass);
-    // the others: a sliding window that starts inside a tile.
+    // the others: a sliding window that starts inside a tile. int4 in blocks of 32 tokens:
+    // one-item splits that start in the middle of a block and walk more than 32 blocks (the
+    // one-query ring's block-id reloads).
     CudaAttnCase c = decode_case(dtype, {dtype == KvDtype::kFp8E4M3 ? 4500 : 2500, 5, 999, 1001});
     c.set_head_dim(128);
-    c.block_tokens = 16;
+    c.block_tokens = dtype == KvDtype::kInt4PerTokenHead ? 32 : 16;
     c.ratio = 12;
     c.num_kv_heads = 1;
     c.kind = dtype == KvDtype::kFp8E4M3 ? AttentionKind::kCausal : AttentionKind::kSlidingWindow;

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -191,7 +192,8 @@ struct PrepParams {
 // it to the MMA operand type (fp16 with a power-of-two scale a so |q a| < 2, or bf16), and scatters
 // it into the fragment order of decode_params.h. Rows past the sequence's queries (t >= q_len)
 // become zeros.
-template <int HD>
+// kRingSide: the same kernel with its own carveout (launch_by_dim's `ring`).
+template <int HD, bool kRingSide>
 __global__ void __launch_bounds__(32) decode_prep_kernel(const __grid_constant__ PrepParams p) {
   constexpr int E = HD / 32;
   __shared__ uint16_t row[HD];
@@ -311,7 +313,7 @@ __device__ __forceinline__ float block_reduce(float v, bool is_max, float* scrat
 // One block per (query head, sequence): every split's weight l * 2^(m - M) into shared
 // memory, then kMergeThreads / HD groups of threads walk the splits (one dim per thread,
 // several loads in flight), a sum over the groups, and the un-rotation of rotated V.
-template <int HD>
+template <int HD, bool kRingSide>
 __global__ void __launch_bounds__(kMergeThreads)
     decode_merge_kernel(const __grid_constant__ MergeParams p) {
   constexpr int kGroups = kMergeThreads / HD;
@@ -374,7 +376,7 @@ __global__ void __launch_bounds__(kMergeThreads)
 }
 
 // For few splits: one warp per (sequence, query head), four heads per block.
-template <int HD>
+template <int HD, bool kRingSide>
 __global__ void __launch_bounds__(128)
     decode_merge_warp_kernel(const __grid_constant__ MergeParams p) {
   constexpr int E = HD / 32;
@@ -428,21 +430,37 @@ void launch(void (*kernel)(Params), dim3 grid, unsigned threads, const Params& p
   launch_kernel(kernel, grid, dim3(threads), stream, dependent, params);
 }
 
+// `ring`: the split-KV kernel is a ring's (decode_ring_pair): the variants of the prep and
+// merge kernels with the largest shared-memory carveout, as the ring's kernel has.
 void launch_by_dim(int hd, Aux which, const PrepParams& pp, const MergeParams& mp, dim3 grid,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, bool ring) {
   const bool known = with_head_dim(hd, [&](auto dim) {
     constexpr int HD = decltype(dim)::value;
-    switch (which) {
-      case Aux::kPrep:
-        launch(decode_prep_kernel<HD>, grid, 32, pp, pdl_enabled(), stream);
-        break;
-      case Aux::kMergeWarp:
-        launch(decode_merge_warp_kernel<HD>, grid, 128, mp, true, stream);
-        break;
-      case Aux::kMergeBlock:
-        launch(decode_merge_kernel<HD>, grid, kMergeThreads, mp, true, stream);
-        break;
-    }
+    auto go = [&](auto c, auto kernel, unsigned threads, const auto& params, bool dependent) {
+      if constexpr (decltype(c)::value) {
+        static std::atomic<uint64_t> done{0};
+        prefer_max_shared_once(reinterpret_cast<const void*>(kernel), done, 0);
+      }
+      launch(kernel, grid, threads, params, dependent, stream);
+    };
+    auto pick = [&](auto c) {
+      constexpr bool kRingSide = decltype(c)::value;
+      switch (which) {
+        case Aux::kPrep:
+          go(c, decode_prep_kernel<HD, kRingSide>, 32, pp, pdl_enabled());
+          break;
+        case Aux::kMergeWarp:
+          go(c, decode_merge_warp_kernel<HD, kRingSide>, 128, mp, true);
+          break;
+        case Aux::kMergeBlock:
+          go(c, decode_merge_kernel<HD, kRingSide>, kMergeThreads, mp, true);
+          break;
+      }
+    };
+    if (ring)
+      pick(std::true_type{});
+    else
+      pick(std::false_type{});
   });
   KVQ_CHECK(known, "cuda decode: head_dim " + std::to_string(hd) + " unsupported");
 }
@@ -760,12 +778,13 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
     return e == nullptr ? 0 : std::atoi(e);
   }();
   const auto seqs = static_cast<unsigned>(plan.num_seqs);
+  const bool ring = plan.q_per_seq == 1 && decode_ring_pair(spec.k_dtype, spec.v_dtype, hd);
   if (!(lab & 1))
     launch_by_dim(
         hd, Aux::kPrep, pp, mp,
         dim3(static_cast<unsigned>(spec.num_kv_heads * plan.head_chunks * plan.rows_per_warp),
              seqs),
-        stream);
+        stream, ring);
   if (plan.cluster > 0) {
     // One cluster per (sequence, kv head); the splits merge inside it.
     const int64_t blocks = static_cast<int64_t>(plan.num_seqs) * spec.num_kv_heads * plan.cluster;
@@ -786,10 +805,24 @@ void run_decode(const LayerKvSpec& spec, const DecodePlan& plan, const DecodeArg
   const auto query_rows = static_cast<unsigned>(plan.num_seqs * plan.q_per_seq);
   if (plan.max_splits <= kMergeWarpMaxSplits)
     launch_by_dim(hd, Aux::kMergeWarp, pp, mp,
-                  dim3(static_cast<unsigned>((spec.num_q_heads + 3) / 4), query_rows), stream);
+                  dim3(static_cast<unsigned>((spec.num_q_heads + 3) / 4), query_rows), stream,
+                  ring);
   else
     launch_by_dim(hd, Aux::kMergeBlock, pp, mp,
-                  dim3(static_cast<unsigned>(spec.num_q_heads), query_rows), stream);
+                  dim3(static_cast<unsigned>(spec.num_q_heads), query_rows), stream, ring);
+}
+
+void prefer_max_shared_once(const void* f, std::atomic<uint64_t>& done, size_t max_dynamic_smem) {
+  int dev = 0;
+  KVQ_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = uint64_t{1} << (dev & 63);
+  if ((done.load(std::memory_order_acquire) & bit) != 0) return;
+  KVQ_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared));
+  if (max_dynamic_smem > 0)
+    KVQ_CUDA_CHECK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(max_dynamic_smem)));
+  done.fetch_or(bit, std::memory_order_acq_rel);
 }
 
 }  // namespace kvq::cuda

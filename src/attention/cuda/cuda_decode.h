@@ -11,8 +11,10 @@
 // contiguous range of 16-token tiles); a row is a query head of the group or, for several
 // queries per sequence (speculative verification, a DFlash block), a (query token, head) pair
 // with its own causal / window limit. Per tile it issues 16-byte loads of K and V straight
-// from the paged cache into registers, dequantizes into fp16 (bf16 for bfloat16 / float32
-// caches) mma operands, and runs S = Q K^T and O += P V as m16n8k16 tensor-core MMAs with
+// from the paged cache into registers (one-query warps of the 4-bit pairs instead stream
+// their tiles through a per-warp shared-memory ring that lane 0 fills with bulk copies four
+// tiles ahead, and take two tiles a trip for int4_per_token_head), dequantizes into fp16
+// (bf16 for bfloat16 / float32 caches) mma operands, and runs S = Q K^T and O += P V as m16n8k16 tensor-core MMAs with
 // fp32 accumulation and an fp32 online softmax. Q is kept as fp16 with a per-head power-of-two
 // scale (bf16 for bf16 / fp32 K); P is fp16 (bf16 for bf16 / fp32 V); nothing is fp8. K and V
 // may differ (the mixed pairs of kv_pairs.h): the S = Q K^T side (Q's operand type, fragment

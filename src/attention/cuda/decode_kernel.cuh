@@ -7,12 +7,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <string>
+#include <type_traits>
 
 #include "attention/cuda/cuda_decode.h"
 #include "attention/cuda/decode_params.h"
 #include "cache/cuda/cuda_check.h"
 #include "cache/cuda/dispatch.h"
+#include "cache/cuda/mbarrier.cuh"
 #include "kvq/core/error.h"
 
 // Kernel-lab switches (docs/notes/decode-tuning.md version 23). KVQ_ONEQ_BLOCKS: the blocks
@@ -267,6 +270,122 @@ __device__ __forceinline__ void load_tile(TileRaw<DK, DV, HD>& r, const DecodeKe
         r.vs[2 * h] = v0 ? va.x : 0u;
         r.vs[2 * h + 1] = v1 ? va.y : 0u;
       }
+    }
+  }
+}
+
+// ---- the one-query ring (docs/notes/decode-tuning.md version 24) ----------------------------
+// Each warp of a one-query kernel of a 4-bit pair (decode_ring_pair) streams its tiles through
+// a ring of kStages stages in static shared memory: lane 0 issues a tile's bulk copies (its K
+// codes, K per-token metadata, V codes, V metadata: each contiguous in a cache block) kStages
+// tiles ahead, completing on the stage's mbarrier, and the lanes read their registers back in
+// load_tile's layout, K before the logits and V after them. The tiles in flight cost no
+// registers and no per-lane address arithmetic.
+template <KvDtype DK, KvDtype DV, int HD>
+struct Ring {
+  using SK = Shape<DK, HD>;
+  using SV = Shape<DV, HD>;
+  static constexpr int kKRow = kv_row_bytes(DK, HD), kVRow = kv_row_bytes(DV, HD);
+  static constexpr int kKCodes = kDecodeTileTokens * kKRow;  // multiples of 16
+  static constexpr int kVCodes = kDecodeTileTokens * kVRow;
+  static constexpr int kKMeta = SK::kRowScale ? kDecodeTileTokens * 4 : 0;
+  static constexpr int kVMeta = SV::kRowScale ? kDecodeTileTokens * 4 : 0;
+  static constexpr int kKStage = kKCodes + kKMeta;
+  static constexpr int kStage = kKStage + kVCodes + kVMeta;
+  // Static shared memory of a block stays under 48 KB (4 warps): 4 stages for 4-bit sides
+  // (8-bit ones would get 2; with them the ring measured 1-3% slower than the registers).
+  static constexpr int kStages = cmin(4, (45 * 1024) / (kDecodeWarps * kStage));
+  static constexpr bool kOn = decode_ring_pair(DK, DV, HD) && kStages >= 2;
+  // Tiles a trip (process_t's NT): two only where two trips' stages fit the ring.
+  static constexpr int kTrip = kStages >= 4 ? decode_ring_trip(DK, DV) : 1;
+  static_assert(kKCodes % 16 == 0 && kVCodes % 16 == 0 && kKStage % 16 == 0);
+};
+
+template <int W>
+__device__ __forceinline__ void lds_words(uint32_t a, uint32_t* dst) {
+  if constexpr (W == 16) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(dst[0]), "=r"(dst[1]), "=r"(dst[2]), "=r"(dst[3])
+                 : "r"(a));
+  } else if constexpr (W == 8) {
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(dst[0]), "=r"(dst[1]) : "r"(a));
+  } else {
+    static_assert(W == 4);
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(dst[0]) : "r"(a));
+  }
+}
+template <int W>
+__device__ __forceinline__ uint32_t lds_small(uint32_t a) {
+  uint32_t v;
+  if constexpr (W == 2)
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(v) : "r"(a));
+  else
+    asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(a));
+  return v;
+}
+
+// load_tile<..., kTokG = true> for a tile in ring stage `st` (a shared-window address): the
+// same registers, zeros for the tokens outside [x.lo, x.hi) unless kFull.
+// kParts: 1 K codes and metadata, 2 V codes and metadata.
+template <KvDtype DK, KvDtype DV, int HD, bool kFull, int kParts>
+__device__ __forceinline__ void load_tile_ring(TileRaw<DK, DV, HD>& r, uint32_t st,
+                                               const TileCtx& x, int t0) {
+  using SK = Shape<DK, HD>;
+  using SV = Shape<DV, HD>;
+  using RG = Ring<DK, DV, HD>;
+#pragma unroll
+  for (int n = 0; n < ((kParts & 1) != 0 ? 2 : 0); ++n) {
+    const int tt = 8 * n + x.g;
+    const bool vis = kFull || (t0 + tt >= x.lo && t0 + tt < x.hi);
+    const uint32_t row = st + tt * RG::kKRow;
+#pragma unroll
+    for (int j = 0; j < SK::kKChunks; ++j) {
+      uint32_t* dst = &r.k[n][j * (SK::kKChunk / 4)];
+      if (vis) {
+        lds_words<SK::kKChunk>(row + (x.c + 4 * j) * SK::kKChunk, dst);
+      } else {
+#pragma unroll
+        for (int w = 0; w < SK::kKChunk / 4; ++w) dst[w] = 0;
+      }
+      if constexpr (SK::kNvfp4) {
+        const uint32_t sc = row + HD / 2 + ((x.c + 4 * j) * SK::kKEpb) / 16;
+        r.kb[n][j] = vis ? lds_small<(SK::kKEpb >= 32 ? 2 : 1)>(sc) : 0u;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < ((kParts & 2) != 0 ? 4 : 0); ++i) {
+    const int tt = 2 * x.c + (i & 1) + 8 * (i >> 1);
+    const bool vis = kFull || (t0 + tt >= x.lo && t0 + tt < x.hi);
+    const uint32_t row = st + RG::kKStage + tt * RG::kVRow;
+#pragma unroll
+    for (int l = 0; l < SV::kVPart / SV::kVLoad; ++l) {
+      uint32_t* dst = &r.v[i][l * (SV::kVLoad / 4)];
+      if (vis) {
+        lds_words<SV::kVLoad>(row + x.g * SV::kVPart + l * SV::kVLoad, dst);
+      } else {
+#pragma unroll
+        for (int w = 0; w < SV::kVLoad / 4; ++w) dst[w] = 0;
+      }
+    }
+    if constexpr (SV::kNvfp4) {
+      const uint32_t sc = row + HD / 2 + (x.g * (HD / 8)) / 16;
+      r.vb[i] = vis ? lds_small<(HD / 8 >= 32 ? 2 : 1)>(sc) : 0u;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int tt = x.g + 8 * h;
+    const bool vis = kFull || (t0 + tt >= x.lo && t0 + tt < x.hi);
+    if constexpr (SK::kRowScale && (kParts & 1) != 0) {
+      uint32_t ka;
+      lds_words<4>(st + RG::kKCodes + tt * 4, &ka);
+      r.ks[h] = vis ? ka : 0u;
+    }
+    if constexpr (SV::kRowScale && (kParts & 2) != 0) {
+      uint32_t va;
+      lds_words<4>(st + RG::kKStage + RG::kVCodes + tt * 4, &va);
+      r.vs[h] = vis ? va : 0u;
     }
   }
 }
@@ -688,6 +807,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   // of tokens g and g + 8; o[i] is O^T's m-tile i: dims g (HD / 8) + 2i (entries 0, 1) and
   // g (HD / 8) + 2i + 1 (entries 2, 3) of rows 2c, 2c + 1.
   constexpr bool kT = kDecodeTransposed && !kMulti && kR == 8 && !P::kLateV;
+  // 8- and 4-bit sides of the transposed product: tiles through the shared-memory ring.
+  constexpr bool kRing = kT && Ring<DK, DV, HD>::kOn;
   // int4 K in the transposed product: odd K pairs masked in place at 16x (k_pair's kX16).
   constexpr bool kK16 = kT && SK::kInt4;
   [[maybe_unused]] float2 kzb[2];
@@ -740,98 +861,148 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
 
   // after_k: called once the tile's logits are done with its K (the prefetching loop issues
   // the next tile's loads there).
-  auto process_t = [&](TileRaw<DK, DV, HD>& cur, int tile, auto&& after_k, auto& oo) {
-    const int t0 = tile * kDecodeTileTokens;
-    // ---- S^T = K Q^T: st[2 n + e] = token g + 8 n, row 2c + e ----
-    float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // NT tiles a trip (tile, tile + 1, ...: 1, or 2 in the ring's trips): their S^T chains are
+  // independent, and the running maxima, the rescale of o and their reductions are paid once
+  // a trip.
+  // before_v: called once the logits are done, before anything reads V (the ring reads V's
+  // codes from shared memory there).
+  auto process_t = [&](auto nt, TileRaw<DK, DV, HD>* cur, int tile, auto&& after_k, auto&& before_v,
+                       auto& oo) {
+    constexpr int NT = decltype(nt)::value;
+    // ---- S^T = K Q^T: st[u][2 n + e] = token g + 8 n of tile u, row 2c + e ----
+    float st[NT][4];
+#pragma unroll
+    for (int u = 0; u < NT; ++u)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) st[u][i] = 0.0f;
 #pragma unroll
     for (int s = 0; s < SK::kKSteps; ++s) {
-      const uint32_t a0 = k_pair<DK, HD, kK16>(cur.k[0], cur.kb[0], 2 * s);
-      const uint32_t a1 = k_pair<DK, HD, kK16>(cur.k[1], cur.kb[1], 2 * s);
-      const uint32_t a2 = k_pair<DK, HD, kK16>(cur.k[0], cur.kb[0], 2 * s + 1);
-      const uint32_t a3 = k_pair<DK, HD, kK16>(cur.k[1], cur.kb[1], 2 * s + 1);
-      mma16<SK::kBf16>(st, {a0, a1, a2, a3}, qa[s][0], qa[s][1]);
-    }
-    float corr[2], pr[2][2];  // pr[e][n]: row 2c + e, token g + 8 n
-    float xs[2][2];
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      [[maybe_unused]] float sz_scale = 1.0f, sz_zero = 0.0f;
-      if constexpr (SK::kInt4) {
-        const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur.ks[n]));
-        sz_scale = sz.x;
-        sz_zero = sz.y;
-      } else if constexpr (SK::kRowScale) {
-        sz_scale = __uint_as_float(cur.ks[n]);
+      for (int u = 0; u < NT; ++u) {
+        const uint32_t a0 = k_pair<DK, HD, kK16>(cur[u].k[0], cur[u].kb[0], 2 * s);
+        const uint32_t a1 = k_pair<DK, HD, kK16>(cur[u].k[1], cur[u].kb[1], 2 * s);
+        const uint32_t a2 = k_pair<DK, HD, kK16>(cur[u].k[0], cur[u].kb[0], 2 * s + 1);
+        const uint32_t a3 = k_pair<DK, HD, kK16>(cur[u].k[1], cur[u].kb[1], 2 * s + 1);
+        mma16<SK::kBf16>(st[u], {a0, a1, a2, a3}, qa[s][0], qa[s][1]);
       }
-      const int tt = t0 + x.g + 8 * n;
-      const bool vis = tt >= x.lo && tt < x.hi;
+    }
+    float corr[2], pr[2][NT][2];  // pr[e][u][n]: row 2c + e, token g + 8 n of tile u
+    float xs[2][NT][2];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float r = st[2 * n + e];
-        if constexpr (kK16) {
-          // raw = 16 q.code + 1024 (sum of the operands); kzb = (-1024 x that sum, 16 sum q).
-          r = fmaf(r, sz_scale, fmaf(kzb[e].x, sz_scale, sz_zero * kzb[e].y));
+    for (int u = 0; u < NT; ++u) {
+      const int t0 = (tile + u) * kDecodeTileTokens;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        [[maybe_unused]] float sz_scale = 1.0f, sz_zero = 0.0f;
+        if constexpr (SK::kInt4) {
+          const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&cur[u].ks[n]));
+          sz_scale = sz.x;
+          sz_zero = sz.y;
         } else if constexpr (SK::kRowScale) {
-          if constexpr (SK::kBias != 0.0f) r = fmaf(-SK::kBias, qsum_t[e], r);
-          r *= sz_scale;
+          sz_scale = __uint_as_float(cur[u].ks[n]);
         }
-        r *= qfactor_t[e];
-        if (capped) r = cap * tanhf(r * inv_cap);
-        xs[e][n] = vis ? r * kLog2e : -__uint_as_float(kF32Inf);
+        const int tt = t0 + x.g + 8 * n;
+        const bool vis = tt >= x.lo && tt < x.hi;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float r = st[u][2 * n + e];
+          if constexpr (kK16) {
+            // raw = 16 q.code + 1024 (sum of the operands); kzb = (-1024 x that sum, 16 sum q).
+            r = fmaf(r, sz_scale, fmaf(kzb[e].x, sz_scale, sz_zero * kzb[e].y));
+          } else if constexpr (SK::kRowScale) {
+            if constexpr (SK::kBias != 0.0f) r = fmaf(-SK::kBias, qsum_t[e], r);
+            r *= sz_scale;
+          }
+          r *= qfactor_t[e];
+          if (capped) r = cap * tanhf(r * inv_cap);
+          xs[e][u][n] = vis ? r * kLog2e : -__uint_as_float(kF32Inf);
+        }
       }
     }
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const float tmax = col_max(fmaxf(xs[e][0], xs[e][1]));
+      float tmax = fmaxf(xs[e][0][0], xs[e][0][1]);
+#pragma unroll
+      for (int u = 1; u < NT; ++u) tmax = fmaxf(tmax, fmaxf(xs[e][u][0], xs[e][u][1]));
+      tmax = col_max(tmax);
       const float m_new = fmaxf(m[e], tmax);
       const float m_use = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
       corr[e] = exp2f(m[e] - m_use);
-      pr[e][0] = exp2f(xs[e][0] - m_use);
-      pr[e][1] = exp2f(xs[e][1] - m_use);
-      l[e] = l[e] * corr[e] + (pr[e][0] + pr[e][1]);
+      float psum = 0.0f;
+#pragma unroll
+      for (int u = 0; u < NT; ++u) {
+        pr[e][u][0] = exp2f(xs[e][u][0] - m_use);
+        pr[e][u][1] = exp2f(xs[e][u][1] - m_use);
+        psum = u == 0 ? pr[e][u][0] + pr[e][u][1] : psum + (pr[e][u][0] + pr[e][u][1]);
+      }
+      l[e] = l[e] * corr[e] + psum;
       m[e] = m_new;
     }
     after_k();
+    before_v();
     if constexpr (SV::kRowScale) {
-      float sv[2], zv[2];
+      float sv[NT][2], zv[NT][2];
 #pragma unroll
-      for (int n = 0; n < 2; ++n) v_row_meta<SV::kInt4>(cur.vs[n], sv[n], zv[n]);
-      const float smax = col_max(fmaxf(sv[0], sv[1]));
+      for (int u = 0; u < NT; ++u)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) v_row_meta<SV::kInt4>(cur[u].vs[n], sv[u][n], zv[u][n]);
+      float smax = fmaxf(sv[0][0], sv[0][1]);
+#pragma unroll
+      for (int u = 1; u < NT; ++u) smax = fmaxf(smax, fmaxf(sv[u][0], sv[u][1]));
+      smax = col_max(smax);
       const float s_new = fmaxf(s_run, smax);
       const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
       const float rescale = s_new > 0.0f ? s_run * inv_s : 1.0f;
       s_run = s_new;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        if constexpr (SV::kInt4)
-          zacc[e] = zacc[e] * corr[e] + (pr[e][0] * zv[0] + pr[e][1] * zv[1]);
+        if constexpr (SV::kInt4) {
+          float zs = 0.0f;
+#pragma unroll
+          for (int u = 0; u < NT; ++u) {
+            const float zu = pr[e][u][0] * zv[u][0] + pr[e][u][1] * zv[u][1];
+            zs = u == 0 ? zu : zs + zu;
+          }
+          zacc[e] = zacc[e] * corr[e] + zs;
+        }
         corr[e] *= rescale;
-        pr[e][0] *= sv[0] * inv_s;
-        pr[e][1] *= sv[1] * inv_s;
+#pragma unroll
+        for (int u = 0; u < NT; ++u) {
+          pr[e][u][0] *= sv[u][0] * inv_s;
+          pr[e][u][1] *= sv[u][1] * inv_s;
+        }
       }
     }
     // ---- P^T as the B operand: (rows 2c, 2c + 1) pairs of token g, transposed to (tokens
     // 2c, 2c + 1) pairs of row g ----
-    uint32_t pb[2];
+    uint32_t pb[NT][2];
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      uint32_t x2;
-      if constexpr (SV::kBf16) {
-        x2 = f32x2_to_bf16x2f(pr[0][n], pr[1][n]);
-      } else {
-        x2 = f32x2_to_f16x2(pr[0][n], pr[1][n]);
-        if constexpr (SV::kBias != 0.0f) {
-          const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&x2));
-          pr[0][n] = a.x;
-          pr[1][n] = a.y;
+    for (int u = 0; u < NT; ++u) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        uint32_t x2;
+        if constexpr (SV::kBf16) {
+          x2 = f32x2_to_bf16x2f(pr[0][u][n], pr[1][u][n]);
+        } else {
+          x2 = f32x2_to_f16x2(pr[0][u][n], pr[1][u][n]);
+          if constexpr (SV::kBias != 0.0f) {
+            const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&x2));
+            pr[0][u][n] = a.x;
+            pr[1][u][n] = a.y;
+          }
         }
+        pb[u][n] = movmatrix_trans(x2);
       }
-      pb[n] = movmatrix_trans(x2);
     }
     if constexpr (!SV::kBf16 && SV::kBias != 0.0f) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) bacc[e] = fmaf(bacc[e], corr[e], pr[e][0] + pr[e][1]);
+      for (int e = 0; e < 2; ++e) {
+        float bs = 0.0f;
+#pragma unroll
+        for (int u = 0; u < NT; ++u)
+          bs = u == 0 ? pr[e][u][0] + pr[e][u][1] : bs + (pr[e][u][0] + pr[e][u][1]);
+        bacc[e] = fmaf(bacc[e], corr[e], bs);
+      }
     }
     {
       bool rescale_o = corr[0] != 1.0f || corr[1] != 1.0f;
@@ -847,14 +1018,18 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     }
     // ---- O^T += V^T P^T: m-tile i is n-tiles 2i (rows g) and 2i + 1 (rows g + 8) of V ----
 #pragma unroll
-    for (int i = 0; i < kOA; ++i) {
-      // int4 V: dims of odd n-tiles (entries 2, 3 of o[i]) accumulate 16x (v_pair's kX16).
-      constexpr bool kX = SV::kInt4;
-      const uint32_t a0 = v_pair<DV, HD, kX>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], 2 * i);
-      const uint32_t a1 = v_pair<DV, HD, kX>(cur.v[0], cur.v[1], cur.vb[0], cur.vb[1], 2 * i + 1);
-      const uint32_t a2 = v_pair<DV, HD, kX>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], 2 * i);
-      const uint32_t a3 = v_pair<DV, HD, kX>(cur.v[2], cur.v[3], cur.vb[2], cur.vb[3], 2 * i + 1);
-      mma16<SV::kBf16>(oo[i], {a0, a1, a2, a3}, pb[0], pb[1]);
+    for (int u = 0; u < NT; ++u) {
+#pragma unroll
+      for (int i = 0; i < kOA; ++i) {
+        // int4 V: dims of odd n-tiles (entries 2, 3 of o[i]) accumulate 16x (v_pair's kX16).
+        constexpr bool kX = SV::kInt4;
+        const TileRaw<DK, DV, HD>& c = cur[u];
+        const uint32_t a0 = v_pair<DV, HD, kX>(c.v[0], c.v[1], c.vb[0], c.vb[1], 2 * i);
+        const uint32_t a1 = v_pair<DV, HD, kX>(c.v[0], c.v[1], c.vb[0], c.vb[1], 2 * i + 1);
+        const uint32_t a2 = v_pair<DV, HD, kX>(c.v[2], c.v[3], c.vb[2], c.vb[3], 2 * i);
+        const uint32_t a3 = v_pair<DV, HD, kX>(c.v[2], c.v[3], c.vb[2], c.vb[3], 2 * i + 1);
+        mma16<SV::kBf16>(oo[i], {a0, a1, a2, a3}, pb[u][0], pb[u][1]);
+      }
     }
   };
 
@@ -999,7 +1174,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
   };
   auto run = [&](TileRaw<DK, DV, HD>& r, int tile, auto&& after_k) {
     if constexpr (kT)
-      process_t(r, tile, after_k, o);
+      process_t(
+          std::integral_constant<int, 1>{}, &r, tile, after_k, [] {}, o);
     else
       process(r, tile, after_k);
   };
@@ -1012,6 +1188,115 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     for (int tile = tb; tile < te; ++tile) {
       load_tile<DK, DV, HD, 5>(cur, p, x, tile);
       process(cur, tile, [] {});
+    }
+  } else if constexpr (kRing) {
+    // The shared-memory ring (Ring): stage s holds tiles tb + s, tb + s + kStages, ...; each
+    // stage's mbarrier completes one phase per tile.
+    using RG = Ring<DK, DV, HD>;
+    constexpr int S = RG::kStages;
+    __shared__ alignas(128) uint8_t ring_buf[kDecodeWarps][S][RG::kStage];
+    __shared__ alignas(8) uint64_t ring_bar[kDecodeWarps][S];
+    const uint32_t buf = sm90::smem_addr(&ring_buf[warp][0][0]);
+    const uint32_t bar = sm90::smem_addr(&ring_bar[warp][0]);
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) sm90::mbar_init(bar + 8 * s, 1);
+      sm90::mbar_init_fence();
+    }
+    __syncwarp();
+    // Block ids: lane l holds that of the sequence's block bbase + l (id_cur) and of
+    // bbase + 32 + l (id_nxt, loaded 32 blocks before its use); the copies walk (block, row)
+    // from the split's first tile without a division a tile.
+    const int nblk = p.indptr[seq + 1] - p.indptr[seq];
+    const int bt = p.block_tokens;
+    int ib = (tb * kDecodeTileTokens) / bt, ioff = tb * kDecodeTileTokens - ib * bt;
+    int bbase = ib;
+    auto id_at = [&](int b) { return b < nblk ? __ldg(x.blocks + b) : 0; };
+    int id_cur = id_at(bbase + lane), id_nxt = id_at(bbase + 32 + lane);
+    const uint64_t policy = sm90::l2_evict_first();
+    auto issue = [&](int s) {
+      if (ib - bbase >= 32) {  // warp-uniform
+        bbase += 32;
+        id_cur = id_nxt;
+        id_nxt = id_at(bbase + 32 + lane);
+      }
+      const int blk = __shfl_sync(kFullMask, id_cur, ib - bbase);
+      if (lane == 0) {
+        const uint8_t* kh = x.k_head + static_cast<uint64_t>(blk) * p.k.block_bytes;
+        const uint8_t* vh = x.v_head + static_cast<uint64_t>(blk) * p.v.block_bytes;
+        const uint32_t dst = buf + s * RG::kStage, b8 = bar + 8 * s;
+        // The warp's reads of this stage (ordered by the caller's __syncwarp) come before
+        // the copies' writes.
+        sm90::fence_proxy_async_smem();
+        sm90::mbar_arrive_expect_tx(b8, RG::kStage);
+        sm90::bulk_copy_g2s(dst, kh + ioff * RG::kKRow, RG::kKCodes, b8, policy);
+        if constexpr (RG::kKMeta > 0)
+          sm90::bulk_copy_g2s(dst + RG::kKCodes, kh + p.k.values_bytes + ioff * 4, RG::kKMeta, b8,
+                              policy);
+        sm90::bulk_copy_g2s(dst + RG::kKStage, vh + ioff * RG::kVRow, RG::kVCodes, b8, policy);
+        if constexpr (RG::kVMeta > 0)
+          sm90::bulk_copy_g2s(dst + RG::kKStage + RG::kVCodes, vh + p.v.values_bytes + ioff * 4,
+                              RG::kVMeta, b8, policy);
+      }
+      ioff += kDecodeTileTokens;
+      if (ioff == bt) {
+        ioff = 0;
+        ++ib;
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+      if (tb + s < te) issue(s);
+    int s = 0;
+    uint32_t parity = 0;
+    // One trip of NT tiles from tile on: wait for their stages, read them into registers,
+    // give the stages back to the copies of the tiles S further, then the products.
+    // K is read back before the logits, V once they are done (so the registers never hold
+    // both sides of the trip); then the stages go back to the copies.
+    auto trip = [&](auto nt, TileRaw<DK, DV, HD>* tr, int tile) {
+      constexpr int NT = decltype(nt)::value;
+      int ss[NT];
+      bool full[NT];
+#pragma unroll
+      for (int u = 0; u < NT; ++u) {
+        const int t0 = (tile + u) * kDecodeTileTokens;
+        ss[u] = s;
+        full[u] = t0 >= x.lo && t0 + kDecodeTileTokens <= x.hi;
+        sm90::mbar_wait(bar + 8 * s, parity);
+        if (full[u])
+          load_tile_ring<DK, DV, HD, true, 1>(tr[u], buf + s * RG::kStage, x, t0);
+        else
+          load_tile_ring<DK, DV, HD, false, 1>(tr[u], buf + s * RG::kStage, x, t0);
+        if (++s == S) {
+          s = 0;
+          parity ^= 1u;
+        }
+      }
+      process_t(
+          nt, tr, tile, [] {},
+          [&] {
+#pragma unroll
+            for (int u = 0; u < NT; ++u) {
+              const int t0 = (tile + u) * kDecodeTileTokens;
+              if (full[u])
+                load_tile_ring<DK, DV, HD, true, 2>(tr[u], buf + ss[u] * RG::kStage, x, t0);
+              else
+                load_tile_ring<DK, DV, HD, false, 2>(tr[u], buf + ss[u] * RG::kStage, x, t0);
+            }
+            __syncwarp();
+#pragma unroll
+            for (int u = 0; u < NT; ++u)
+              if (tile + u + S < te) issue(ss[u]);
+          },
+          o);
+    };
+    constexpr int kNT = RG::kTrip;
+    TileRaw<DK, DV, HD> tr[kNT];
+    int tile = tb;
+#pragma unroll 1
+    for (; tile + kNT <= te; tile += kNT) trip(std::integral_constant<int, kNT>{}, tr, tile);
+    if constexpr (kNT > 1) {
+      if (tile < te) trip(std::integral_constant<int, 1>{}, tr, tile);
     }
   } else if constexpr (kPrefetch) {
     load_any(cur, tb);
@@ -1127,9 +1412,17 @@ DecodeMainKernel decode_main_kernel_for(int head_dim, bool multi_query) {
   DecodeMainKernel k = nullptr;
   with_head_dim(head_dim, [&](auto hd) {
     constexpr int HD = decltype(hd)::value;
-    if (!multi_query)
+    if (!multi_query) {
       k = decode_detail::decode_main_kernel<DK, DV, HD, 8, false>;
-    else
+      if constexpr (decode_detail::kDecodeTransposed && decode_detail::Ring<DK, DV, HD>::kOn) {
+        // The ring's blocks (35-37 KB of static shared memory at head_dim 128) fit 4 to an SM
+        // only with the largest carveout, and the cluster merge's dynamic shared memory on
+        // top of them needs the opt-in past 48 KB a block.
+        static std::atomic<uint64_t> done{0};
+        prefer_max_shared_once(reinterpret_cast<const void*>(k), done,
+                               decode_cluster_smem_bytes(HD, decode_rows_per_warp(HD, false)));
+      }
+    } else
       k = decode_detail::decode_main_kernel<DK, DV, HD, decode_rows_per_warp(HD, true), true>;
   });
   return k;

@@ -12,6 +12,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 #include "cache/cuda/kv_codec_device.cuh"
@@ -158,11 +160,33 @@ __host__ __device__ constexpr int decode_rows_per_warp(int head_dim, bool multi_
   return multi_query && head_dim <= 128 ? 16 : 8;
 }
 
+// The one-query split-KV kernels of the 4-bit pairs (int4_per_token_head, nvfp4) at head_dim
+// <= 128 stream their tiles through a per-warp shared-memory ring filled by bulk copies
+// (decode_kernel.cuh, Ring; docs/notes/decode-tuning.md version 24). Those kernels, and the
+// prep and merge kernels launched around them, take the largest shared-memory carveout: a
+// different carveout between dependent kernels costs the overlap of programmatic dependent
+// launch (4-8 us at small batches). KVQ_DECODE_RING=0 (a compile definition): no ring.
+#ifndef KVQ_DECODE_RING
+#define KVQ_DECODE_RING 1
+#endif
+__host__ __device__ constexpr bool decode_ring_pair(KvDtype k, KvDtype v, int head_dim) {
+  return KVQ_DECODE_RING != 0 && head_dim <= 128 && kv_value_bits(k) == 4 && kv_value_bits(v) == 4;
+}
+// Tiles a trip of the ring's loop: two for int4_per_token_head (one softmax update and one
+// rescale of o per 32 tokens; 3-5% faster than one), one for nvfp4 (two take it from 122 to
+// 153 registers and 3 blocks an SM: 3% slower).
+__host__ __device__ constexpr int decode_ring_trip(KvDtype k, KvDtype v) {
+  return k == KvDtype::kInt4PerTokenHead && v == KvDtype::kInt4PerTokenHead ? 2 : 1;
+}
+
 // The split-KV kernel of one (K, V) pair of kv_pairs.h for head_dim 64 / 128 / 256 (nullptr
 // for another head_dim), for one query per sequence or several (q_indptr): the instantiations
 // of a pair are defined in decode_<dtype>.cu (K == V) or decode_<k>__<v>.cu (mixed). The host
 // launches it (with programmatic dependent launch) and reads its occupancy for the work split.
 using DecodeMainKernel = void (*)(DecodeKernelParams);
+// Sets kernel `f`'s preferred shared-memory carveout to the largest, and its dynamic shared
+// memory limit to `max_dynamic_smem` bytes, once per device (`done`: a bit per device id).
+void prefer_max_shared_once(const void* f, std::atomic<uint64_t>& done, size_t max_dynamic_smem);
 template <KvDtype DK, KvDtype DV>
 DecodeMainKernel decode_main_kernel_for(int head_dim, bool multi_query);
 
