@@ -85,6 +85,18 @@ __device__ __forceinline__ uint32_t int8_pair_biased(uint32_t x) {
 __device__ __forceinline__ uint32_t uint4_pair_biased(uint32_t t) {
   return (t & 0x000F000Fu) | 0x64006400u;
 }
+// (t & kMask) | magic as one LOP3. Written with two immediates, the form takes two (a LOP3
+// has one immediate operand), so the int4 decoders take the exponent bits 0x64006400 in a
+// register: `magic` from int4_magic(), a value ptxas cannot fold back into an immediate.
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t and_or(uint32_t t, uint32_t magic) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(t), "n"(kMask), "r"(magic));
+  return d;
+}
+__device__ __forceinline__ uint32_t int4_magic() {
+  return __shfl_sync(0xFFFFFFFFu, 0x64006400u, 0);
+}
 // E2M1 codes in bits 0-3 and 16-19 of t -> half2 of their values (exact): the code's bits
 // land in the half's exponent/mantissa as value * 2^-14, then one exact scaling by 2^14.
 __device__ __forceinline__ uint32_t e2m1_pair(uint32_t t) {
@@ -423,7 +435,8 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w, int high_half) {
 // kX16 (int4_per_token_head): odd pairs as code x 16 + 1024 (as v_pair's kX16); the caller
 // scales the Q operands of the even pairs by 16 to match.
 template <KvDtype D, int HD, bool kX16 = false>
-__device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb, int i) {
+__device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb, int i,
+                                           uint32_t magic = 0x64006400u) {
   using S = Shape<D, HD>;
   if constexpr (S::kBits == 16) {
     return w[i];
@@ -438,7 +451,7 @@ __device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb
     return fp8x2_to_f16x2<D == KvDtype::kFp8E5M2>(w[i / 2], i & 1);
   } else if constexpr (S::kInt4 && kX16) {
     const uint32_t t = (i & 2) ? (w[i / 4] >> 8) : w[i / 4];
-    return (i & 1) ? ((t & 0x00F000F0u) | 0x64006400u) : uint4_pair_biased(t);
+    return (i & 1) ? and_or<0x00F000F0u>(t, magic) : and_or<0x000F000Fu>(t, magic);
   } else if constexpr (S::kInt4) {
     const uint32_t t = w[i / 4] >> (4 * (i % 4));
     return uint4_pair_biased(t);
@@ -459,7 +472,7 @@ __device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb
 // divides those dims of O by 16.
 template <KvDtype D, int HD, bool kX16 = false>
 __device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b, uint32_t ab,
-                                           uint32_t bb, int j) {
+                                           uint32_t bb, int j, uint32_t magic = 0x64006400u) {
   using S = Shape<D, HD>;
   if constexpr (S::kBits == 16) {
     return __byte_perm(a[j / 2], b[j / 2], (j & 1) ? 0x7632 : 0x5410);
@@ -483,7 +496,7 @@ __device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b,
       return hmul2_bits(e2m1_pair(y >> (4 * k)), scale2);
     } else if constexpr (kX16) {
       const uint32_t t = (k & 2) ? (y >> 8) : y;
-      return (k & 1) ? ((t & 0x00F000F0u) | 0x64006400u) : uint4_pair_biased(t);
+      return (k & 1) ? and_or<0x00F000F0u>(t, magic) : and_or<0x000F000Fu>(t, magic);
     } else {
       return uint4_pair_biased(y >> (4 * k));
     }
@@ -861,6 +874,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
 
   // after_k: called once the tile's logits are done with its K (the prefetching loop issues
   // the next tile's loads there).
+  // The int4 decoders' exponent bits in a register (and_or).
+  const uint32_t i4magic = (kT && (SK::kInt4 || SV::kInt4)) ? int4_magic() : 0x64006400u;
   // NT tiles a trip (tile, tile + 1, ...: 1, or 2 in the ring's trips): their S^T chains are
   // independent, and the running maxima, the rescale of o and their reductions are paid once
   // a trip.
@@ -879,10 +894,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     for (int s = 0; s < SK::kKSteps; ++s) {
 #pragma unroll
       for (int u = 0; u < NT; ++u) {
-        const uint32_t a0 = k_pair<DK, HD, kK16>(cur[u].k[0], cur[u].kb[0], 2 * s);
-        const uint32_t a1 = k_pair<DK, HD, kK16>(cur[u].k[1], cur[u].kb[1], 2 * s);
-        const uint32_t a2 = k_pair<DK, HD, kK16>(cur[u].k[0], cur[u].kb[0], 2 * s + 1);
-        const uint32_t a3 = k_pair<DK, HD, kK16>(cur[u].k[1], cur[u].kb[1], 2 * s + 1);
+        const uint32_t a0 = k_pair<DK, HD, kK16>(cur[u].k[0], cur[u].kb[0], 2 * s, i4magic);
+        const uint32_t a1 = k_pair<DK, HD, kK16>(cur[u].k[1], cur[u].kb[1], 2 * s, i4magic);
+        const uint32_t a2 = k_pair<DK, HD, kK16>(cur[u].k[0], cur[u].kb[0], 2 * s + 1, i4magic);
+        const uint32_t a3 = k_pair<DK, HD, kK16>(cur[u].k[1], cur[u].kb[1], 2 * s + 1, i4magic);
         mma16<SK::kBf16>(st[u], {a0, a1, a2, a3}, qa[s][0], qa[s][1]);
       }
     }
@@ -1024,10 +1039,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
         // int4 V: dims of odd n-tiles (entries 2, 3 of o[i]) accumulate 16x (v_pair's kX16).
         constexpr bool kX = SV::kInt4;
         const TileRaw<DK, DV, HD>& c = cur[u];
-        const uint32_t a0 = v_pair<DV, HD, kX>(c.v[0], c.v[1], c.vb[0], c.vb[1], 2 * i);
-        const uint32_t a1 = v_pair<DV, HD, kX>(c.v[0], c.v[1], c.vb[0], c.vb[1], 2 * i + 1);
-        const uint32_t a2 = v_pair<DV, HD, kX>(c.v[2], c.v[3], c.vb[2], c.vb[3], 2 * i);
-        const uint32_t a3 = v_pair<DV, HD, kX>(c.v[2], c.v[3], c.vb[2], c.vb[3], 2 * i + 1);
+        const uint32_t a0 = v_pair<DV, HD, kX>(c.v[0], c.v[1], c.vb[0], c.vb[1], 2 * i, i4magic);
+        const uint32_t a1 =
+            v_pair<DV, HD, kX>(c.v[0], c.v[1], c.vb[0], c.vb[1], 2 * i + 1, i4magic);
+        const uint32_t a2 = v_pair<DV, HD, kX>(c.v[2], c.v[3], c.vb[2], c.vb[3], 2 * i, i4magic);
+        const uint32_t a3 =
+            v_pair<DV, HD, kX>(c.v[2], c.v[3], c.vb[2], c.vb[3], 2 * i + 1, i4magic);
         mma16<SV::kBf16>(oo[i], {a0, a1, a2, a3}, pb[u][0], pb[u][1]);
       }
     }
