@@ -94,8 +94,18 @@ __device__ __forceinline__ uint32_t and_or(uint32_t t, uint32_t magic) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(t), "n"(kMask), "r"(magic));
   return d;
 }
+// (x & kMask) ^ magic as one LOP3 (the int8 V pairs: magic 0x64806480).
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t magic) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(d) : "r"(x), "n"(kMask), "r"(magic));
+  return d;
+}
+__device__ __forceinline__ uint32_t opaque_const(uint32_t v) {
+  return __shfl_sync(0xFFFFFFFFu, v, 0);
+}
 __device__ __forceinline__ uint32_t int4_magic() {
-  return __shfl_sync(0xFFFFFFFFu, 0x64006400u, 0);
+  return opaque_const(0x64006400u);
 }
 // E2M1 codes in bits 0-3 and 16-19 of t -> half2 of their values (exact): the code's bits
 // land in the half's exponent/mantissa as value * 2^-14, then one exact scaling by 2^14.
@@ -481,6 +491,8 @@ __device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b,
   } else if constexpr (D == KvDtype::kInt8PerTokenHead) {
     const int k = j % 4;
     const uint32_t x = __byte_perm(a[j / 4], b[j / 4], static_cast<unsigned>(k | ((4 + k) << 8)));
+    // kX: the exponent bits 0x64806480 in a register (`magic`), one LOP3 a pair.
+    if constexpr (kX16) return and_xor<0x00FF00FFu>(x, magic);
     return int8_pair_biased(x);
   } else if constexpr (S::kBits == 8) {
     const int k = j % 4;
@@ -874,8 +886,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
 
   // after_k: called once the tile's logits are done with its K (the prefetching loop issues
   // the next tile's loads there).
-  // The int4 decoders' exponent bits in a register (and_or).
+  // The int4 decoders' exponent bits in a register (and_or), and the int8 V pairs' (and_xor).
   const uint32_t i4magic = (kT && (SK::kInt4 || SV::kInt4)) ? int4_magic() : 0x64006400u;
+  const uint32_t vmagic =
+      (kT && DV == KvDtype::kInt8PerTokenHead) ? opaque_const(0x64806480u) : i4magic;
   // NT tiles a trip (tile, tile + 1, ...: 1, or 2 in the ring's trips): their S^T chains are
   // independent, and the running maxima, the rescale of o and their reductions are paid once
   // a trip.
@@ -1036,15 +1050,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
     for (int u = 0; u < NT; ++u) {
 #pragma unroll
       for (int i = 0; i < kOA; ++i) {
-        // int4 V: dims of odd n-tiles (entries 2, 3 of o[i]) accumulate 16x (v_pair's kX16).
-        constexpr bool kX = SV::kInt4;
+        // int4 V: dims of odd n-tiles (entries 2, 3 of o[i]) accumulate 16x (v_pair's kX16);
+        // int8 V: its pairs' exponent bits in a register.
+        constexpr bool kX = SV::kInt4 || DV == KvDtype::kInt8PerTokenHead;
         const TileRaw<DK, DV, HD>& c = cur[u];
-        const uint32_t a0 = v_pair<DV, HD, kX>(c.v[0], c.v[1], c.vb[0], c.vb[1], 2 * i, i4magic);
-        const uint32_t a1 =
-            v_pair<DV, HD, kX>(c.v[0], c.v[1], c.vb[0], c.vb[1], 2 * i + 1, i4magic);
-        const uint32_t a2 = v_pair<DV, HD, kX>(c.v[2], c.v[3], c.vb[2], c.vb[3], 2 * i, i4magic);
-        const uint32_t a3 =
-            v_pair<DV, HD, kX>(c.v[2], c.v[3], c.vb[2], c.vb[3], 2 * i + 1, i4magic);
+        const uint32_t a0 = v_pair<DV, HD, kX>(c.v[0], c.v[1], c.vb[0], c.vb[1], 2 * i, vmagic);
+        const uint32_t a1 = v_pair<DV, HD, kX>(c.v[0], c.v[1], c.vb[0], c.vb[1], 2 * i + 1, vmagic);
+        const uint32_t a2 = v_pair<DV, HD, kX>(c.v[2], c.v[3], c.vb[2], c.vb[3], 2 * i, vmagic);
+        const uint32_t a3 = v_pair<DV, HD, kX>(c.v[2], c.v[3], c.vb[2], c.vb[3], 2 * i + 1, vmagic);
         mma16<SV::kBf16>(oo[i], {a0, a1, a2, a3}, pb[u][0], pb[u][1]);
       }
     }
