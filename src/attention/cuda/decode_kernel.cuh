@@ -77,7 +77,8 @@ __device__ __forceinline__ uint32_t f32x2_to_bf16x2f(float lo, float hi) {
 }
 
 // int8 codes in bytes 0 and 2 of x -> half2 of q + 1152 (exact: 1024 + (q + 128)), and 4-bit
-// codes in bits 0-3 and 16-19 of t -> half2 of code + 1024 (exact): one instruction a pair.
+// codes in bits 0-3 and 16-19 of t -> half2 of code + 1024 (exact). As written (two
+// immediates) ptxas emits two LOP3 a pair; and_or / and_xor below take one (decode-tuning v24b).
 // The kernel takes the bias (Shape::kBias) out after the products, not per element.
 __device__ __forceinline__ uint32_t int8_pair_biased(uint32_t x) {
   return (x & 0x00FF00FFu) ^ 0x64806480u;
@@ -443,7 +444,8 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w, int high_half) {
 // K operand pair i of one token (pair 2s -> B reg 0 of k-step s, pair 2s + 1 -> B reg 1).
 // Called with constant i inside unrolled loops, so each conversion sits next to its MMA.
 // kX16 (int4_per_token_head): odd pairs as code x 16 + 1024 (as v_pair's kX16); the caller
-// scales the Q operands of the even pairs by 16 to match.
+// scales the Q operands of the even pairs by 16 to match; `magic`: 0x64006400 in a register
+// (int4_magic), so each pair is one LOP3.
 template <KvDtype D, int HD, bool kX16 = false>
 __device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb, int i,
                                            uint32_t magic = 0x64006400u) {
@@ -479,7 +481,9 @@ __device__ __forceinline__ uint32_t k_pair(const uint32_t* w, const uint32_t* kb
 // V operand pair of two tokens a, b for n-tile j: (a's dim j of this lane's part, b's).
 // kX16 (int4_per_token_head): the pairs of odd j come as 16 (code + 64) = code x 16 + 1024,
 // their nibbles masked in place (one shift per four pairs instead of three); the caller
-// divides those dims of O by 16.
+// divides those dims of O by 16. kX16 with int8_per_token_head: the pair in one LOP3.
+// `magic` (with kX16): the exponent bits in a register, 0x64006400 for int4 (int4_magic),
+// 0x64806480 for int8 (the transposed kernel's vmagic).
 template <KvDtype D, int HD, bool kX16 = false>
 __device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b, uint32_t ab,
                                            uint32_t bb, int j, uint32_t magic = 0x64006400u) {
