@@ -13,6 +13,7 @@
 
 #include "attention/cuda/cuda_decode.h"
 #include "attention/cuda/decode_params.h"
+#include "attention/cuda/operand_pairs.cuh"
 #include "cache/cuda/cuda_check.h"
 #include "cache/cuda/dispatch.h"
 #include "cache/cuda/mbarrier.cuh"
@@ -31,6 +32,8 @@
 
 namespace kvq::cuda {
 namespace decode_detail {
+
+using namespace operand_pairs;  // the code -> operand pair decoders, warp reductions
 
 constexpr bool kDecodeTransposed = KVQ_DECODE_TRANSPOSED != 0;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -56,64 +59,9 @@ __device__ __forceinline__ void mma(float& d0, float& d1, uint32_t a0, uint32_t 
   }
 }
 
-// ---- unpacking into 16-bit operand pairs (low half = first element) -------------------------
+// The unpacking of codes into 16-bit operand pairs (low half = first element) is in
+// operand_pairs.cuh, shared with the prefill kernels.
 
-__device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t b) {
-  const __half2 r =
-      __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t f32x2_to_bf16x2(uint32_t lo, uint32_t hi) {
-  const __nv_bfloat162 r = __floats2bfloat162_rn(__uint_as_float(lo), __uint_as_float(hi));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t f32x2_to_f16x2(float lo, float hi) {
-  const __half2 r = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t f32x2_to_bf16x2f(float lo, float hi) {
-  const __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-
-// int8 codes in bytes 0 and 2 of x -> half2 of q + 1152 (exact: 1024 + (q + 128)), and 4-bit
-// codes in bits 0-3 and 16-19 of t -> half2 of code + 1024 (exact). As written (two
-// immediates) ptxas emits two LOP3 a pair; and_or / and_xor below take one (decode-tuning v24b).
-// The kernel takes the bias (Shape::kBias) out after the products, not per element.
-__device__ __forceinline__ uint32_t int8_pair_biased(uint32_t x) {
-  return (x & 0x00FF00FFu) ^ 0x64806480u;
-}
-__device__ __forceinline__ uint32_t uint4_pair_biased(uint32_t t) {
-  return (t & 0x000F000Fu) | 0x64006400u;
-}
-// (t & kMask) | magic as one LOP3. Written with two immediates, the form takes two (a LOP3
-// has one immediate operand), so the int4 decoders take the exponent bits 0x64006400 in a
-// register: `magic` from int4_magic(), a value ptxas cannot fold back into an immediate.
-template <uint32_t kMask>
-__device__ __forceinline__ uint32_t and_or(uint32_t t, uint32_t magic) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(t), "n"(kMask), "r"(magic));
-  return d;
-}
-// (x & kMask) ^ magic as one LOP3 (the int8 V pairs: magic 0x64806480).
-template <uint32_t kMask>
-__device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t magic) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(d) : "r"(x), "n"(kMask), "r"(magic));
-  return d;
-}
-__device__ __forceinline__ uint32_t opaque_const(uint32_t v) {
-  return __shfl_sync(0xFFFFFFFFu, v, 0);
-}
-__device__ __forceinline__ uint32_t int4_magic() {
-  return opaque_const(0x64006400u);
-}
-// E2M1 codes in bits 0-3 and 16-19 of t -> half2 of their values (exact): the code's bits
-// land in the half's exponent/mantissa as value * 2^-14, then one exact scaling by 2^14.
-__device__ __forceinline__ uint32_t e2m1_pair(uint32_t t) {
-  const uint32_t bits = ((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u);
-  return hmul2_bits(bits, 0x74007400u);  // 0x7400 = 16384.0 in half
-}
 template <KvDtype D, int HD>
 struct Shape {
   static constexpr int kBits = kv_value_bits(D);
@@ -413,34 +361,6 @@ __device__ __forceinline__ void load_tile_ring(TileRaw<DK, DV, HD>& r, uint32_t 
   }
 }
 
-// One fp8 code pair (a 16-bit half) -> half2 (exact).
-// The half is split off with a vector mov, not masked or shifted first: ptxas then reads it in
-// place (version 23).
-template <bool kE5M2>
-__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w, int high_half) {
-  uint32_t r;
-  if (high_half) {
-    if constexpr (kE5M2)
-      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, h;}\n"
-          : "=r"(r)
-          : "r"(w));
-    else
-      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;}\n"
-          : "=r"(r)
-          : "r"(w));
-  } else {
-    if constexpr (kE5M2)
-      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, l;}\n"
-          : "=r"(r)
-          : "r"(w));
-    else
-      asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;}\n"
-          : "=r"(r)
-          : "r"(w));
-  }
-  return r;
-}
-
 // K operand pair i of one token (pair 2s -> B reg 0 of k-step s, pair 2s + 1 -> B reg 1).
 // Called with constant i inside unrolled loops, so each conversion sits next to its MMA.
 // kX16 (int4_per_token_head): odd pairs as code x 16 + 1024 (as v_pair's kX16); the caller
@@ -530,34 +450,6 @@ __device__ __forceinline__ void v_row_meta(uint32_t w, float& scale, float& zero
     scale = __uint_as_float(w);
     zero = 0.0f;
   }
-}
-
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 1));
-  return fmaxf(v, __shfl_xor_sync(kFullMask, v, 2));
-}
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(kFullMask, v, 1);
-  return v + __shfl_xor_sync(kFullMask, v, 2);
-}
-// Over the 8 lanes of a column of C-fragment entries (the lanes with the same lane % 4): the
-// transposed one-query product holds a row's tokens in lanes g = 0..7.
-__device__ __forceinline__ float col_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 4));
-  v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 8));
-  return fmaxf(v, __shfl_xor_sync(kFullMask, v, 16));
-}
-__device__ __forceinline__ float col_sum(float v) {
-  v += __shfl_xor_sync(kFullMask, v, 4);
-  v += __shfl_xor_sync(kFullMask, v, 8);
-  return v + __shfl_xor_sync(kFullMask, v, 16);
-}
-// The 8 x 8 matrix of 16-bit pairs a warp holds as a C fragment (lane: row lane / 4, columns
-// 2 (lane % 4), + 1), transposed in place of the same layout.
-__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
-  uint32_t r;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
-  return r;
 }
 
 // D = A * B + D with all 16 rows of A live (rows g and g + 8 of each lane): d0, d1 row g,
@@ -1015,9 +907,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
       for (int n = 0; n < 2; ++n) {
         uint32_t x2;
         if constexpr (SV::kBf16) {
-          x2 = f32x2_to_bf16x2f(pr[0][u][n], pr[1][u][n]);
+          x2 = pack2<true>(pr[0][u][n], pr[1][u][n]);
         } else {
-          x2 = f32x2_to_f16x2(pr[0][u][n], pr[1][u][n]);
+          x2 = pack2<false>(pr[0][u][n], pr[1][u][n]);
           if constexpr (SV::kBias != 0.0f) {
             const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&x2));
             pr[0][u][n] = a.x;
@@ -1156,11 +1048,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, kMinBlocks<DK, DV, HD, kR>)
 #pragma unroll
     for (int h = 0; h < kH; ++h) {
       if constexpr (SV::kBf16) {
-        pa[h][0] = f32x2_to_bf16x2f(pr[h][0], pr[h][1]);
-        pa[h][1] = f32x2_to_bf16x2f(pr[h][2], pr[h][3]);
+        pa[h][0] = pack2<true>(pr[h][0], pr[h][1]);
+        pa[h][1] = pack2<true>(pr[h][2], pr[h][3]);
       } else {
-        pa[h][0] = f32x2_to_f16x2(pr[h][0], pr[h][1]);
-        pa[h][1] = f32x2_to_f16x2(pr[h][2], pr[h][3]);
+        pa[h][0] = pack2<false>(pr[h][0], pr[h][1]);
+        pa[h][1] = pack2<false>(pr[h][2], pr[h][3]);
         if constexpr (SV::kBias != 0.0f) {
           const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&pa[h][0]));
           const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&pa[h][1]));

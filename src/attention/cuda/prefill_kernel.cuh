@@ -1,9 +1,8 @@
 // The mma.sync prefill kernel (one instantiation per (K, V) pair x head_dim; included by
 // prefill_launch.cuh). See cuda_prefill.h for the algorithm.
 //
-// The small unpacking helpers below (fp8 / int8 / 4-bit codes -> 16-bit operand pairs, the
-// MMA wrapper, quad reductions) mirror decode_kernel.cuh's; they are copied rather than
-// shared while that file is being reworked, to be folded into one header later.
+// The code -> 16-bit operand pair decoders and the warp reductions are operand_pairs.cuh's,
+// shared with the decode kernels.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,12 +10,15 @@
 
 #include <string>
 
+#include "attention/cuda/operand_pairs.cuh"
 #include "attention/cuda/prefill_params.h"
 #include "cache/cuda/cuda_check.h"
 #include "kvq/core/error.h"
 
 namespace kvq::cuda {
 namespace prefill_detail {
+
+using namespace operand_pairs;  // the code -> operand pair decoders, warp reductions
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kWarps = 4;
@@ -176,52 +178,6 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
 
 // ---- unpacking into 16-bit operand pairs (low half = lower dim) -----------------------------
 
-__device__ __forceinline__ uint32_t hsub2_bits(uint32_t a, float b) {
-  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), __float2half2_rn(b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t hmul2_bits(uint32_t a, uint32_t b) {
-  const __half2 r =
-      __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t f32x2_to_bf16x2(uint32_t lo, uint32_t hi) {
-  const __nv_bfloat162 r = __floats2bfloat162_rn(__uint_as_float(lo), __uint_as_float(hi));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-template <bool kBf16>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (kBf16) {
-    const __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&r);
-  } else {
-    const __half2 r = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-}
-// int8 codes in bytes 0 and 2 of x -> half2 (exact: 1024 + (q + 128) - 1152).
-__device__ __forceinline__ uint32_t int8_pair(uint32_t x) {
-  return hsub2_bits((x & 0x00FF00FFu) ^ 0x64806480u, 1152.0f);
-}
-// 4-bit codes in bits 0-3 and 16-19 of t -> half2 of the unsigned codes (exact).
-__device__ __forceinline__ uint32_t uint4_pair(uint32_t t) {
-  return hsub2_bits((t & 0x000F000Fu) | 0x64006400u, 1024.0f);
-}
-// E2M1 codes in bits 0-3 and 16-19 of t -> half2 of their values (exact).
-__device__ __forceinline__ uint32_t e2m1_pair(uint32_t t) {
-  const uint32_t bits = ((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u);
-  return hmul2_bits(bits, 0x74007400u);  // 0x7400 = 16384.0 in half
-}
-// Two fp8 codes (bits 0-15 of w) -> half2 (exact).
-template <bool kE5M2>
-__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w) {
-  uint32_t r;
-  if constexpr (kE5M2)
-    asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e5m2x2 %0, t;}\n" : "=r"(r) : "r"(w));
-  else
-    asm("{.reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;}\n" : "=r"(r) : "r"(w));
-  return r;
-}
 // Nibbles of byte k of w (dims 2k, 2k + 1 of a 4-bit word) into bits 0-3 and 16-19.
 __device__ __forceinline__ uint32_t nibble_pair(uint32_t w, int k) {
   return __byte_perm(w, w >> 4, static_cast<unsigned>(k | ((4 + k) << 8)));
@@ -271,15 +227,6 @@ __device__ __forceinline__ uint4 dequant8(const uint8_t* row, int u) {
     r.w = hmul2_bits(e2m1_pair(nibble_pair(w, 3)), scale2);
   }
   return r;
-}
-
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 1));
-  return fmaxf(v, __shfl_xor_sync(kFullMask, v, 2));
-}
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(kFullMask, v, 1);
-  return v + __shfl_xor_sync(kFullMask, v, 2);
 }
 
 // Where the 16-token segments of one kv tile live: cache block id (-1: outside [lo, hi), not

@@ -38,13 +38,6 @@ inline constexpr int kVSlice = 16;                // kv tokens of one warp per t
 inline constexpr int kVTile = kVWarps * kVSlice;  // kv tokens per block tile
 static_assert(kVRows == 32 && kVTile == 64);
 
-// The 8 x 8 matrix of 16-bit pairs a warp holds as a C fragment (lane: row lane / 4, columns
-// 2 (lane % 4), + 1), transposed in place of the same layout.
-__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
-  uint32_t r;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
-  return r;
-}
 // 4-byte cp.async (per-token metadata: a slice's edge tokens are copied one by one).
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
