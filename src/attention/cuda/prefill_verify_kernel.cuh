@@ -17,8 +17,9 @@
 // power-of-two scale; 8-bit codes exact in fp16); fp32 accumulation; Q and P never fp8.
 // Per-tensor K scales fold into the per-row logit factor, per-token K scales multiply the
 // logits (the slice's rows), per-token V scales multiply P (normalized by the warp's running
-// maximum V scale so fp16 P stays in [0, 1]), per-tensor V scales the output. Built for 16-bit
-// and 8-bit sides (prefill_verify_pair); the 4-bit and fp32 caches keep the small-q block.
+// maximum V scale so fp16 P stays in [0, 1]), per-tensor V scales the output. Built for 16-bit,
+// 8-bit and int4_per_token_head sides (prefill_verify_pair); nvfp4 and fp32 caches keep the
+// small-q block.
 #pragma once
 
 #include <type_traits>
@@ -55,6 +56,7 @@ struct VCfg {
   static constexpr bool kRotK = traits(DK).rotated;
   static constexpr bool kRotV = traits(DV).rotated;
   static_assert(kRotK == kInt4K && kRotV == kInt4V);
+  static_assert(!(kInt4K && bf16_operands(DK)), "int4 K's biased operands are fp16");
   static constexpr bool kBf16K = bf16_operands(DK);
   static constexpr bool kBf16V = bf16_operands(DV);
   static constexpr bool kMetaK = row_scaled(DK);
@@ -73,7 +75,9 @@ struct VCfg {
   static constexpr int kQ = 0;
   static constexpr int kRowFac = kQ + kVRows * kQStride * 2;  // per row: the logit factor
   static constexpr int kRowQsum = kRowFac + 4 * kVRows;       // per row: the sum of its Q operands
-  static constexpr int kRing = kRowQsum + 4 * kVRows;
+  // int4 K: per row -1024 x the sum of its (scaled) Q operands, the logits' initial value.
+  static constexpr int kRowQbias = kRowQsum + 4 * kVRows;
+  static constexpr int kRing = kRowQbias + (kInt4K ? 4 * kVRows : 0);
   // Four slices a warp in flight where two blocks an SM still fit, else three.
   static constexpr int kStages = kRing + kVWarps * 4 * kSlice <= 110 * 1024 ? 4 : 3;
   static constexpr int kMain = kRing + kVWarps * kStages * kSlice;
@@ -82,8 +86,8 @@ struct VCfg {
   static constexpr int kMergeMl = kVWarps * kVRows * kOStride * 4;
   static constexpr int kMerge = kMergeMl + kVWarps * kVRows * 8;
   static constexpr int kSmem = cmax(kMain, kMerge);
-  static_assert(kRowFac % 16 == 0 && kRowQsum % 16 == 0 && kRing % 16 == 0 && kSlice % 16 == 0 &&
-                kSliceV % 16 == 0);
+  static_assert(kRowFac % 16 == 0 && kRowQsum % 16 == 0 && kRowQbias % 16 == 0 && kRing % 16 == 0 &&
+                kSlice % 16 == 0 && kSliceV % 16 == 0);
   static_assert(kSmem <= 113 * 1024, "two blocks an SM");
 };
 
@@ -127,20 +131,36 @@ __device__ __forceinline__ void copy_slice_meta(uint32_t at, const uint8_t* src,
 // maximum exceeds it by more than this (log2 units), so most slices skip the O^T rescale; P is
 // then at most 2^8, which fp16 / bf16 hold with the same relative precision.
 inline constexpr float kMaxSlack = 8.0f;
+// A column's reference maximum before any logit: finite, so exp2(-inf - kNoMax) = 0 for masked
+// logits and any real logit passes it by more than kMaxSlack; a column that saw nothing keeps
+// l = 0, which the merges read as "nothing seen".
+inline constexpr float kNoMax = -1e30f;
 
 // int4 K: the stored column of Q's dim d. An ldmatrix of K's rows as 16-bit units hands lane
 // (g, c) bytes 4c .. 4c + 3 of a 32-dim group, dims 8c + k (k = 0..7, low nibble first); the
-// masks of int4_nib_pair take them in the pairs (k, k + 4), k = 0..3, and pair k is k-step
-// k / 2 of the group, MMA k index 2c + 8 (k % 2) (+ 1 for k + 4).
+// decoders take them in the pairs (k, k + 4), k = 0..3, and pair k is k-step k / 2 of the
+// group, MMA k index 2c + 8 (k % 2) (+ 1 for k + 4).
 __device__ __forceinline__ int q_col_reg4(int d) {
   const int k = d & 7, c = (d >> 3) & 3;
   return (d & ~31) + 16 * ((k >> 1) & 1) + 2 * c + 8 * (k & 1) + (k >> 2);
 }
-// Nibbles j of both 16-bit halves of w (bits 4j .. 4j + 3 and 16 + 4j ..) -> f16x2 of the
-// unsigned codes (exact).
+// Nibbles j of both 16-bit halves of w (bits 4j .. 4j + 3 and 16 + 4j ..; `w8` = w >> 8) as
+// f16x2 of code + 1024 for even j, 16 x code + 1024 for odd j (masked in place, no shift): one
+// LOP3 a pair with the exponent bits in a register (`magic`, int4_magic()). Exact.
 template <int kJ>
-__device__ __forceinline__ uint32_t int4_nib_pair(uint32_t w) {
-  return hsub2_bits(((w >> (4 * kJ)) & 0x000F000Fu) | 0x64006400u, 1024.0f);
+__device__ __forceinline__ uint32_t int4_nib_biased(uint32_t w, uint32_t w8, uint32_t magic) {
+  static_assert(kJ >= 0 && kJ < 4);
+  const uint32_t t = kJ >= 2 ? w8 : w;
+  return (kJ & 1) ? and_or<0x00F000F0u>(t, magic) : and_or<0x000F000Fu>(t, magic);
+}
+// The same, without the bias: the unsigned codes (one HADD2 or HFMA2 more a pair).
+template <int kJ>
+__device__ __forceinline__ uint32_t int4_nib_pair(uint32_t w, uint32_t w8, uint32_t magic) {
+  const uint32_t b = int4_nib_biased<kJ>(w, w8, magic);
+  if constexpr (kJ & 1)
+    return hfma2_bits(b, 0x2C002C00u, 0xD400D400u);  // x / 16 - 64 (0x2C00 = 1/16, 0xD400 = -64)
+  else
+    return hsub2_bits(b, 1024.0f);
 }
 
 template <KvDtype DK, KvDtype DV, int HD>
@@ -233,9 +253,15 @@ __global__ void __launch_bounds__(kVThreads, 2)
     for (int j = 0; j < kWarpRows; ++j) {
       const int lr = warp * kWarpRows + j;
       if constexpr (C::kRotK) warp_hadamard_rotate<E>(xs[j], lane, p.signs);
+      float even = 0.0f;  // int4 K: the sum of the even-k dims' operands (stored x 16)
       const float2 aq = pack_q_row<C::kBf16K>(xs[j], [&](int e, uint32_t pr) {
         const int d = lane * E + e;
-        if constexpr (C::kInt4K) {  // a pair's dims are not adjacent columns
+        if constexpr (C::kInt4K) {
+          // A pair's dims are not adjacent columns. d is even, so its k = d % 8 is: K's
+          // even-k codes come as code + 1024, the odd as 16 x code + 1024 (int4_nib_biased);
+          // Q's even-k operand x 16 (exact) makes every product 16 q code + 1024 q'.
+          even += __low2float(*reinterpret_cast<const __half2*>(&pr));
+          pr = hmul2_bits(pr, 0x3C004C00u);  // (x 16, x 1)
           qs[lr * C::kQStride + q_col_reg4(d)] = static_cast<uint16_t>(pr);
           qs[lr * C::kQStride + q_col_reg4(d + 1)] = static_cast<uint16_t>(pr >> 16);
         } else {
@@ -243,9 +269,13 @@ __global__ void __launch_bounds__(kVThreads, 2)
           *reinterpret_cast<uint32_t*>(qs + lr * C::kQStride + col) = pr;
         }
       });
+      if constexpr (C::kInt4K) even = warp_sum(even);
       if (lane == 0) {
         rfac[lr] = r0 + lr < rows_total ? p.softmax_scale * kscale / aq.x : 0.0f;
         rqsum[lr] = aq.y;
+        // The bias 1024 x (sum of the stored operands) that the logits start from, negated.
+        if constexpr (C::kInt4K)
+          reinterpret_cast<float*>(smem + C::kRowQbias)[lr] = -1024.0f * (aq.y + 15.0f * even);
       }
     }
   }
@@ -265,7 +295,7 @@ __global__ void __launch_bounds__(kVThreads, 2)
     fac[j] = rfac[col] * (capped ? 1.0f : kLog2e);
     if constexpr (C::kInt4K) qsm[j] = rqsum[col];
     if constexpr (C::kInt4V) zacc[j] = 0.0f;
-    m[j] = -__uint_as_float(kF32Inf);
+    m[j] = kNoMax;
     l[j] = 0.0f;
   }
   // The visible range of column j, recomputed where a slice needs masking.
@@ -273,7 +303,7 @@ __global__ void __launch_bounds__(kVThreads, 2)
     const int col = 8 * (j >> 1) + 2 * c + (j & 1);
     return blk.first_pos + min(r0 + col, rows_total - 1) / p.ratio;
   };
-  float s_run = 0.0f;  // running maximum of the per-token V scales (row-scaled V)
+  float s_run = 0.0f, inv_s = 0.0f;  // running maximum of the per-token V scales, 1 / it
   float o[kMT][kVNT][4];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -290,6 +320,10 @@ __global__ void __launch_bounds__(kVThreads, 2)
                              ? ((lane & 7) + 8 * ((lane >> 3) & 1)) * C::kPitchV + 16 * (lane >> 4)
                              : ((lane & 7) + 8 * (lane >> 4)) * C::kPitchV + 16 * ((lane >> 3) & 1);
 
+  // int4: the decoders' exponent bits in a register (one LOP3 a pair).
+  [[maybe_unused]] const uint32_t magic = (C::kInt4K || C::kInt4V) ? int4_magic() : 0u;
+  [[maybe_unused]] const float2* qbias = reinterpret_cast<const float2*>(smem + C::kRowQbias);
+
   int stage = 0;  // (tile - tile_b) % kS
 #pragma unroll 1
   for (int tile = tile_b; tile < tile_e; ++tile, stage = stage + 1 == kS ? 0 : stage + 1) {
@@ -302,9 +336,19 @@ __global__ void __launch_bounds__(kVThreads, 2)
     const uint8_t* bufp = smem + (buf - s_base);
 
     // ---- S^T = K Q^T: 16 tokens x 32 rows ----
+    // int4 K: the accumulators start at the columns' -1024 x (sum of Q operands), so the MMAs
+    // leave 16 (Q . code) (see int4_nib_biased).
     float s[kVNT][4];
 #pragma unroll
-    for (int nt = 0; nt < kVNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+    for (int nt = 0; nt < kVNT; ++nt) {
+      if constexpr (C::kInt4K) {
+        const float2 b = qbias[4 * nt + c];
+        s[nt][0] = s[nt][2] = b.x;
+        s[nt][1] = s[nt][3] = b.y;
+      } else {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      }
+    }
     [[maybe_unused]] uint32_t k4[4];  // int4 K: the ldmatrix of two groups
 #pragma unroll
     for (int kp = 0; kp < HD / 32; ++kp) {
@@ -315,14 +359,15 @@ __global__ void __launch_bounds__(kVThreads, 2)
         static_assert(HD % 64 == 0);
         if (kp % 2 == 0) ldsm_x4(buf + k_off + 16 * kp, k4[0], k4[1], k4[2], k4[3]);
         const uint32_t x = k4[2 * (kp % 2)], y = k4[2 * (kp % 2) + 1];
-        ka[0][0] = int4_nib_pair<0>(x);
-        ka[0][1] = int4_nib_pair<0>(y);
-        ka[0][2] = int4_nib_pair<1>(x);
-        ka[0][3] = int4_nib_pair<1>(y);
-        ka[1][0] = int4_nib_pair<2>(x);
-        ka[1][1] = int4_nib_pair<2>(y);
-        ka[1][2] = int4_nib_pair<3>(x);
-        ka[1][3] = int4_nib_pair<3>(y);
+        const uint32_t x8 = x >> 8, y8 = y >> 8;
+        ka[0][0] = int4_nib_biased<0>(x, x8, magic);
+        ka[0][1] = int4_nib_biased<0>(y, y8, magic);
+        ka[0][2] = int4_nib_biased<1>(x, x8, magic);
+        ka[0][3] = int4_nib_biased<1>(y, y8, magic);
+        ka[1][0] = int4_nib_biased<2>(x, x8, magic);
+        ka[1][1] = int4_nib_biased<2>(y, y8, magic);
+        ka[1][2] = int4_nib_biased<3>(x, x8, magic);
+        ka[1][3] = int4_nib_biased<3>(y, y8, magic);
       } else if constexpr (C::kReg8K) {
         // One ldmatrix of bytes: tokens g / g + 8, bytes 4c .. 4c + 3 of two 16-dim groups.
         uint32_t w[4];
@@ -357,27 +402,28 @@ __global__ void __launch_bounds__(kVThreads, 2)
     // Per-token metadata of this lane's tokens g, g + 8 (int4: (scale, zero) as a half2).
     float ksc[2] = {1.0f, 1.0f}, kzp[2] = {0.0f, 0.0f};
     float vsc[2] = {1.0f, 1.0f}, vzp[2] = {0.0f, 0.0f};
-    auto token_meta = [&](int off, bool int4, float(&sc)[2], float(&zp)[2]) {
+    // sc_mul: a factor on the scale (int4 K: 1/16, the products' 16 x).
+    auto token_meta = [&](int off, bool int4, float sc_mul, float(&sc)[2], float(&zp)[2]) {
       const uint32_t* mt = reinterpret_cast<const uint32_t*>(bufp + off);
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const uint32_t w = mt[g + 8 * hf];
         if (int4) {
           const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&w));
-          sc[hf] = sz.x;
+          sc[hf] = sz.x * sc_mul;
           zp[hf] = sz.y;
         } else {
           sc[hf] = __uint_as_float(w);
         }
       }
     };
-    if constexpr (C::kMetaK) token_meta(C::kSliceMetaK, C::kInt4K, ksc, kzp);
+    if constexpr (C::kMetaK) token_meta(C::kSliceMetaK, C::kInt4K, 0.0625f, ksc, kzp);
 #pragma unroll
     for (int nt = 0; nt < kVNT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[nt][e];
-        if constexpr (C::kInt4K)  // k = s q + z: s (Q . q) + z sum(Q)
+        if constexpr (C::kInt4K)  // k = s q + z: s (Q . q) + z sum(Q); ksc holds s / 16
           x = fmaf(x, ksc[e >> 1], kzp[e >> 1] * qsm[2 * nt + (e & 1)]);
         else if constexpr (C::kMetaK)
           x *= ksc[e >> 1];
@@ -402,60 +448,63 @@ __global__ void __launch_bounds__(kVThreads, 2)
         }
       }
     }
-    float corr[2 * kVNT], mu[2 * kVNT];
+    // Lazy maximum decided by one vote: only where some logit passes its column's reference
+    // maximum by more than kMaxSlack are the column maxima reduced (shuffles) and moved (the
+    // first slices, mostly); every other slice keeps m and needs no rescale.
+    bool over = false;
 #pragma unroll
-    for (int j = 0; j < 2 * kVNT; ++j) {
-      float mx = fmaxf(s[j >> 1][j & 1], s[j >> 1][2 + (j & 1)]);
-      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 16));
-      // m[j] = -inf (nothing seen yet) moves to any finite maximum.
-      const bool bump = mx > m[j] + kMaxSlack;
-      const float m_new = bump ? mx : m[j];
-      mu[j] = m_new == -__uint_as_float(kF32Inf) ? 0.0f : m_new;
-      corr[j] = bump ? fast_exp2(m[j] - mu[j]) : 1.0f;
-      m[j] = m_new;
+    for (int j = 0; j < 2 * kVNT; ++j)
+      over |= fmaxf(s[j >> 1][j & 1], s[j >> 1][2 + (j & 1)]) - m[j] > kMaxSlack;
+    bool rescale = __any_sync(kFullMask, over);  // warp-uniform
+    float corr[2 * kVNT];
+#pragma unroll
+    for (int j = 0; j < 2 * kVNT; ++j) corr[j] = 1.0f;
+    if (rescale) {
+#pragma unroll
+      for (int j = 0; j < 2 * kVNT; ++j) {
+        const float mx = col_max(fmaxf(s[j >> 1][j & 1], s[j >> 1][2 + (j & 1)]));
+        if (mx - m[j] > kMaxSlack) {  // uniform across the column's lanes
+          corr[j] = fast_exp2(m[j] - mx);
+          l[j] *= corr[j];  // l before the V scales' factor below (O^T takes both)
+          m[j] = mx;
+        }
+      }
     }
 #pragma unroll
     for (int j = 0; j < 2 * kVNT; ++j) {
       float& a = s[j >> 1][j & 1];
       float& b = s[j >> 1][2 + (j & 1)];
-      a = fast_exp2(a - mu[j]);
-      b = fast_exp2(b - mu[j]);
-      l[j] = l[j] * corr[j] + (a + b);
+      a = fast_exp2(a - m[j]);
+      b = fast_exp2(b - m[j]);
     }
+    // Row-scaled V: P *= s_v(token) / (running max of s_v), so fp16 P stays in [0, 1]; the
+    // running max moves (and O^T with it) only where a vote says a token's scale passed it.
+    [[maybe_unused]] float pw[2] = {1.0f, 1.0f}, zw[2] = {0.0f, 0.0f};
     if constexpr (C::kMetaV) {
-      // P *= s_v(token) / (running max of s_v): fp16 P stays in [0, 1].
-      token_meta(C::kSliceMetaV, C::kInt4V, vsc, vzp);
-      float vmx = fmaxf(vsc[0], vsc[1]);
-      vmx = fmaxf(vmx, __shfl_xor_sync(kFullMask, vmx, 4));
-      vmx = fmaxf(vmx, __shfl_xor_sync(kFullMask, vmx, 8));
-      vmx = fmaxf(vmx, __shfl_xor_sync(kFullMask, vmx, 16));
-      const float s_new = fmaxf(s_run, vmx);
-      const float inv_s = s_new > 0.0f ? 1.0f / s_new : 0.0f;
-      const float rescale = s_new > 0.0f && s_new != s_run ? s_run * inv_s : 1.0f;
+      token_meta(C::kSliceMetaV, C::kInt4V, 1.0f, vsc, vzp);
+      if (__any_sync(kFullMask, fmaxf(vsc[0], vsc[1]) > s_run)) {
+        const float s_new = col_max(fmaxf(vsc[0], vsc[1]));  // a token's scale is its lanes'
+        inv_s = 1.0f / s_new;                                // s_new > s_run >= 0
+        const float f = s_run * inv_s;
 #pragma unroll
-      for (int j = 0; j < 2 * kVNT; ++j) corr[j] *= rescale;
-      if constexpr (C::kInt4V) {
-        // v = s q + z: the zeros' share of O is sum_t P(t) z(t), kept in units of s_run as
-        // O^T is (so rescaled with it).
-#pragma unroll
-        for (int j = 0; j < 2 * kVNT; ++j)
-          zacc[j] = fmaf(zacc[j], corr[j],
-                         fmaf(s[j >> 1][j & 1], vzp[0], s[j >> 1][2 + (j & 1)] * vzp[1]) * inv_s);
+        for (int j = 0; j < 2 * kVNT; ++j) corr[j] *= f;
+        s_run = s_new;
+        rescale = true;
       }
-#pragma unroll
-      for (int nt = 0; nt < kVNT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] *= vsc[e >> 1] * inv_s;
-      s_run = s_new;
+      pw[0] = vsc[0] * inv_s;
+      pw[1] = vsc[1] * inv_s;
+      if constexpr (C::kInt4V) {
+        zw[0] = vzp[0] * inv_s;
+        zw[1] = vzp[1] * inv_s;
+      }
     }
 
-    // ---- O^T = O^T * corr + V^T P^T ----
-    bool rescale_o = false;
+    // ---- O^T = O^T * corr + V^T P^T (and the int4 V zeros' term with it) ----
+    if (rescale) {
+      if constexpr (C::kInt4V) {
 #pragma unroll
-    for (int j = 0; j < 2 * kVNT; ++j) rescale_o |= corr[j] != 1.0f;
-    if (__any_sync(kFullMask, rescale_o)) {
+        for (int j = 0; j < 2 * kVNT; ++j) zacc[j] *= corr[j];
+      }
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -465,6 +514,20 @@ __global__ void __launch_bounds__(kVThreads, 2)
           o[mt][nt][2] *= corr[2 * nt];
           o[mt][nt][3] *= corr[2 * nt + 1];
         }
+    }
+#pragma unroll
+    for (int j = 0; j < 2 * kVNT; ++j) {
+      const float a = s[j >> 1][j & 1], b = s[j >> 1][2 + (j & 1)];
+      l[j] += a + b;
+      // int4 V (v = s q + z): the zeros' share of O is sum_t P(t) z(t), kept in the units of
+      // s_run as O^T is (so rescaled with it).
+      if constexpr (C::kInt4V) zacc[j] = fmaf(a, zw[0], fmaf(b, zw[1], zacc[j]));
+    }
+    if constexpr (C::kMetaV) {
+#pragma unroll
+      for (int nt = 0; nt < kVNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= pw[e >> 1];
     }
     // P^T as B operands: the C fragment of tokens 0-7 (8-15) transposed.
     uint32_t pb[kVNT][2];
@@ -481,10 +544,13 @@ __global__ void __launch_bounds__(kVThreads, 2)
       for (int jp = 0; jp < HD / 64; ++jp) {
         uint32_t r[4];
         ldsm_x4_trans(buf + C::kSliceV + v_off + 32 * jp, r[0], r[1], r[2], r[3]);
+        const uint32_t r8[4] = {r[0] >> 8, r[1] >> 8, r[2] >> 8, r[3] >> 8};
         auto mt4 = [&](auto jc) {
           constexpr int j = decltype(jc)::value;
-          const uint32_t a0 = int4_nib_pair<j>(r[0]), a1 = int4_nib_pair<j>(r[1]);
-          const uint32_t a2 = int4_nib_pair<j>(r[2]), a3 = int4_nib_pair<j>(r[3]);
+          const uint32_t a0 = int4_nib_pair<j>(r[0], r8[0], magic);
+          const uint32_t a1 = int4_nib_pair<j>(r[1], r8[1], magic);
+          const uint32_t a2 = int4_nib_pair<j>(r[2], r8[2], magic);
+          const uint32_t a3 = int4_nib_pair<j>(r[3], r8[3], magic);
 #pragma unroll
           for (int nt = 0; nt < kVNT; ++nt)
             mma<false>(o[4 * jp + j][nt], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
