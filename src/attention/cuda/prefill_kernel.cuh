@@ -310,16 +310,7 @@ struct Cvt8Word {
       if constexpr (kLo == 0 && kHi == 1) {
         return fp8x2_to_f16x2<kE5M2>(u);
       } else if constexpr (kLo == 2 && kHi == 3) {
-        uint32_t r;
-        if constexpr (kE5M2)
-          asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e5m2x2 %0, h;}\n"
-              : "=r"(r)
-              : "r"(u));
-        else
-          asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;}\n"
-              : "=r"(r)
-              : "r"(u));
-        return r;
+        return fp8x2_to_f16x2<kE5M2>(u, 1);  // the upper half read in place
       } else {
         return fp8x2_to_f16x2<kE5M2>(__byte_perm(u, 0u, kLo | kHi << 4));
       }
