@@ -419,13 +419,10 @@ __device__ __forceinline__ void load_q_rows(float (&xs)[N][HD / 32], const Prefi
   }
 }
 
-// One Q row (E values a lane) as 16-bit MMA operands: fp16 operands take a power-of-two scale a
-// with |q a| < 2, which keeps Q's precision whatever its range (bf16: a = 1); each packed pair
-// of values e, e + 1 goes to store(e, pair). Returns a and the warp's sum of the operands.
+// One Q row (E values a lane) as 16-bit MMA operands scaled by `a`: each packed pair of values
+// e, e + 1 goes to store(e, pair). Returns the warp's sum of the operands.
 template <bool kBf16, int E, typename Store>
-__device__ __forceinline__ float2 pack_q_row(const float (&x)[E], Store&& store) {
-  const float amax = warp_finite_amax(x);
-  const float a = (!kBf16 && amax > 0.0f) ? ldexpf(1.0f, -ilogbf(amax)) : 1.0f;
+__device__ __forceinline__ float pack_q_row_at(const float (&x)[E], float a, Store&& store) {
   float qsum = 0.0f;
 #pragma unroll
   for (int e = 0; e < E; e += 2) {
@@ -439,7 +436,22 @@ __device__ __forceinline__ float2 pack_q_row(const float (&x)[E], Store&& store)
     }
     store(e, pr);
   }
-  return make_float2(a, warp_sum(qsum));
+  return warp_sum(qsum);
+}
+
+// The power-of-two scale a with |q a| < 2 for fp16 operands of values up to `amax` (keeps Q's
+// precision whatever its range); bf16: 1.
+template <bool kBf16>
+__device__ __forceinline__ float q_operand_scale(float amax) {
+  return (!kBf16 && amax > 0.0f) ? ldexpf(1.0f, -ilogbf(amax)) : 1.0f;
+}
+
+// One Q row as 16-bit MMA operands with its own scale (q_operand_scale of its maximum).
+// Returns a and the warp's sum of the operands.
+template <bool kBf16, int E, typename Store>
+__device__ __forceinline__ float2 pack_q_row(const float (&x)[E], Store&& store) {
+  const float a = q_operand_scale<kBf16>(warp_finite_amax(x));
+  return make_float2(a, pack_q_row_at<kBf16>(x, a, store));
 }
 
 template <int HD, int kRowsPerBlock>

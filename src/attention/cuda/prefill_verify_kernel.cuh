@@ -8,18 +8,19 @@
 // transposed, as in the one-query decode kernel: S^T = K Q^T and O^T = V^T P^T, so the kv tokens
 // are the MMA rows (16 a slice) and all 32 query rows are the MMA columns (4 n-tiles of 8).
 // Block: 4 warps own (sequence, kv head, 32 rows, a split's kv tiles); per 64-token kv tile
-// warp w takes tokens 16w .. 16w + 15. Each warp converts its slice once for all 32 rows and
+// warp w takes tokens 16w .. 16w + 15 (VCfg::kCH = 2 would give warps w and w + 4 the same
+// tokens for rows 0-15 / 16-31). Each warp converts its slice once for its rows and
 // runs its own online softmax over its slices with its own cp.async ring (no block barrier in
-// the loop); at the end the four warps' (max, sum, O) merge through shared memory, and with
+// the loop); at the end the four slices' (max, sum, O) merge through shared memory, and with
 // split-KV the block writes the same partials as the other prefill kernels.
 //
-// Operands as in the other kernels: bf16 where a side is bf16, else fp16 (Q with a per-row
-// power-of-two scale; 8-bit codes exact in fp16); fp32 accumulation; Q and P never fp8.
-// Per-tensor K scales fold into the per-row logit factor, per-token K scales multiply the
-// logits (the slice's rows), per-token V scales multiply P (normalized by the warp's running
-// maximum V scale so fp16 P stays in [0, 1]), per-tensor V scales the output. Built for 16-bit,
-// 8-bit and int4_per_token_head sides (prefill_verify_pair); nvfp4 and fp32 caches keep the
-// small-q block.
+// Operands as in the other kernels: bf16 where a side is bf16, else fp16 (Q with one
+// power-of-two scale for the block's rows; 8-bit codes exact in fp16); fp32 accumulation; Q and
+// P never fp8. Per-tensor K scales fold into the logit factor (one number for the block), and
+// so does it into the per-token K scales, which multiply the logits (the slice's rows);
+// per-token V scales multiply P (normalized by a reference V scale that moves lazily, so fp16 P
+// stays below 2^15), per-tensor V scales the output. Built for 16-bit, 8-bit and
+// int4_per_token_head sides (prefill_verify_pair); nvfp4 and fp32 caches keep the small-q block.
 #pragma once
 
 #include <type_traits>
@@ -31,12 +32,10 @@ namespace prefill_verify {
 
 using namespace prefill_detail;  // PTX wrappers, unpacking helpers, PrefillBlock, Q rows
 
-inline constexpr int kVWarps = 4;
-inline constexpr int kVThreads = 32 * kVWarps;
+inline constexpr int kVWarps = 4;  // token slices a tile (the warps of one column half)
 inline constexpr int kVRows = prefill_verify_rows();  // MMA columns: 4 n-tiles of 8
-inline constexpr int kVNT = kVRows / 8;
-inline constexpr int kVSlice = 16;                // kv tokens of one warp per tile
-inline constexpr int kVTile = kVWarps * kVSlice;  // kv tokens per block tile
+inline constexpr int kVSlice = 16;                    // kv tokens of one warp per tile
+inline constexpr int kVTile = kVWarps * kVSlice;      // kv tokens per block tile
 static_assert(kVRows == 32 && kVTile == 64);
 
 // 4-byte cp.async (per-token metadata: a slice's edge tokens are copied one by one).
@@ -47,6 +46,16 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
 template <KvDtype DK, KvDtype DV, int HD>
 struct VCfg {
   static_assert(prefill_verify_pair(DK, DV, HD));
+  // Column halves (kCH = 2: two warps a token slice, each for 16 of the 32 query rows, both
+  // converting the slice; O^T in 64 registers, 128 a thread, four warps a scheduler) measured
+  // slower for int4 / int4 (docs/notes/prefill-tuning.md v20c: +48% instructions for +14 points
+  // of issue utilization), so every pair runs one warp a slice; the knob stays for the shapes
+  // and dtypes where conversions are cheap against the occupancy they buy.
+  static constexpr int kCH = 1;
+  static constexpr int kWarps = kVWarps * kCH;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kCols = kVRows / kCH;  // a warp's MMA columns
+  static constexpr int kNT = kCols / 8;       // its n-tiles
   static constexpr bool kReg8K = value_bits(DK) == 8;
   static constexpr bool kReg8V = value_bits(DV) == 8;
   // int4_per_token_head: codes ldmatrix'ed as 16-bit units and converted in registers, (scale,
@@ -73,20 +82,21 @@ struct VCfg {
   static constexpr int kSliceMetaV = kSliceMetaK + (kMetaK ? 4 * kVSlice : 0);
   static constexpr int kSlice = kSliceMetaV + (kMetaV ? 4 * kVSlice : 0);
   static constexpr int kQ = 0;
-  static constexpr int kRowFac = kQ + kVRows * kQStride * 2;  // per row: the logit factor
-  static constexpr int kRowQsum = kRowFac + 4 * kVRows;       // per row: the sum of its Q operands
+  static constexpr int kRowMax = kQ + kVRows * kQStride * 2;  // per row: max |q| (the Q scale's)
+  static constexpr int kRowQsum = kRowMax + 4 * kVRows;       // per row: the sum of its Q operands
   // int4 K: per row -1024 x the sum of its (scaled) Q operands, the logits' initial value.
   static constexpr int kRowQbias = kRowQsum + 4 * kVRows;
   static constexpr int kRing = kRowQbias + (kInt4K ? 4 * kVRows : 0);
   // Four slices a warp in flight where two blocks an SM still fit, else three.
-  static constexpr int kStages = kRing + kVWarps * 4 * kSlice <= 110 * 1024 ? 4 : 3;
-  static constexpr int kMain = kRing + kVWarps * kStages * kSlice;
-  // The merge (reuses everything): each warp's O^T as [row][HD + 4] fp32, then (max, sum).
+  static constexpr int kStages = kRing + kWarps * 4 * kSlice <= 110 * 1024 ? 4 : 3;
+  static constexpr int kMain = kRing + kWarps * kStages * kSlice;
+  // The merge (reuses everything): each token slice's O^T as [row][HD + 4] fp32 (a column
+  // half's warp writes its rows), then (max, sum).
   static constexpr int kOStride = HD + 4;
   static constexpr int kMergeMl = kVWarps * kVRows * kOStride * 4;
   static constexpr int kMerge = kMergeMl + kVWarps * kVRows * 8;
   static constexpr int kSmem = cmax(kMain, kMerge);
-  static_assert(kRowFac % 16 == 0 && kRowQsum % 16 == 0 && kRowQbias % 16 == 0 && kRing % 16 == 0 &&
+  static_assert(kRowMax % 16 == 0 && kRowQsum % 16 == 0 && kRowQbias % 16 == 0 && kRing % 16 == 0 &&
                 kSlice % 16 == 0 && kSliceV % 16 == 0);
   static_assert(kSmem <= 113 * 1024, "two blocks an SM");
 };
@@ -135,6 +145,10 @@ inline constexpr float kMaxSlack = 8.0f;
 // logits and any real logit passes it by more than kMaxSlack; a column that saw nothing keeps
 // l = 0, which the merges read as "nothing seen".
 inline constexpr float kNoMax = -1e30f;
+// Row-scaled V: the reference V scale moves only where a token's scale exceeds it by more than
+// this factor, so P' = P s / s_ref < 2^8 x 2^7 = 2^15 stays inside fp16 (max 65504) and most
+// slices skip O^T's rescale for it.
+inline constexpr float kVScaleSlack = 128.0f;
 
 // int4 K: the stored column of Q's dim d. An ldmatrix of K's rows as 16-bit units hands lane
 // (g, c) bytes 4c .. 4c + 3 of a 32-dim group, dims 8c + k (k = 0..7, low nibble first); the
@@ -164,7 +178,7 @@ __device__ __forceinline__ uint32_t int4_nib_pair(uint32_t w, uint32_t w8, uint3
 }
 
 template <KvDtype DK, KvDtype DV, int HD>
-__global__ void __launch_bounds__(kVThreads, 2)
+__global__ void __launch_bounds__(VCfg<DK, DV, HD>::kThreads, 2)
     prefill_verify_kernel(const __grid_constant__ PrefillKernelParams p) {
   using C = VCfg<DK, DV, HD>;
   constexpr int kS = C::kStages;
@@ -172,31 +186,37 @@ __global__ void __launch_bounds__(kVThreads, 2)
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31, warp = tid >> 5;
+  // This warp's token slice of each tile and its columns (query rows col0 .. col0 + kCols - 1).
+  const int sw = warp % kVWarps, col0 = C::kCols * (warp / kVWarps);
+  constexpr int kVNT = C::kNT;
   const int g = lane >> 2, c = lane & 3;
   PrefillBlock blk;
-  if (!prefill_block(p, kVRows, kVTile, kVThreads, blk)) return;
+  if (!prefill_block(p, kVRows, kVTile, C::kThreads, blk)) return;
   const int kvh = blk.kvh, r0 = blk.r0, rows_total = blk.rows_total;
   const int lo = blk.lo, hi = blk.hi, all_lo = blk.all_lo, all_hi = blk.all_hi;
   const int tile_b = blk.tile_b, tile_e = blk.tile_e;
+  // A column half past the block's last row (a sequence of 16 rows or fewer, e.g. 4 tokens x 4
+  // heads) copies and computes nothing: its columns are never merged (warp-uniform).
+  const bool live = r0 + col0 < rows_total;
+  const int tile_stop = live ? tile_e : tile_b;
 
   const int32_t* blocks = p.indices + p.indptr[blk.seq];
   const uint8_t* k_head = p.k.base + static_cast<uint64_t>(kvh) * p.k.head_stride;
   const uint8_t* v_head = p.v.base + static_cast<uint64_t>(kvh) * p.v.head_stride;
   const uint32_t s_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t ring_s = s_base + C::kRing + warp * kS * C::kSlice;
-  float* rfac = reinterpret_cast<float*>(smem + C::kRowFac);
 
   // The next slice this warp copies (its tiles are issued in order): its cache block's index in
   // the table and row there, advanced by a tile a call without a division, and that block's id,
   // loaded a call ahead so no copy waits on it. A slice never crosses a cache block.
   int n_b, n_row;
   {
-    const int t_first = tile_b * kVTile + kVSlice * warp;
+    const int t_first = tile_b * kVTile + kVSlice * sw;
     n_b = t_first / p.block_tokens;
     n_row = t_first - n_b * p.block_tokens;
   }
   auto id_of = [&](int tile) {
-    const int t0 = tile * kVTile + kVSlice * warp;
+    const int t0 = tile * kVTile + kVSlice * sw;
     return tile < tile_e && t0 < hi ? __ldg(blocks + n_b) : 0;
   };
   int32_t n_id = id_of(tile_b);
@@ -205,7 +225,7 @@ __global__ void __launch_bounds__(kVThreads, 2)
   // rows outside [lo, hi) are zeroed (P is 0 there, but 0 x NaN is not); one cp.async group a
   // call.
   auto issue = [&](int tile) {
-    const int t0 = tile * kVTile + kVSlice * warp;
+    const int t0 = tile * kVTile + kVSlice * sw;
     if (tile < tile_e && t0 < hi && t0 + kVSlice > lo) {
       const uint32_t dst = ring_s + issue_stage * C::kSlice;
       const uint64_t block = static_cast<uint64_t>(n_id);
@@ -237,24 +257,42 @@ __global__ void __launch_bounds__(kVThreads, 2)
     n_id = id_of(tile + 1);
   };
 #pragma unroll
-  for (int st = 0; st < kS - 1; ++st) issue(tile_b + st);
+  for (int st = 0; st < kS - 1; ++st)
+    if (live) issue(tile_b + st);
 
-  // ---- Q: 8 rows a warp as 16-bit operands (rotated for a rotated K; an 8-bit K's dim
-  //      permutation q_col_reg8, a 4-bit K's q_col_reg4) ----
+  // ---- Q: 32 / kWarps rows a warp as 16-bit operands (rotated for a rotated K; an 8-bit K's dim
+  //      permutation q_col_reg8, a 4-bit K's q_col_reg4), one power-of-two scale for all 32
+  //      rows (from their largest |q|: no row's absolute error grows past the largest row's),
+  //      so the logits' factor is one number and folds into the per-token K scales ----
   float* rqsum = reinterpret_cast<float*>(smem + C::kRowQsum);
+  float* rmax = reinterpret_cast<float*>(smem + C::kRowMax);
+  float fac;  // logit factor: softmax scale x per-tensor K scale / Q's scale (x log2 e uncapped)
   {
     constexpr int E = HD / 32;
-    constexpr int kWarpRows = kVRows / kVWarps;
+    constexpr int kWarpRows = kVRows / C::kWarps;
     uint16_t* qs = reinterpret_cast<uint16_t*>(smem + C::kQ);
-    const float kscale = p.k.tensor_scale[kvh];
     float xs[kWarpRows][E];
     load_q_rows<HD, kWarpRows>(xs, p, blk.q_start, kvh, r0 + warp * kWarpRows, rows_total, lane);
 #pragma unroll
     for (int j = 0; j < kWarpRows; ++j) {
-      const int lr = warp * kWarpRows + j;
       if constexpr (C::kRotK) warp_hadamard_rotate<E>(xs[j], lane, p.signs);
+      const float amax = warp_finite_amax(xs[j]);
+      if (lane == 0) rmax[warp * kWarpRows + j] = amax;
+    }
+    __syncthreads();
+    float bmax = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kVRows; r += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(rmax + r);
+      bmax = fmaxf(bmax, fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)));
+    }
+    const float qa = q_operand_scale<C::kBf16K>(bmax);
+    fac = p.softmax_scale * p.k.tensor_scale[kvh] / qa * (p.soft_cap != 0.0f ? 1.0f : kLog2e);
+#pragma unroll
+    for (int j = 0; j < kWarpRows; ++j) {
+      const int lr = warp * kWarpRows + j;
       float even = 0.0f;  // int4 K: the sum of the even-k dims' operands (stored x 16)
-      const float2 aq = pack_q_row<C::kBf16K>(xs[j], [&](int e, uint32_t pr) {
+      const float qsum = pack_q_row_at<C::kBf16K>(xs[j], qa, [&](int e, uint32_t pr) {
         const int d = lane * E + e;
         if constexpr (C::kInt4K) {
           // A pair's dims are not adjacent columns. d is even, so its k = d % 8 is: K's
@@ -271,28 +309,27 @@ __global__ void __launch_bounds__(kVThreads, 2)
       });
       if constexpr (C::kInt4K) even = warp_sum(even);
       if (lane == 0) {
-        rfac[lr] = r0 + lr < rows_total ? p.softmax_scale * kscale / aq.x : 0.0f;
-        rqsum[lr] = aq.y;
+        rqsum[lr] = qsum;
         // The bias 1024 x (sum of the stored operands) that the logits start from, negated.
         if constexpr (C::kInt4K)
-          reinterpret_cast<float*>(smem + C::kRowQbias)[lr] = -1024.0f * (aq.y + 15.0f * even);
+          reinterpret_cast<float*>(smem + C::kRowQbias)[lr] = -1024.0f * (qsum + 15.0f * even);
       }
     }
   }
   __syncthreads();
 
-  // Per lane: the columns (query rows) 8 nt + 2c + b of its accumulators, index j = 2 nt + b.
+  // Per lane: the columns (query rows) col0 + 8 nt + 2c + b of its accumulators, index
+  // j = 2 nt + b.
   const bool capped = p.soft_cap != 0.0f;
   const float cap = p.soft_cap, inv_cap = capped ? 1.0f / p.soft_cap : 0.0f;
-  float fac[2 * kVNT], m[2 * kVNT], l[2 * kVNT];
+  float m[2 * kVNT], l[2 * kVNT];
   // int4 K: per column the sum of its Q operands (the zero point's logit term); int4 V: per
   // column sum_t P'(t) z(t) / s(t) over this lane's tokens (the zero point's output term, in the
   // units of P' = P s / s_run, rescaled with O^T).
   [[maybe_unused]] float qsm[C::kInt4K ? 2 * kVNT : 1], zacc[C::kInt4V ? 2 * kVNT : 1];
 #pragma unroll
   for (int j = 0; j < 2 * kVNT; ++j) {
-    const int col = 8 * (j >> 1) + 2 * c + (j & 1);
-    fac[j] = rfac[col] * (capped ? 1.0f : kLog2e);
+    const int col = col0 + 8 * (j >> 1) + 2 * c + (j & 1);
     if constexpr (C::kInt4K) qsm[j] = rqsum[col];
     if constexpr (C::kInt4V) zacc[j] = 0.0f;
     m[j] = kNoMax;
@@ -300,10 +337,10 @@ __global__ void __launch_bounds__(kVThreads, 2)
   }
   // The visible range of column j, recomputed where a slice needs masking.
   auto col_pos = [&](int j) {
-    const int col = 8 * (j >> 1) + 2 * c + (j & 1);
+    const int col = col0 + 8 * (j >> 1) + 2 * c + (j & 1);
     return blk.first_pos + min(r0 + col, rows_total - 1) / p.ratio;
   };
-  float s_run = 0.0f, inv_s = 0.0f;  // running maximum of the per-token V scales, 1 / it
+  float s_run = 0.0f, inv_s = 0.0f;  // the per-token V scales' reference maximum, 1 / it
   float o[kMT][kVNT][4];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -314,7 +351,7 @@ __global__ void __launch_bounds__(kVThreads, 2)
   // ldmatrix lane addresses: Q rows as B (n-tile pairs), K rows as A, V rows as A^T.
   constexpr int kQRow = C::kQStride * 2;
   const uint32_t q_addr =
-      s_base + C::kQ + ((lane & 7) + 8 * (lane >> 4)) * kQRow + 16 * ((lane >> 3) & 1);
+      s_base + C::kQ + (col0 + (lane & 7) + 8 * (lane >> 4)) * kQRow + 16 * ((lane >> 3) & 1);
   const uint32_t k_off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * C::kPitchK + 16 * (lane >> 4);
   const uint32_t v_off = C::kReg8V
                              ? ((lane & 7) + 8 * ((lane >> 3) & 1)) * C::kPitchV + 16 * (lane >> 4)
@@ -326,23 +363,23 @@ __global__ void __launch_bounds__(kVThreads, 2)
 
   int stage = 0;  // (tile - tile_b) % kS
 #pragma unroll 1
-  for (int tile = tile_b; tile < tile_e; ++tile, stage = stage + 1 == kS ? 0 : stage + 1) {
+  for (int tile = tile_b; tile < tile_stop; ++tile, stage = stage + 1 == kS ? 0 : stage + 1) {
     cp_async_wait<kS - 2>();
     __syncwarp();  // this slice's bytes landed for the whole warp; the last slice is read
     issue(tile + kS - 1);
-    const int t0 = tile * kVTile + kVSlice * warp;
+    const int t0 = tile * kVTile + kVSlice * sw;
     if (!(t0 < hi && t0 + kVSlice > lo)) continue;  // warp-uniform
     const uint32_t buf = ring_s + stage * C::kSlice;
     const uint8_t* bufp = smem + (buf - s_base);
 
-    // ---- S^T = K Q^T: 16 tokens x 32 rows ----
+    // ---- S^T = K Q^T: 16 tokens x kCols rows ----
     // int4 K: the accumulators start at the columns' -1024 x (sum of Q operands), so the MMAs
     // leave 16 (Q . code) (see int4_nib_biased).
     float s[kVNT][4];
 #pragma unroll
     for (int nt = 0; nt < kVNT; ++nt) {
       if constexpr (C::kInt4K) {
-        const float2 b = qbias[4 * nt + c];
+        const float2 b = qbias[col0 / 2 + 4 * nt + c];
         s[nt][0] = s[nt][2] = b.x;
         s[nt][1] = s[nt][3] = b.y;
       } else {
@@ -400,9 +437,7 @@ __global__ void __launch_bounds__(kVThreads, 2)
 
     // ---- logits (log2 units), mask, online softmax per column ----
     // Per-token metadata of this lane's tokens g, g + 8 (int4: (scale, zero) as a half2).
-    float ksc[2] = {1.0f, 1.0f}, kzp[2] = {0.0f, 0.0f};
-    float vsc[2] = {1.0f, 1.0f}, vzp[2] = {0.0f, 0.0f};
-    // sc_mul: a factor on the scale (int4 K: 1/16, the products' 16 x).
+    // sc_mul: a factor on the scale (K: the logit factor; int4 K also 1/16, the products' 16 x).
     auto token_meta = [&](int off, bool int4, float sc_mul, float(&sc)[2], float(&zp)[2]) {
       const uint32_t* mt = reinterpret_cast<const uint32_t*>(bufp + off);
 #pragma unroll
@@ -413,29 +448,19 @@ __global__ void __launch_bounds__(kVThreads, 2)
           sc[hf] = sz.x * sc_mul;
           zp[hf] = sz.y;
         } else {
-          sc[hf] = __uint_as_float(w);
+          sc[hf] = __uint_as_float(w) * sc_mul;
         }
       }
     };
-    if constexpr (C::kMetaK) token_meta(C::kSliceMetaK, C::kInt4K, 0.0625f, ksc, kzp);
-#pragma unroll
-    for (int nt = 0; nt < kVNT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[nt][e];
-        if constexpr (C::kInt4K)  // k = s q + z: s (Q . q) + z sum(Q); ksc holds s / 16
-          x = fmaf(x, ksc[e >> 1], kzp[e >> 1] * qsm[2 * nt + (e & 1)]);
-        else if constexpr (C::kMetaK)
-          x *= ksc[e >> 1];
-        s[nt][e] = x * fac[2 * nt + (e & 1)];
-      }
-    if (capped) {  // one branch for the slice (not one an element)
-#pragma unroll
-      for (int nt = 0; nt < kVNT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = cap * tanhf(s[nt][e] * inv_cap) * kLog2e;
+    // The logit of accumulator (nt, e) is s[nt][e] kf + kz qsm (int4 K: k = s q + z, so
+    // s (Q . q) + z sum(Q); kf holds s fac / 16, kz z fac).
+    float kf[2] = {fac, fac}, kz[2] = {0.0f, 0.0f};
+    if constexpr (C::kMetaK) {
+      token_meta(C::kSliceMetaK, C::kInt4K, C::kInt4K ? fac * 0.0625f : fac, kf, kz);
+      if constexpr (C::kInt4K) kz[0] *= fac, kz[1] *= fac;
     }
-    if (!(t0 >= all_lo && t0 + kVSlice <= all_hi)) {
+    const bool edge = !(t0 >= all_lo && t0 + kVSlice <= all_hi);  // warp-uniform
+    auto mask = [&](float(&x)[kVNT][4]) {
 #pragma unroll
       for (int j = 0; j < 2 * kVNT; ++j) {
         const int pos = col_pos(j);
@@ -444,47 +469,85 @@ __global__ void __launch_bounds__(kVThreads, 2)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int tok = t0 + g + 8 * hf;
-          if (!(tok >= rlo && tok < rhi)) s[j >> 1][2 * hf + (j & 1)] = -__uint_as_float(kF32Inf);
+          if (!(tok >= rlo && tok < rhi)) x[j >> 1][2 * hf + (j & 1)] = -__uint_as_float(kF32Inf);
         }
       }
+    };
+    // A logit before the soft cap (log2 units where uncapped).
+    auto raw_logit = [&](int nt, int e) {
+      const float acc = s[nt][e];
+      if constexpr (C::kInt4K) return fmaf(acc, kf[e >> 1], kz[e >> 1] * qsm[2 * nt + (e & 1)]);
+      return acc * kf[e >> 1];
+    };
+    // The logits less their columns' reference maxima (one FFMA each where uncapped; capped:
+    // one branch for the slice, not one an element).
+    float y[kVNT][4];
+    if (!capped) {
+#pragma unroll
+      for (int nt = 0; nt < kVNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = 2 * nt + (e & 1);
+          const float b = C::kInt4K ? fmaf(kz[e >> 1], qsm[j], -m[j]) : -m[j];
+          y[nt][e] = fmaf(s[nt][e], kf[e >> 1], b);
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kVNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          y[nt][e] = fmaf(cap * kLog2e, tanhf(raw_logit(nt, e) * inv_cap), -m[2 * nt + (e & 1)]);
     }
+    if (edge) mask(y);
     // Lazy maximum decided by one vote: only where some logit passes its column's reference
     // maximum by more than kMaxSlack are the column maxima reduced (shuffles) and moved (the
-    // first slices, mostly); every other slice keeps m and needs no rescale.
+    // first slices, mostly); every other slice keeps m and needs no rescale. There the logits
+    // are formed again from the accumulators (y is not exact against the first reference).
     bool over = false;
 #pragma unroll
-    for (int j = 0; j < 2 * kVNT; ++j)
-      over |= fmaxf(s[j >> 1][j & 1], s[j >> 1][2 + (j & 1)]) - m[j] > kMaxSlack;
+    for (int nt = 0; nt < kVNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) over |= y[nt][e] > kMaxSlack;
     bool rescale = __any_sync(kFullMask, over);  // warp-uniform
     float corr[2 * kVNT];
 #pragma unroll
     for (int j = 0; j < 2 * kVNT; ++j) corr[j] = 1.0f;
     if (rescale) {
+      float x[kVNT][4];
+#pragma unroll
+      for (int nt = 0; nt < kVNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float v = raw_logit(nt, e);
+          x[nt][e] = capped ? cap * kLog2e * tanhf(v * inv_cap) : v;
+        }
+      if (edge) mask(x);
 #pragma unroll
       for (int j = 0; j < 2 * kVNT; ++j) {
-        const float mx = col_max(fmaxf(s[j >> 1][j & 1], s[j >> 1][2 + (j & 1)]));
+        const float mx = col_max(fmaxf(x[j >> 1][j & 1], x[j >> 1][2 + (j & 1)]));
         if (mx - m[j] > kMaxSlack) {  // uniform across the column's lanes
           corr[j] = fast_exp2(m[j] - mx);
           l[j] *= corr[j];  // l before the V scales' factor below (O^T takes both)
           m[j] = mx;
         }
+        y[j >> 1][j & 1] = x[j >> 1][j & 1] - m[j];
+        y[j >> 1][2 + (j & 1)] = x[j >> 1][2 + (j & 1)] - m[j];
       }
     }
 #pragma unroll
-    for (int j = 0; j < 2 * kVNT; ++j) {
-      float& a = s[j >> 1][j & 1];
-      float& b = s[j >> 1][2 + (j & 1)];
-      a = fast_exp2(a - m[j]);
-      b = fast_exp2(b - m[j]);
-    }
-    // Row-scaled V: P *= s_v(token) / (running max of s_v), so fp16 P stays in [0, 1]; the
-    // running max moves (and O^T with it) only where a vote says a token's scale passed it.
+    for (int nt = 0; nt < kVNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = fast_exp2(y[nt][e]);
+    // Row-scaled V: P *= s_v(token) / s_ref, so fp16 P stays below 2^8 x kVScaleSlack; the
+    // reference s_ref moves to the slice's maximum (and O^T with it) only where a vote says a
+    // token's scale passed it by more than kVScaleSlack.
     [[maybe_unused]] float pw[2] = {1.0f, 1.0f}, zw[2] = {0.0f, 0.0f};
     if constexpr (C::kMetaV) {
+      float vsc[2], vzp[2] = {0.0f, 0.0f};
       token_meta(C::kSliceMetaV, C::kInt4V, 1.0f, vsc, vzp);
-      if (__any_sync(kFullMask, fmaxf(vsc[0], vsc[1]) > s_run)) {
+      if (__any_sync(kFullMask, fmaxf(vsc[0], vsc[1]) > s_run * kVScaleSlack)) {
         const float s_new = col_max(fmaxf(vsc[0], vsc[1]));  // a token's scale is its lanes'
-        inv_s = 1.0f / s_new;                                // s_new > s_run >= 0
+        inv_s = 1.0f / s_new;                                // s_new > s_run x 128 >= 0
         const float f = s_run * inv_s;
 #pragma unroll
         for (int j = 0; j < 2 * kVNT; ++j) corr[j] *= f;
@@ -590,14 +653,14 @@ __global__ void __launch_bounds__(kVThreads, 2)
     }
   }
 
-  // ---- merge the four warps' states, then normalize (or write this split's partials) ----
+  // ---- merge the four slices' states, then normalize (or write this split's partials) ----
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with its ring, which the merge reuses
   float scale_o = 1.0f;
   if constexpr (tensor_scaled(DV)) scale_o = p.v.tensor_scale[kvh];
   if constexpr (C::kMetaV) scale_o = s_run;
-  float* ob = reinterpret_cast<float*>(smem) + warp * kVRows * C::kOStride;
-  float2* ml = reinterpret_cast<float2*>(smem + C::kMergeMl) + warp * kVRows;
+  float* ob = reinterpret_cast<float*>(smem) + (sw * kVRows + col0) * C::kOStride;
+  float2* ml = reinterpret_cast<float2*>(smem + C::kMergeMl) + sw * kVRows + col0;
 #pragma unroll
   for (int j = 0; j < 2 * kVNT; ++j) {
     float lsum = l[j];
@@ -631,7 +694,7 @@ __global__ void __launch_bounds__(kVThreads, 2)
   const float2* mlbase = reinterpret_cast<const float2*>(smem + C::kMergeMl);
   constexpr int E = HD / 32;
 #pragma unroll 1
-  for (int col = warp; col < kVRows; col += kVWarps) {
+  for (int col = warp; col < kVRows; col += C::kWarps) {
     const int r = r0 + col;
     if (r >= rows_total) break;  // warp-uniform; columns past the end are the last ones
     float mx = -__uint_as_float(kF32Inf);
@@ -676,7 +739,7 @@ void launch(const PrefillKernelParams& p, dim3 grid, cudaStream_t stream) {
   constexpr int kSmem = VCfg<DK, DV, HD>::kSmem;
   auto* kernel = &prefill_verify_kernel<DK, DV, HD>;
   KVQ_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  kernel<<<grid, kVThreads, kSmem, stream>>>(p);
+  kernel<<<grid, VCfg<DK, DV, HD>::kThreads, kSmem, stream>>>(p);
   KVQ_CUDA_CHECK_LAUNCH();
 }
 
