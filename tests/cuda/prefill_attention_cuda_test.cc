@@ -473,14 +473,17 @@ TEST(CudaPrefillVerify, SmallForSanitizers) {
     KvDtype k, v;
     int head_dim;
   };
-  // int4 / int4, whose kernel differs most (two warps a slice), at both head dims.
+  // The 4-bit pairs (codes as 16-bit units, nvfp4's rows not a multiple of 16 bytes) at both
+  // head dims.
   const Pair pairs[] = {{KvDtype::kBFloat16, KvDtype::kBFloat16, 64},
                         {KvDtype::kFp8E4M3, KvDtype::kFp8E4M3, 128},
                         {KvDtype::kInt8PerTokenHead, KvDtype::kBFloat16, 64},
                         {KvDtype::kFp8PerTokenHead, KvDtype::kFp8PerTokenHead, 128},
                         {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead, 64},
                         {KvDtype::kFp8E4M3, KvDtype::kInt4PerTokenHead, 128},
-                        {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead, 128}};
+                        {KvDtype::kInt4PerTokenHead, KvDtype::kInt4PerTokenHead, 128},
+                        {KvDtype::kNvfp4, KvDtype::kNvfp4, 64},
+                        {KvDtype::kNvfp4, KvDtype::kNvfp4, 128}};
   int index = 0;
   for (const Pair& p : pairs) {
     CudaAttnCase c;
@@ -527,7 +530,7 @@ TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
   // A small-q batch (8 queries x 4 heads = 32 rows): the verification kernel where it is built
   // and a side is 8-bit or int4, the wgmma kernel for 16-bit caches, when asked, or past 32 rows
   // (where it is built), the small-q block of the mma.sync kernel when that is asked for or for
-  // nvfp4 caches.
+  // fp32 caches.
   const cuda::PrefillPlan small = cuda::plan_prefill(bf16, small_q, small_len);
   EXPECT_TRUE(small.wgmma);
   EXPECT_NE(small.kernel_reason.find("small-q"), std::string::npos) << small.kernel_reason;
@@ -552,10 +555,14 @@ TEST(CudaPrefillWgmma, PlanChoosesTheKernelWithAReason) {
     EXPECT_STREQ(cuda::plan_prefill(spec_for(i4), small_q, small_len).kernel_name(), "verify");
     CudaAttnCase f4 = c;
     f4.k_dtype = f4.v_dtype = KvDtype::kNvfp4;
-    EXPECT_STREQ(cuda::plan_prefill(spec_for(f4), small_q, small_len).kernel_name(), "mma small-q");
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(f4), small_q, small_len).kernel_name(), "verify");
     cuda::PrefillOptions verify;
     verify.kernel = cuda::PrefillOptions::Kernel::kVerify;
     EXPECT_STREQ(cuda::plan_prefill(spec_for(f4), small_q, small_len, verify).kernel_name(),
+                 "verify");
+    CudaAttnCase f32 = c;
+    f32.k_dtype = f32.v_dtype = KvDtype::kFloat32;
+    EXPECT_STREQ(cuda::plan_prefill(spec_for(f32), small_q, small_len, verify).kernel_name(),
                  "mma small-q");
     EXPECT_STREQ(cuda::plan_prefill(spec_for(i8), small_q, small_len, verify).kernel_name(),
                  "verify");

@@ -83,15 +83,16 @@ constexpr bool prefill_wgmma_pair(KvDtype k, KvDtype v, int head_dim) {
 }
 
 // The (K, V) pairs and head dims the verification kernel is built for: 16-bit, 8-bit
-// (per-tensor or per-token-head scales) and int4_per_token_head sides, head_dim 64 / 128. nvfp4
-// and fp32 caches keep the small-q block of the mma.sync kernel.
+// (per-tensor or per-token-head scales) and int4_per_token_head sides, and nvfp4 / nvfp4,
+// head_dim 64 / 128. fp32 caches keep the small-q block of the mma.sync kernel.
 constexpr bool prefill_verify_side(KvDtype d) {
   return d == KvDtype::kBFloat16 || d == KvDtype::kFloat16 || d == KvDtype::kFp8E4M3 ||
          d == KvDtype::kFp8E5M2 || d == KvDtype::kInt8PerTokenHead ||
-         d == KvDtype::kFp8PerTokenHead || d == KvDtype::kInt4PerTokenHead;
+         d == KvDtype::kFp8PerTokenHead || d == KvDtype::kInt4PerTokenHead || d == KvDtype::kNvfp4;
 }
 constexpr bool prefill_verify_pair(KvDtype k, KvDtype v, int head_dim) {
-  return prefill_verify_side(k) && prefill_verify_side(v) && (head_dim == 64 || head_dim == 128);
+  return prefill_verify_side(k) && prefill_verify_side(v) &&
+         (k == KvDtype::kNvfp4) == (v == KvDtype::kNvfp4) && (head_dim == 64 || head_dim == 128);
 }
 
 // Reads KVQ_PREFILL_KERNEL (auto | mma | wgmma | verify) and KVQ_PREFILL_STAGING (auto | off |

@@ -19,8 +19,10 @@
 // P never fp8. Per-tensor K scales fold into the logit factor (one number for the block), and
 // so does it into the per-token K scales, which multiply the logits (the slice's rows);
 // per-token V scales multiply P (normalized by a reference V scale that moves lazily, so fp16 P
-// stays below 2^15), per-tensor V scales the output. Built for 16-bit, 8-bit and
-// int4_per_token_head sides (prefill_verify_pair); nvfp4 and fp32 caches keep the small-q block.
+// stays below 2^15), per-tensor V scales the output. nvfp4's block scales multiply its codes'
+// operands in registers (as 2^7 s, exact in fp16; the 2^-7 goes into the logit factor / the
+// output scale). Built for 16-bit, 8-bit, int4_per_token_head and nvfp4 sides
+// (prefill_verify_pair); fp32 caches keep the small-q block.
 #pragma once
 
 #include <type_traits>
@@ -38,9 +40,13 @@ inline constexpr int kVSlice = 16;                    // kv tokens of one warp p
 inline constexpr int kVTile = kVWarps * kVSlice;      // kv tokens per block tile
 static_assert(kVRows == 32 && kVTile == 64);
 
-// 4-byte cp.async (per-token metadata: a slice's edge tokens are copied one by one).
+// 4- and 8-byte cp.async (per-token metadata: a slice's edge tokens are copied one by one;
+// nvfp4 rows of 36 / 72 bytes).
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
 template <KvDtype DK, KvDtype DV, int HD>
@@ -66,15 +72,25 @@ struct VCfg {
   static constexpr bool kRotV = traits(DV).rotated;
   static_assert(kRotK == kInt4K && kRotV == kInt4V);
   static_assert(!(kInt4K && bf16_operands(DK)), "int4 K's biased operands are fp16");
+  // nvfp4: codes ldmatrix'ed as int4's are, E2M1 decoded in registers and multiplied by their
+  // 16-value block's e4m3 scale (the row's last HD / 16 bytes) times 2^7.
+  static constexpr bool kNvK = DK == KvDtype::kNvfp4;
+  static constexpr bool kNvV = DV == KvDtype::kNvfp4;
+  static constexpr bool k4K = kInt4K || kNvK;  // 4-bit codes: int4's layout of the operands
+  static constexpr bool k4V = kInt4V || kNvV;
   static constexpr bool kBf16K = bf16_operands(DK);
   static constexpr bool kBf16V = bf16_operands(DV);
   static constexpr bool kMetaK = row_scaled(DK);
   static constexpr bool kMetaV = row_scaled(DV);
   static constexpr int kRowK = row_bytes(DK, HD);
   static constexpr int kRowV = row_bytes(DV, HD);
-  // +16 B a row: the 8 rows an ldmatrix reads fall in distinct banks.
-  static constexpr int kPitchK = kRowK + 16;
-  static constexpr int kPitchV = kRowV + 16;
+  // Rows an odd multiple of 16 B apart: the 8 rows an ldmatrix reads fall in distinct banks
+  // (+16 B where a row is a multiple of 32 B; nvfp4's 72 / 36 B rows at 80 / 48).
+  static constexpr int pitch(int row) { return row % 16 == 0 ? row + 16 : (row + 15) / 16 * 16; }
+  static constexpr int kPitchK = pitch(kRowK);
+  static constexpr int kPitchV = pitch(kRowV);
+  static_assert(kPitchK / 16 % 2 == 1 && kPitchV / 16 % 2 == 1 && kPitchK % 16 == 0 &&
+                kPitchV % 16 == 0);
   static constexpr int kQStride = HD + 8;  // 16-bit elements per Q row (ldmatrix, as above)
   // One warp's slice in its ring: K rows, V rows, K scales, V scales.
   static constexpr int kSliceV = kVSlice * kPitchK;
@@ -104,20 +120,34 @@ struct VCfg {
 // Copies the kVSlice rows (kRow bytes each, kPitch apart in shared memory) of one warp's slice
 // starting at row `row` of a cache block (`block`: that block's rows of one kv head). kWhole: every
 // token of the slice is in [lo, hi); else the rows of tokens outside it are zeroed instead.
+// 16-byte copies where rows are a multiple of 16 bytes, else 8 or 4 (nvfp4).
 template <int kRow, int kPitch, bool kWhole>
 __device__ __forceinline__ void copy_slice_rows(uint32_t dst, const uint8_t* block, int row, int t0,
                                                 int lo, int hi, int lane) {
-  constexpr int kPer = kRow / 16;
-  static_assert(kRow % 16 == 0 && kVSlice * kPer % 32 == 0);
+  constexpr int kChunk = kRow % 16 == 0 ? 16 : kRow % 8 == 0 ? 8 : 4;
+  constexpr int kPer = kRow / kChunk, kN = kVSlice * kPer;
+  static_assert(kRow % kChunk == 0);
   const uint8_t* src = block + static_cast<uint64_t>(row) * kRow;
 #pragma unroll
-  for (int k = 0; k < kVSlice * kPer / 32; ++k) {
+  for (int k = 0; k < (kN + 31) / 32; ++k) {
     const int ch = lane + 32 * k, t = ch / kPer, w = ch - t * kPer;
-    const uint32_t d = dst + t * kPitch + 16 * w;
-    if (kWhole || (t0 + t >= lo && t0 + t < hi))
-      cp_async16(d, src + t * kRow + 16 * w);
-    else
+    if (kN % 32 != 0 && ch >= kN) break;
+    const uint32_t d = dst + t * kPitch + kChunk * w;
+    const void* from = src + t * kRow + kChunk * w;
+    if (kWhole || (t0 + t >= lo && t0 + t < hi)) {
+      if constexpr (kChunk == 16)
+        cp_async16(d, from);
+      else if constexpr (kChunk == 8)
+        cp_async8(d, from);
+      else
+        cp_async4(d, from);
+    } else if constexpr (kChunk == 16) {
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(d), "r"(0u) : "memory");
+    } else if constexpr (kChunk == 8) {
+      asm volatile("st.shared.v2.u32 [%0], {%1, %1};\n" ::"r"(d), "r"(0u) : "memory");
+    } else {
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(d), "r"(0u) : "memory");
+    }
   }
 }
 
@@ -175,6 +205,33 @@ __device__ __forceinline__ uint32_t int4_nib_pair(uint32_t w, uint32_t w8, uint3
     return hfma2_bits(b, 0x2C002C00u, 0xD400D400u);  // x / 16 - 64 (0x2C00 = 1/16, 0xD400 = -64)
   else
     return hsub2_bits(b, 1024.0f);
+}
+
+// nvfp4: the E2M1 codes in nibble kJ of both 16-bit halves of w as f16x2 of value x 2^-14
+// (the code's exponent / mantissa bits under the half's lowest exponent bits: E = 0 lands
+// subnormal, exactly), times `s2`, a half2 of the block scales x 2^7 (nv_scale2): value x scale x
+// 2^-7, exact in fp16 (a 2-bit times a 4-bit significand, >= 2^-17 where not 0, <= 21).
+template <int kJ>
+__device__ __forceinline__ uint32_t e2m1_nib_scaled(uint32_t w, uint32_t s2) {
+  const uint32_t t = w >> (4 * kJ);
+  return hmul2_bits(((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u), s2);
+}
+// Two e4m3 block scales, the bytes of {a, b} (byte_perm's numbering: 0-3 a, 4-7 b) that sel's
+// two low nibbles pick, as a half2 of each x 2^7 (<= 448 x 128 = 57344: exact).
+__device__ __forceinline__ uint32_t nv_scale2(uint32_t a, uint32_t b, uint32_t sel) {
+  return hmul2_bits(fp8x2_to_f16x2<false>(__byte_perm(a, b, sel), 0), 0x58005800u);
+}
+// A token's nvfp4 block scales (HD / 16 bytes after its codes in the staged row) as words.
+template <int HD>
+__device__ __forceinline__ void nv_row_scales(const uint8_t* row, uint32_t (&w)[HD / 64]) {
+  if constexpr (HD == 128) {
+    const uint2 v = *reinterpret_cast<const uint2*>(row + HD / 2);
+    w[0] = v.x;
+    w[1] = v.y;
+  } else {
+    static_assert(HD == 64);
+    w[0] = *reinterpret_cast<const uint32_t*>(row + HD / 2);
+  }
 }
 
 template <KvDtype DK, KvDtype DV, int HD>
@@ -287,19 +344,23 @@ __global__ void __launch_bounds__(VCfg<DK, DV, HD>::kThreads, 2)
       bmax = fmaxf(bmax, fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)));
     }
     const float qa = q_operand_scale<C::kBf16K>(bmax);
-    fac = p.softmax_scale * p.k.tensor_scale[kvh] / qa * (p.soft_cap != 0.0f ? 1.0f : kLog2e);
+    // nvfp4 K: its operands are value x scale x 2^-7 (e2m1_nib_scaled).
+    fac = p.softmax_scale * p.k.tensor_scale[kvh] / qa * (p.soft_cap != 0.0f ? 1.0f : kLog2e) *
+          (C::kNvK ? 128.0f : 1.0f);
 #pragma unroll
     for (int j = 0; j < kWarpRows; ++j) {
       const int lr = warp * kWarpRows + j;
       float even = 0.0f;  // int4 K: the sum of the even-k dims' operands (stored x 16)
       const float qsum = pack_q_row_at<C::kBf16K>(xs[j], qa, [&](int e, uint32_t pr) {
         const int d = lane * E + e;
-        if constexpr (C::kInt4K) {
-          // A pair's dims are not adjacent columns. d is even, so its k = d % 8 is: K's
+        if constexpr (C::k4K) {
+          // A pair's dims are not adjacent columns. int4: d is even, so its k = d % 8 is: K's
           // even-k codes come as code + 1024, the odd as 16 x code + 1024 (int4_nib_biased);
           // Q's even-k operand x 16 (exact) makes every product 16 q code + 1024 q'.
-          even += __low2float(*reinterpret_cast<const __half2*>(&pr));
-          pr = hmul2_bits(pr, 0x3C004C00u);  // (x 16, x 1)
+          if constexpr (C::kInt4K) {
+            even += __low2float(*reinterpret_cast<const __half2*>(&pr));
+            pr = hmul2_bits(pr, 0x3C004C00u);  // (x 16, x 1)
+          }
           qs[lr * C::kQStride + q_col_reg4(d)] = static_cast<uint16_t>(pr);
           qs[lr * C::kQStride + q_col_reg4(d + 1)] = static_cast<uint16_t>(pr >> 16);
         } else {
@@ -359,6 +420,9 @@ __global__ void __launch_bounds__(VCfg<DK, DV, HD>::kThreads, 2)
 
   // int4: the decoders' exponent bits in a register (one LOP3 a pair).
   [[maybe_unused]] const uint32_t magic = (C::kInt4K || C::kInt4V) ? int4_magic() : 0u;
+  // nvfp4 V: byte_perm selectors of the block scales (nv_scale2) of this lane's rows g / g + 8.
+  [[maybe_unused]] const uint32_t nv_sel_lo = (g >> 2) | ((4 + (g >> 2)) << 4);
+  [[maybe_unused]] const uint32_t nv_sel_hi = (2 + (g >> 2)) | ((6 + (g >> 2)) << 4);
   [[maybe_unused]] const float2* qbias = reinterpret_cast<const float2*>(smem + C::kRowQbias);
 
   int stage = 0;  // (tile - tile_b) % kS
@@ -386,11 +450,32 @@ __global__ void __launch_bounds__(VCfg<DK, DV, HD>::kThreads, 2)
         s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
       }
     }
-    [[maybe_unused]] uint32_t k4[4];  // int4 K: the ldmatrix of two groups
+    [[maybe_unused]] uint32_t k4[4];  // 4-bit K: the ldmatrix of two groups
+    // nvfp4 K: the block scales of this lane's tokens g, g + 8.
+    [[maybe_unused]] uint32_t ksc[2][HD / 64];
+    if constexpr (C::kNvK) {
+      nv_row_scales<HD>(bufp + g * C::kPitchK, ksc[0]);
+      nv_row_scales<HD>(bufp + (g + 8) * C::kPitchK, ksc[1]);
+    }
 #pragma unroll
     for (int kp = 0; kp < HD / 32; ++kp) {
       uint32_t ka[2][4];
-      if constexpr (C::kInt4K) {
+      if constexpr (C::kNvK) {
+        // As int4's below; the lane's dims 8c .. 8c + 7 of group kp are in block 2 kp + c / 2.
+        if (kp % 2 == 0) ldsm_x4(buf + k_off + 16 * kp, k4[0], k4[1], k4[2], k4[3]);
+        const uint32_t x = k4[2 * (kp % 2)], y = k4[2 * (kp % 2) + 1];
+        const uint32_t sel = 0x11u * (2 * (kp % 2) + (c >> 1));
+        const uint32_t sx = nv_scale2(ksc[0][kp / 2], 0u, sel);
+        const uint32_t sy = nv_scale2(ksc[1][kp / 2], 0u, sel);
+        ka[0][0] = e2m1_nib_scaled<0>(x, sx);
+        ka[0][1] = e2m1_nib_scaled<0>(y, sy);
+        ka[0][2] = e2m1_nib_scaled<1>(x, sx);
+        ka[0][3] = e2m1_nib_scaled<1>(y, sy);
+        ka[1][0] = e2m1_nib_scaled<2>(x, sx);
+        ka[1][1] = e2m1_nib_scaled<2>(y, sy);
+        ka[1][2] = e2m1_nib_scaled<3>(x, sx);
+        ka[1][3] = e2m1_nib_scaled<3>(y, sy);
+      } else if constexpr (C::kInt4K) {
         // One ldmatrix of 16-bit units for two 32-dim groups (kp, kp + 1): tokens g / g + 8,
         // dims 8c .. 8c + 7 of each; group kp's pairs k = 0, 1 are k-step 2 kp, 2, 3 the next.
         static_assert(HD % 64 == 0);
@@ -599,7 +684,38 @@ __global__ void __launch_bounds__(VCfg<DK, DV, HD>::kThreads, 2)
       pb[nt][0] = movmatrix_trans(pack2<C::kBf16V>(s[nt][0], s[nt][1]));
       pb[nt][1] = movmatrix_trans(pack2<C::kBf16V>(s[nt][2], s[nt][3]));
     }
-    if constexpr (C::kInt4V) {
+    if constexpr (C::kNvV) {
+      // As int4's below. Rows g / g + 8 of the m-tiles 4 jp + j are dims 64 jp + 4g + j / + 32:
+      // blocks 4 jp + g / 4 / 4 jp + 2 + g / 4, tokens (2c, 2c + 1) / (2c + 8, 2c + 9).
+      uint32_t vs[4][HD / 64];
+      nv_row_scales<HD>(bufp + C::kSliceV + (2 * c) * C::kPitchV, vs[0]);
+      nv_row_scales<HD>(bufp + C::kSliceV + (2 * c + 1) * C::kPitchV, vs[1]);
+      nv_row_scales<HD>(bufp + C::kSliceV + (2 * c + 8) * C::kPitchV, vs[2]);
+      nv_row_scales<HD>(bufp + C::kSliceV + (2 * c + 9) * C::kPitchV, vs[3]);
+#pragma unroll
+      for (int jp = 0; jp < HD / 64; ++jp) {
+        uint32_t r[4];
+        ldsm_x4_trans(buf + C::kSliceV + v_off + 32 * jp, r[0], r[1], r[2], r[3]);
+        const uint32_t s0 = nv_scale2(vs[0][jp], vs[1][jp], nv_sel_lo);
+        const uint32_t s1 = nv_scale2(vs[0][jp], vs[1][jp], nv_sel_hi);
+        const uint32_t s2 = nv_scale2(vs[2][jp], vs[3][jp], nv_sel_lo);
+        const uint32_t s3 = nv_scale2(vs[2][jp], vs[3][jp], nv_sel_hi);
+        auto mt4 = [&](auto jc) {
+          constexpr int j = decltype(jc)::value;
+          const uint32_t a0 = e2m1_nib_scaled<j>(r[0], s0);
+          const uint32_t a1 = e2m1_nib_scaled<j>(r[1], s1);
+          const uint32_t a2 = e2m1_nib_scaled<j>(r[2], s2);
+          const uint32_t a3 = e2m1_nib_scaled<j>(r[3], s3);
+#pragma unroll
+          for (int nt = 0; nt < kVNT; ++nt)
+            mma<false>(o[4 * jp + j][nt], a0, a1, a2, a3, pb[nt][0], pb[nt][1]);
+        };
+        mt4(std::integral_constant<int, 0>{});
+        mt4(std::integral_constant<int, 1>{});
+        mt4(std::integral_constant<int, 2>{});
+        mt4(std::integral_constant<int, 3>{});
+      }
+    } else if constexpr (C::kInt4V) {
       // One transposed ldmatrix of 16-bit units (4 dims each) for 64 dims: tokens (2c, 2c + 1)
       // (+ 8) x units g, g + 8. m-tile 4 jp + j's rows g / g + 8 are dims 64 jp + 4g + j /
       // 64 jp + 32 + 4g + j: nibble j of both tokens' units.
@@ -658,6 +774,7 @@ __global__ void __launch_bounds__(VCfg<DK, DV, HD>::kThreads, 2)
   __syncthreads();  // every warp is done with its ring, which the merge reuses
   float scale_o = 1.0f;
   if constexpr (tensor_scaled(DV)) scale_o = p.v.tensor_scale[kvh];
+  if constexpr (C::kNvV) scale_o *= 128.0f;  // its operands are value x scale x 2^-7
   if constexpr (C::kMetaV) scale_o = s_run;
   float* ob = reinterpret_cast<float*>(smem) + (sw * kVRows + col0) * C::kOStride;
   float2* ml = reinterpret_cast<float2*>(smem + C::kMergeMl) + sw * kVRows + col0;
@@ -681,7 +798,7 @@ __global__ void __launch_bounds__(VCfg<DK, DV, HD>::kThreads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = 8 * nt + 2 * c + (e & 1), hf = e >> 1;
-        const int dim = C::kInt4V   ? 64 * (mt >> 2) + 32 * hf + 4 * g + (mt & 3)
+        const int dim = C::k4V      ? 64 * (mt >> 2) + 32 * hf + 4 * g + (mt & 3)
                         : C::kReg8V ? 16 * mt + 2 * g + hf
                                     : 16 * mt + g + 8 * hf;
         float x = o[mt][nt][e];
