@@ -13,7 +13,8 @@
 #               --run 'VARIANTS=\"v19 v20a\" bash scripts/gpu-verify-variants.sh'",
 #               carry=[".carry/bundle-<you>.tar.xz"])
 # VARIANTS (required): the names, first = the baseline. DTYPES / SHAPES / REPS: the bench's
-# lists (defaults below). NCU=0 skips the profiles, SAN=0 the sanitizers.
+# lists (defaults below). NCU=0 skips the profiles, SAN=0 the sanitizers; NCU_DTYPE: the profiled
+# cache dtype (int4_per_token_head).
 set -uo pipefail
 B=$PWD/bundle
 [ -d "$B" ] || B=$PWD
@@ -46,7 +47,7 @@ if [ "${NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
   for v in $VARIANTS; do
     ncu --clock-control none --set full --import-source no -k regex:prefill_verify_kernel \
       --launch-skip 3 --launch-count 1 -o "$L/$v-ncu" "$B/build-$v/cuda_prefill_bench" --verify \
-      --quick --dtypes int4_per_token_head --shapes 32x4096 > "$L/$v-ncu-run.txt" 2>&1
+      --quick --dtypes "${NCU_DTYPE:-int4_per_token_head}" --shapes 32x4096 > "$L/$v-ncu-run.txt" 2>&1
     ncu --import "$L/$v-ncu.ncu-rep" --page details > "$L/$v-ncu-details.txt" 2>&1
     ncu --import "$L/$v-ncu.ncu-rep" --page source --csv --print-source sass \
       > "$L/$v-ncu-sass.csv" 2>&1
