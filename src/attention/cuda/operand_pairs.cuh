@@ -102,6 +102,14 @@ __device__ __forceinline__ uint32_t e2m1_pair(uint32_t t) {
   return hmul2_bits(bits, 0x74007400u);  // 0x7400 = 16384.0 in half
 }
 
+// E2M1 codes in bits 0-3 and 16-19 of t times s2 (a half2 of e4m3 block scales x 2^7,
+// nvfp4_scale2_x128) -> half2 of value x scale x 2^-7 in one HMUL2 after the bits: exact in
+// fp16 (a 2-bit times a 4-bit significand, >= 2^-17 where not 0, <= 6 x 448 x 2^-7 = 21). The
+// caller gives the 2^7 back (the logit factor, the output scale).
+__device__ __forceinline__ uint32_t e2m1_pair_scaled(uint32_t t, uint32_t s2) {
+  return hmul2_bits(((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u), s2);
+}
+
 // Two fp8 codes (bits 0-15 of w) -> half2.
 template <bool kE5M2>
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w) {
@@ -137,6 +145,10 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t w, int high_half) {
           : "r"(w));
   }
   return r;
+}
+// Two e4m3 scale codes (bits 0-15 of w) -> half2 of each x 2^7 (<= 448 x 128 = 57344: exact).
+__device__ __forceinline__ uint32_t nvfp4_scale2_x128(uint32_t w) {
+  return hmul2_bits(fp8x2_to_f16x2<false>(w), 0x58005800u);  // 0x5800 = 128 in half
 }
 
 // The 8 x 8 matrix of 16-bit pairs a warp holds as a C fragment (lane: row lane / 4, columns

@@ -207,19 +207,16 @@ __device__ __forceinline__ uint32_t int4_nib_pair(uint32_t w, uint32_t w8, uint3
     return hsub2_bits(b, 1024.0f);
 }
 
-// nvfp4: the E2M1 codes in nibble kJ of both 16-bit halves of w as f16x2 of value x 2^-14
-// (the code's exponent / mantissa bits under the half's lowest exponent bits: E = 0 lands
-// subnormal, exactly), times `s2`, a half2 of the block scales x 2^7 (nv_scale2): value x scale x
-// 2^-7, exact in fp16 (a 2-bit times a 4-bit significand, >= 2^-17 where not 0, <= 21).
+// nvfp4: the E2M1 codes in nibble kJ of both 16-bit halves of w times s2 (nv_scale2): value x
+// scale x 2^-7, exact in fp16 (e2m1_pair_scaled).
 template <int kJ>
 __device__ __forceinline__ uint32_t e2m1_nib_scaled(uint32_t w, uint32_t s2) {
-  const uint32_t t = w >> (4 * kJ);
-  return hmul2_bits(((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u), s2);
+  return e2m1_pair_scaled(w >> (4 * kJ), s2);
 }
 // Two e4m3 block scales, the bytes of {a, b} (byte_perm's numbering: 0-3 a, 4-7 b) that sel's
-// two low nibbles pick, as a half2 of each x 2^7 (<= 448 x 128 = 57344: exact).
+// two low nibbles pick, as a half2 of each x 2^7 (nvfp4_scale2_x128).
 __device__ __forceinline__ uint32_t nv_scale2(uint32_t a, uint32_t b, uint32_t sel) {
-  return hmul2_bits(fp8x2_to_f16x2<false>(__byte_perm(a, b, sel), 0), 0x58005800u);
+  return nvfp4_scale2_x128(__byte_perm(a, b, sel));
 }
 // A token's nvfp4 block scales (HD / 16 bytes after its codes in the staged row) as words.
 template <int HD>
